@@ -1,0 +1,15 @@
+"""pagoda: an LLM inference engine and OpenAI-compatible serving stack."""
+
+from pagoda.sampling import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; keep `import pagoda` cheap for the CLI and calc.
+    if name == "LLM":
+        from pagoda.entrypoints import LLM
+
+        return LLM
+    raise AttributeError(name)

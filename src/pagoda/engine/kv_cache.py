@@ -1,0 +1,219 @@
+"""Paged KV-cache bookkeeping: a pool of fixed-size blocks, ref counts, and a prefix-hash map.
+
+Pure Python over integers; the tensors live in the model runner. A block is in exactly one of three
+states: in use (ref_count > 0), cached (free, but still holding a hash and its KV), or empty (free,
+no hash). Free blocks, cached or empty, sit in one LRU queue; allocation takes from its front.
+
+NOTE invariant: num_in_use + num_free == num_blocks, always (free counts cached and empty blocks).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pagoda.engine.request import Request
+
+
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None = None) -> bytes:
+    """A stable hash (sha256) chaining the parent block's hash, this block's tokens and extra keys.
+
+    Stable across processes (never Python's hash()), so a router can compute the same values.
+    """
+    hasher = hashlib.sha256(parent_hash or b"pagoda-root")
+    if extra_key is not None and parent_hash is None:
+        hasher.update(extra_key.encode())
+    hasher.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
+    return hasher.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()  # the tokens behind block_hash: a hit is verified, not trusted
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int) -> None:
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[bytes, Block] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_queue)
+
+    def take_new(self, count: int) -> list[Block]:
+        """Pops `count` blocks from the LRU front, evicting their cached content."""
+        taken = []
+        for _ in range(count):
+            block_id, _ = self.free_queue.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self.cached[block.block_hash]
+                block.block_hash, block.token_ids = None, ()
+            block.ref_count = 1
+            taken.append(block)
+        return taken
+
+    def share(self, blocks: Sequence[Block]) -> None:
+        for block in blocks:
+            if block.ref_count == 0:
+                del self.free_queue[block.block_id]
+            block.ref_count += 1
+
+    def release(self, blocks: Sequence[Block]) -> None:
+        """Drops one reference from each block; blocks reaching zero join the LRU tail in this order."""
+        for block in blocks:
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block.block_id} released twice"
+            if block.ref_count == 0:
+                self.free_queue[block.block_id] = None
+
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> Block | None:
+        block = self.cached.get(block_hash)
+        if block is None or block.token_ids != tuple(token_ids):
+            return None
+        return block
+
+    def register(self, block: Block, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        if block.block_hash is not None or block_hash in self.cached:
+            return  # already cached, or the same content lives in another block: keep that one
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        self.cached[block_hash] = block
+
+    def reset_cache(self) -> int:
+        """Forgets every cached hash of free blocks (blocks in use keep theirs). Returns how many."""
+        forgotten = 0
+        for block_hash, block in list(self.cached.items()):
+            if block.ref_count == 0:
+                del self.cached[block_hash]
+                block.block_hash, block.token_ids = None, ()
+                forgotten += 1
+        return forgotten
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._blocks: dict[str, list[Block]] = {}
+        self._block_hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full blocks
+
+    # --- prefix hits -------------------------------------------------------------------------------
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[Block], int]:
+        """The longest run of cached full blocks matching the request's tokens, and its token count.
+
+        The last token is never served from the cache: its logits are needed to sample.
+        """
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._hashes_for(request, max_blocks)
+        hits: list[Block] = []
+        for index, block_hash in enumerate(hashes[:max_blocks]):
+            block = self.pool.lookup(block_hash, self._block_tokens(request, index))
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    # --- allocation --------------------------------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block] = ()
+    ) -> list[int] | None:
+        """Makes room for `num_new_tokens` more tokens after the computed ones and the prefix hits
+        `computed_blocks` (whose tokens the caller then counts as computed).
+
+        Returns the request's block ids, or None when the pool cannot supply enough free blocks:
+        the caller then preempts or waits. Nothing changes on None.
+        """
+        blocks = self._blocks.setdefault(request.request_id, [])
+        num_hit_tokens = len(computed_blocks) * self.block_size
+        num_total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        num_needed = -(-num_total_tokens // self.block_size) - len(blocks) - len(computed_blocks)
+        # Reviving a cached (free) block takes it out of the free queue just as a new block would.
+        num_revived = sum(1 for block in computed_blocks if block.ref_count == 0)
+        if max(num_needed, 0) + num_revived > self.pool.num_free:
+            return None
+        self.pool.share(computed_blocks)
+        blocks.extend(computed_blocks)
+        if num_needed > 0:
+            blocks.extend(self.pool.take_new(num_needed))
+        request.block_ids = [block.block_id for block in blocks]
+        return request.block_ids
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Registers the hashes of blocks that became full of computed tokens."""
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
+            return
+        blocks = self._blocks.get(request.request_id, [])
+        num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
+        hashes = self._hashes_for(request, num_full)
+        for index in range(num_full):
+            self.pool.register(blocks[index], hashes[index], self._block_tokens(request, index))
+
+    def free(self, request: Request) -> None:
+        """Returns a finished, aborted or preempted request's blocks to the pool.
+
+        Last blocks are released first, so they are evicted before the request's first blocks (which
+        a later request is more likely to share).
+        """
+        blocks = self._blocks.pop(request.request_id, [])
+        self.pool.release(list(reversed(blocks)))
+        request.block_ids = []
+        if request.is_finished:
+            self._block_hashes.pop(request.request_id, None)
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_cache()
+
+    # --- accounting --------------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.pool.num_free
+
+    def usage(self) -> float:
+        """Fraction of blocks in use by requests (cached free blocks count as free)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def check_invariants(self) -> None:
+        in_use = sum(1 for block in self.pool.blocks if block.ref_count > 0)
+        assert in_use + self.pool.num_free == self.num_blocks, "block accounting broken"
+        assert all(self.pool.blocks[i].ref_count == 0 for i in self.pool.free_queue)
+        held: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for block in blocks:
+                held[block.block_id] = held.get(block.block_id, 0) + 1
+        for block in self.pool.blocks:
+            assert block.ref_count == held.get(block.block_id, 0), f"ref count of {block.block_id}"
+        for block_hash, block in self.pool.cached.items():
+            assert block.block_hash == block_hash
+
+    # --- helpers -----------------------------------------------------------------------------------
+
+    def _block_tokens(self, request: Request, index: int) -> list[int]:
+        start = index * self.block_size
+        return request.all_token_ids[start : start + self.block_size]
+
+    def _hashes_for(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's chained block hashes, extended (and memoised) up to `num_blocks`."""
+        hashes = self._block_hashes.setdefault(request.request_id, [])
+        while len(hashes) < num_blocks:
+            parent = hashes[-1] if hashes else None
+            tokens = self._block_tokens(request, len(hashes))
+            hashes.append(hash_block(parent, tokens, request.cache_salt))
+        return hashes

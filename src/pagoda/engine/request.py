@@ -1,0 +1,105 @@
+"""Request: one sequence being generated. Pure Python; no torch."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagoda.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context length
+    ABORT = "abort"
+
+
+@dataclass
+class Request:
+    """One sample of one user request. `n > 1` makes n of these, told apart by `sample_index`.
+
+    NOTE: `num_computed_tokens` counts tokens whose KV is in the cache. The request is "prefilling"
+    while it is below `num_prompt_tokens`; after a preemption it drops to 0 and the prompt *and* the
+    output so far are recomputed.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int  # every request has one (drawn if the user gave none) so sampling survives recompute
+    sample_index: int = 0
+    group_id: str = ""
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 0
+    cache_salt: str | None = None  # separates tenants in the prefix cache
+    needs_prompt_logprobs: bool = False  # such requests compute their whole prompt (no cache hits)
+
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
+    num_preemptions: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if not self.group_id:
+            self.group_id = self.request_id
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def max_output_tokens(self) -> int:
+        """Output tokens allowed: max_tokens, capped by the room left in the context."""
+        room = self.max_model_len - self.num_prompt_tokens
+        if self.params.max_tokens is None:
+            return room
+        return min(self.params.max_tokens, room)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self) -> bool:
+        """Sets finish_reason if the last token ends the request. Stop strings are checked elsewhere."""
+        num_output = self.num_output_tokens
+        last = self.output_token_ids[-1]
+        if num_output >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                self.finish_reason = FinishReason.STOP
+                return True
+            if last in self.params.stop_token_ids:
+                self.finish_reason, self.stop_reason = FinishReason.STOP, last
+                return True
+        if num_output >= self.max_output_tokens:
+            self.finish_reason = FinishReason.LENGTH
+            return True
+        return False

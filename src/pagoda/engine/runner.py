@@ -1,0 +1,71 @@
+"""ModelRunner: SchedulerOutput -> flat batch tensors -> model forward -> sampled tokens.
+
+Owns the paged KV cache tensors. Logits are computed only for rows that sample: the last token of a
+prefill chunk that reaches the end of the prompt, and every decode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.engine.sampler import build_sampling_metadata, sample
+from pagoda.engine.scheduler import SchedulerOutput
+from pagoda.model.attention import build_metadata
+from pagoda.model.llama import LlamaModel
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: dict[str, int]  # request id -> new token id
+    logprobs: dict[str, dict[int, float]]  # request id -> {chosen id: lp, top ids: lp}, when asked
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        config = model.config
+        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))
+            for _ in range(config.num_layers)
+        ]
+        self.windows = set(config.sliding_windows) or {None}
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        scheduled = scheduler_output.scheduled
+        input_ids, positions = [], []
+        for item in scheduled:
+            start = item.request.num_computed_tokens
+            input_ids += item.request.all_token_ids[start : start + item.num_tokens]
+            positions.append(torch.arange(start, start + item.num_tokens))
+        meta = build_metadata(
+            query_lens=[item.num_tokens for item in scheduled],
+            seq_lens=[item.request.num_computed_tokens + item.num_tokens for item in scheduled],
+            block_tables=[item.request.block_ids for item in scheduled],
+            block_size=self.block_size,
+            windows=self.windows,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.cat(positions).to(self.device),
+            self.kv_caches,
+            meta,
+        )
+        sampling_rows, sampling_requests, row = [], [], 0
+        for item in scheduled:
+            row += item.num_tokens
+            if item.samples:
+                sampling_rows.append(row - 1)
+                sampling_requests.append(item.request)
+        if not sampling_requests:
+            return ModelRunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[torch.tensor(sampling_rows, device=self.device)])
+        result = sample(logits, build_sampling_metadata(sampling_requests, logits.shape[1]))
+        ids = [r.request_id for r in sampling_requests]
+        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
+        return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs)

@@ -1,0 +1,182 @@
+"""Logits -> token ids (+ logprobs), vectorised over the batch, with no stateful RNG.
+
+Randomness is a pure function of (request seed, output position, token id): a counter-based hash
+gives each vocabulary entry a Gumbel draw, and the sample is argmax(logits / T + gumbel). So a seeded
+request gives the same tokens whatever else shares its batch, and after a preemption recomputes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda.engine.request import Request
+from pagoda.sampling import GREEDY_EPS
+
+_MASK32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] float32 (1.0 on greedy rows, which ignore it)
+    greedy: torch.Tensor  # [B] bool
+    all_greedy: bool
+    top_k: torch.Tensor | None  # [B] long, vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None  # [B] float32; None if no row uses it
+    min_p: torch.Tensor | None
+    seeds: torch.Tensor  # [B] long
+    output_positions: torch.Tensor  # [B] long: index of the token being sampled
+    num_logprobs: list[int | None]  # per row: top-k logprobs asked for, None for none
+    penalties: PenaltyMetadata | None
+
+
+@dataclass
+class PenaltyMetadata:
+    output_counts: torch.Tensor  # [B, V] occurrences of each token in the output so far
+    seen: torch.Tensor  # [B, V] bool: in prompt or output (repetition penalty)
+    presence: torch.Tensor  # [B, 1]
+    frequency: torch.Tensor  # [B, 1]
+    repetition: torch.Tensor  # [B, 1]
+    bias: torch.Tensor  # [B, V] additive logit bias, with -inf on tokens banned until min_tokens
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: chosen token and top-k, when asked
+
+
+def build_sampling_metadata(requests: list[Request], vocab_size: int) -> SamplingMetadata:
+    params = [r.params for r in requests]
+    greedy = torch.tensor([p.temperature < GREEDY_EPS for p in params])
+    temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy.tolist())])
+    use_top_k = any(0 < p.top_k < vocab_size for p in params)
+    use_top_p = any(p.top_p < 1.0 for p in params)
+    use_min_p = any(p.min_p > 0.0 for p in params)
+    return SamplingMetadata(
+        temperature=temperature.float(),
+        greedy=greedy,
+        all_greedy=bool(greedy.all()),
+        top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]) if use_top_k else None,
+        top_p=torch.tensor([p.top_p for p in params]).float() if use_top_p else None,
+        min_p=torch.tensor([p.min_p for p in params]).float() if use_min_p else None,
+        seeds=torch.tensor([r.seed for r in requests], dtype=torch.long),
+        output_positions=torch.tensor([r.num_output_tokens for r in requests], dtype=torch.long),
+        num_logprobs=[p.logprobs for p in params],
+        penalties=_build_penalties(requests, vocab_size),
+    )
+
+
+def _needs_penalties(request: Request) -> bool:
+    p = request.params
+    return bool(
+        p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
+        or (p.min_tokens and request.num_output_tokens < p.min_tokens)
+    )
+
+
+def _build_penalties(requests: list[Request], vocab_size: int) -> PenaltyMetadata | None:
+    if not any(_needs_penalties(r) for r in requests):
+        return None
+    batch = len(requests)
+    counts = torch.zeros(batch, vocab_size)
+    seen = torch.zeros(batch, vocab_size, dtype=torch.bool)
+    bias = torch.zeros(batch, vocab_size)
+    for row, request in enumerate(requests):
+        p = request.params
+        if request.output_token_ids:
+            ids = torch.tensor(request.output_token_ids)
+            counts[row].index_add_(0, ids, torch.ones(len(ids)))
+        if p.repetition_penalty != 1.0:
+            seen[row, torch.tensor(request.all_token_ids)] = True
+        for token_id, value in (p.logit_bias or {}).items():
+            bias[row, token_id] += value
+        if request.num_output_tokens < p.min_tokens:
+            banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(request.eos_token_ids))
+            bias[row, list(banned)] = float("-inf")
+    column = lambda values: torch.tensor(values, dtype=torch.float32)[:, None]  # noqa: E731
+    return PenaltyMetadata(
+        output_counts=counts,
+        seen=seen,
+        presence=column([r.params.presence_penalty for r in requests]),
+        frequency=column([r.params.frequency_penalty for r in requests]),
+        repetition=column([r.params.repetition_penalty for r in requests]),
+        bias=bias,
+    )
+
+
+def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> torch.Tensor:
+    # Repetition (HF/vLLM semantics): shrink the logits of every token seen in prompt or output.
+    penalised = torch.where(logits > 0, logits / pen.repetition, logits * pen.repetition)
+    logits = torch.where(pen.seen, penalised, logits)
+    logits = logits - pen.frequency * pen.output_counts - pen.presence * (pen.output_counts > 0)
+    return logits + pen.bias
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser in int64 arithmetic (products wrap; only the low 32 bits are kept)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _MASK32
+    return h ^ (h >> 16)
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[B, V] Gumbel(0, 1) draws, a pure function of (seed, position, token id)."""
+    low, high = seeds & _MASK32, (seeds >> 32) & _MASK32
+    row = _fmix32(low ^ _fmix32(high ^ _fmix32((positions * 0x9E3779B1 + 0x7F4A7C15) & _MASK32)))
+    token = (torch.arange(vocab_size, dtype=torch.long) * 0x27D4EB2F) & _MASK32
+    h = _fmix32(_fmix32(row[:, None] ^ token[None, :]) ^ row[:, None])
+    # 24 bits, centred: u lies strictly inside (0, 1) and is exact in float32.
+    uniform = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return -torch.log(-torch.log(uniform))
+
+
+def _filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Masks tokens outside top-k / top-p / min-p with -inf (on temperature-scaled logits)."""
+    if meta.top_k is not None:
+        sorted_desc = logits.sort(dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (meta.top_k - 1).clamp(max=logits.shape[1] - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if meta.top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        # Drop a token when the mass strictly before it already reaches top_p (the first always stays).
+        drop = (probs.cumsum(dim=-1) - probs) >= meta.top_p[:, None]
+        logits = logits.masked_fill(drop.scatter(1, order, drop), float("-inf"))
+    if meta.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = meta.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+    """logits: [B, V] float32 for the rows that sample this step."""
+    raw_logits = logits
+    if meta.penalties is not None:
+        logits = apply_penalties(logits, meta.penalties)
+    token_ids = logits.argmax(dim=-1)
+    if not meta.all_greedy:
+        scaled = _filter(logits / meta.temperature[:, None], meta)
+        noise = gumbel_noise(meta.seeds, meta.output_positions, logits.shape[1])
+        sampled = (scaled + noise).argmax(dim=-1)
+        token_ids = torch.where(meta.greedy, token_ids, sampled)
+    return SamplerOutput(token_ids.tolist(), _logprobs(raw_logits, token_ids, meta))
+
+
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata):
+    """The chosen token's logprob and the top-k, from the model's raw distribution (as vLLM)."""
+    wanted = [k for k in meta.num_logprobs if k is not None]
+    if not wanted:
+        return [None] * len(token_ids)
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
+    top_values, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)
+    rows = zip(meta.num_logprobs, token_ids.tolist(), chosen, top_ids.tolist(), top_values.tolist())
+    return [
+        None if k is None else {token_id: chosen_lp, **dict(zip(ids[:k], values[:k]))}
+        for k, token_id, chosen_lp, ids, values in rows
+    ]

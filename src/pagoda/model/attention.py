@@ -1,0 +1,133 @@
+"""Paged attention: one interface, a backend per device.
+
+The KV cache of a layer is two tensors [num_slots, num_kv_heads, head_dim] (num_slots = blocks x
+block_size). Each step, `write_kv` stores the new tokens' K/V at their slots, and `forward` attends each
+sequence's queries to the keys its block table points at. Everything shape-dependent (gather indices,
+masks) is built once per step in `build_metadata`, outside the layers: no hidden global context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """A sequence computing more than one token this step (a prompt chunk or a recompute)."""
+
+    query_start: int
+    query_end: int
+    key_slots: torch.Tensor  # [seq_len] cache slots of all its keys, in position order
+    masks: dict[int | None, torch.Tensor]  # per sliding window: [q_len, seq_len] bool, True = attend
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
+    # Decodes (one query token each) are batched: keys gathered into [num_decodes, max_seq_len].
+    decode_token_index: torch.Tensor  # [num_decodes] their rows in the flat batch
+    decode_key_slots: torch.Tensor  # [num_decodes, max_seq_len], padded with slot 0
+    decode_masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_seq_len]
+    prefills: list[PrefillSeq] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        return self.decode_token_index.numel()
+
+
+def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask &= query_pos - key_pos < window
+    return mask
+
+
+def build_metadata(
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    windows: set[int | None],
+) -> AttentionMetadata:
+    """Flat-batch metadata for one step. seq_lens include this step's tokens."""
+    slot_chunks, prefills = [], []
+    decode_rows, decode_lens, decode_tables = [], [], []
+    query_start = 0
+    for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
+        table_tensor = torch.tensor(table, dtype=torch.long)
+        positions = torch.arange(seq_len)
+        all_slots = table_tensor[positions // block_size] * block_size + positions % block_size
+        slot_chunks.append(all_slots[seq_len - query_len :])
+        if query_len == 1:
+            decode_rows.append(query_start)
+            decode_lens.append(seq_len)
+            decode_tables.append(all_slots)
+        else:
+            query_pos = positions[seq_len - query_len :, None]
+            masks = {w: _window_mask(query_pos, positions[None, :], w) for w in windows}
+            prefills.append(PrefillSeq(query_start, query_start + query_len, all_slots, masks))
+        query_start += query_len
+    decode_slots, decode_masks = _decode_layout(decode_lens, decode_tables, windows)
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slot_chunks) if slot_chunks else torch.empty(0, dtype=torch.long),
+        decode_token_index=torch.tensor(decode_rows, dtype=torch.long),
+        decode_key_slots=decode_slots,
+        decode_masks=decode_masks,
+        prefills=prefills,
+    )
+
+
+def _decode_layout(lens: list[int], slot_lists: list[torch.Tensor], windows: set[int | None]):
+    if not lens:
+        return torch.empty(0, 0, dtype=torch.long), {}
+    max_len = max(lens)
+    slots = torch.zeros(len(lens), max_len, dtype=torch.long)
+    for row, row_slots in enumerate(slot_lists):
+        slots[row, : row_slots.numel()] = row_slots
+    key_pos = torch.arange(max_len)[None, :]
+    query_pos = torch.tensor(lens)[:, None] - 1
+    masks = {w: _window_mask(query_pos, key_pos, w)[:, None, None, :] for w in windows}
+    return slots, masks
+
+
+class TorchAttentionBackend:
+    """The reference backend: gathers keys through the block tables and calls SDPA."""
+
+    def write_kv(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
+    ) -> None:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> torch.Tensor:
+        """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            rows = meta.decode_token_index
+            keys = k_cache[meta.decode_key_slots].transpose(1, 2)  # [B, kv_heads, L, D]
+            values = v_cache[meta.decode_key_slots].transpose(1, 2)
+            query = q[rows][:, :, None, :]  # [B, heads, 1, D]
+            attended = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=meta.decode_masks[window], scale=scale, enable_gqa=True
+            )
+            out[rows] = attended[:, :, 0, :]
+        for seq in meta.prefills:
+            query = q[seq.query_start : seq.query_end].transpose(0, 1)  # [heads, q_len, D]
+            keys = k_cache[seq.key_slots].transpose(0, 1)  # [kv_heads, seq_len, D]
+            values = v_cache[seq.key_slots].transpose(0, 1)
+            attended = F.scaled_dot_product_attention(
+                query, keys, values, attn_mask=seq.masks[window], scale=scale, enable_gqa=True
+            )
+            out[seq.query_start : seq.query_end] = attended.transpose(0, 1)
+        return out

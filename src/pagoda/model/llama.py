@@ -1,0 +1,161 @@
+"""The Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3) from one config-driven implementation.
+
+The model takes a flat batch: `input_ids` and `positions` of every scheduled token of every request,
+concatenated, plus the step's AttentionMetadata and the paged KV cache. No padding, no batch dim.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagoda.config import ModelConfig
+from pagoda.model.attention import AttentionMetadata, TorchAttentionBackend
+from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.head_dim**-0.5
+        self.window = config.sliding_windows[layer_index] if config.sliding_windows else None
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache, v_cache = kv_cache
+        backend.write_kv(k_cache, v_cache, k, v, meta)
+        out = backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.max_positions = max_positions or config.max_position_embeddings
+        self.backend = TorchAttentionBackend()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Returns final hidden states [num_tokens, hidden]; call compute_logits on the rows to sample."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, meta, self.backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # --- weights -----------------------------------------------------------------------------------
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype, device: str | torch.device
+    ) -> None:
+        """Copies HF-named tensors in, fusing q/k/v and gate/up. Fails naming any missing tensor."""
+        self.to(dtype=dtype).to_empty(device=device)
+        self.rotary = RotaryEmbedding(
+            self.config.head_dim, self.max_positions, self.config.rope_theta, self.config.rope_scaling
+        ).to(device)
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            target = self._target(hf_name)
+            if target is None:
+                continue
+            name, offset = target
+            param = params[name]
+            with torch.no_grad():
+                rows = slice(offset, offset + tensor.shape[0]) if offset is not None else slice(None)
+                if param[rows].shape != tensor.shape:
+                    raise ValueError(f"tensor {hf_name!r} has shape {tuple(tensor.shape)}, expected "
+                                     f"{tuple(param[rows].shape)}")
+                param[rows].copy_(tensor)
+            loaded.add(f"{name}@{offset}")
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+            loaded.add("lm_head.weight@None")
+        missing = sorted(set(self._expected_keys()) - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+
+    def _target(self, hf_name: str) -> tuple[str, int | None] | None:
+        """Maps an HF tensor name to (our parameter, row offset inside a fused parameter)."""
+        name = hf_name.removeprefix("model.")
+        if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            return None
+        match = re.fullmatch(r"layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)", name)
+        if match:
+            layer, module, which, kind = match.groups()
+            c = self.config
+            offsets = {
+                "q": 0,
+                "k": c.num_heads * c.head_dim,
+                "v": (c.num_heads + c.num_kv_heads) * c.head_dim,
+                "gate": 0,
+                "up": c.intermediate_size,
+            }
+            fused = "qkv_proj" if module == "self_attn" else "gate_up_proj"
+            return f"layers.{layer}.{module}.{fused}.{kind}", offsets[which]
+        if name not in dict(self.named_parameters()):
+            raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
+        return name, None
+
+    def _expected_keys(self) -> list[str]:
+        keys = []
+        for name, _ in self.named_parameters(remove_duplicate=False):
+            if ".qkv_proj." in name:
+                c = self.config
+                keys += [f"{name}@{o}" for o in (0, c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim)]
+            elif ".gate_up_proj." in name:
+                keys += [f"{name}@0", f"{name}@{self.config.intermediate_size}"]
+            else:
+                keys.append(f"{name}@None")
+        return keys

@@ -1,0 +1,160 @@
+"""A local Hugging Face directory -> ModelConfig + weights on a device, in a dtype.
+
+Reads config.json and *.safetensors (single file or sharded with an index); never pickle. Every
+unsupported architecture, rope type or field fails here, naming the file or field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from pagoda.config import ModelConfig
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ModelLoadError(f"{path}: not valid JSON ({error})") from error
+
+
+def load_model_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    hf = read_json(path)
+
+    def need(field: str):
+        if field not in hf or hf[field] is None:
+            raise ModelLoadError(f"{path}: required field {field!r} is missing")
+        return hf[field]
+
+    architectures = hf.get("architectures") or []
+    arch = next((SUPPORTED_ARCHITECTURES[a] for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{path}: field 'architectures' = {architectures!r} is not supported; "
+            f"pagoda supports {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: field 'hidden_act' = {hf['hidden_act']!r} is not supported (only 'silu')")
+    num_heads = need("num_attention_heads")
+    hidden_size = need("hidden_size")
+    num_layers = need("num_hidden_layers")
+    rope_theta, rope_scaling = _rope(hf, path)
+    eos = hf.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=need("vocab_size"),
+        hidden_size=hidden_size,
+        intermediate_size=need("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hidden_size // num_heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
+        o_proj_bias=arch == "llama" and bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=arch == "qwen3",
+        rope_scaling=rope_scaling,
+        sliding_windows=_sliding_windows(hf, arch, num_layers),
+        eos_token_ids=eos_ids,
+        bos_token_id=hf.get("bos_token_id"),
+    )
+
+
+def _rope(hf: dict, path: Path) -> tuple[float, dict | None]:
+    # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        field = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
+        raise ModelLoadError(
+            f"{path}: field {field!r} has rope type {rope_type!r}; pagoda supports {sorted(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    merged["rope_type"] = rope_type
+    return theta, merged
+
+
+def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return (None,) * num_layers
+    layer_types = hf.get("layer_types")
+    if layer_types is None:
+        if arch == "mistral":
+            layer_types = ["sliding_attention"] * num_layers
+        else:  # Qwen: layers from max_window_layers up use the window
+            first = hf.get("max_window_layers", num_layers)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def safetensors_files(model_dir: str | Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: field 'weight_map' is missing")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = [p.name for p in model_dir.glob("*.bin")] + [p.name for p in model_dir.glob("*.pt*")]
+        hint = f" (found {pickles}: pickle checkpoints are not loaded, convert to safetensors)" if pickles else ""
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights{hint}")
+    for file in files:
+        if not file.is_file():
+            raise ModelLoadError(f"{file}: file not found (listed in the safetensors index)")
+    return files
+
+
+def iter_weights(model_dir: str | Path):
+    """Yields (name, tensor) for every tensor in the checkpoint, on CPU, in its stored dtype."""
+    for file in safetensors_files(model_dir):
+        try:
+            with safe_open(str(file), framework="pt") as reader:
+                for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    yield name, reader.get_tensor(name)
+        except (SafetensorError, OSError) as error:
+            raise ModelLoadError(f"{file}: cannot read safetensors ({error})") from error
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+    """Builds the model for the directory and loads its weights. Returns (model, ModelConfig)."""
+    from pagoda.model.llama import LlamaModel
+
+    config = load_model_config(model_dir)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model.load_weights(iter_weights(model_dir), dtype=dtype, device=device)
+    return model.eval(), config

@@ -1,0 +1,66 @@
+"""SamplingParams: the user's knobs, with vLLM's names. Validated once, at the door."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Rows with temperature below this are greedy: argmax, no randomness at all.
+GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-k logprobs per output position, besides the chosen token's
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._validate()
+
+    def _validate(self) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+
+        check(self.n >= 1, "n", "must be at least 1")
+        check(self.temperature >= 0.0, "temperature", "must be non-negative")
+        check(0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]")
+        check(self.top_k >= 0, "top_k", "must be 0 or -1 (disabled) or at least 1")
+        check(0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]")
+        check(self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1")
+        check(self.min_tokens >= 0, "min_tokens", "must be non-negative")
+        check(
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"must not exceed max_tokens ({self.max_tokens})",
+        )
+        check(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs", "must be in [0, 20]")
+        check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]")
+        check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
+        check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
+        check(all(s for s in self.stop), "stop", "must not contain empty strings")
+        check(self.seed is None or self.seed >= 0, "seed", "must be non-negative")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
