@@ -1,0 +1,177 @@
+"""The napkin formulas, as pure functions over plain numbers.
+
+Every figure `pagoda calc` prints comes from one of these. They take SI base units (bytes, seconds,
+flop/s, bytes/s) and return them; turning 1.4e11 bytes into "140.0 GB = 130.4 GiB" is the renderer's
+job. docs/calc.md states each formula with its assumptions.
+"""
+
+from __future__ import annotations
+
+import math
+
+GB = 10**9
+GiB = 2**30
+
+# Bytes per element. int4/fp4 ignore group-scale overhead (~3% at group size 128).
+DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0,
+    "float32": 4.0,
+    "bf16": 2.0,
+    "bfloat16": 2.0,
+    "fp16": 2.0,
+    "float16": 2.0,
+    "half": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+    "fp4": 0.5,
+}
+
+
+def dtype_bytes(dtype: str) -> float:
+    try:
+        return DTYPE_BYTES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPE_BYTES)}") from None
+
+
+# --- memory -------------------------------------------------------------------------------------
+
+
+def weight_bytes(num_params: float, dtype: str) -> float:
+    return num_params * dtype_bytes(dtype)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> float:
+    """K and V for every layer. GQA-aware: only the KV heads are stored, not the query heads."""
+    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes(kv_dtype)
+
+
+def kv_heads_per_gpu(num_kv_heads: int, tensor_parallel: int) -> int:
+    # With more GPUs than KV heads, each GPU keeps a replica of the head its query heads use.
+    return math.ceil(num_kv_heads / tensor_parallel)
+
+
+def sequences_that_fit(free_bytes: float, kv_bytes_per_sequence: float) -> int:
+    if free_bytes <= 0 or kv_bytes_per_sequence <= 0:
+        return 0
+    return math.floor(free_bytes / kv_bytes_per_sequence)
+
+
+# --- roofline -----------------------------------------------------------------------------------
+
+
+def ridge_point(peak_flops: float, bandwidth: float) -> float:
+    """Arithmetic intensity (flop/byte) above which a kernel is compute-bound rather than memory-bound."""
+    return peak_flops / bandwidth
+
+
+def arithmetic_intensity(flops: float, bytes_moved: float) -> float:
+    return flops / bytes_moved
+
+
+def attainable_flops(intensity: float, peak_flops: float, bandwidth: float) -> float:
+    return min(peak_flops, intensity * bandwidth)
+
+
+def step_time_floor(bytes_moved: float, flops: float, bandwidth: float, peak_flops: float) -> float:
+    """The slower of reading every byte once and doing every flop at peak: neither can be beaten."""
+    return max(bytes_moved / bandwidth, flops / peak_flops)
+
+
+def compute_bound_batch(
+    flops_per_token: float, weight_bytes_read: float, kv_bytes_per_sequence: float, ridge: float
+) -> float | None:
+    """Smallest batch whose decode step reaches the ridge point, or None if none does.
+
+    Intensity(B) = B*F / (W + B*K) rises towards F/K; if F/K is below the ridge (long contexts: the
+    KV read grows with the batch as fast as the flops do) decode stays memory-bound at any batch.
+    """
+    headroom = flops_per_token - ridge * kv_bytes_per_sequence
+    if headroom <= 0:
+        return None
+    return ridge * weight_bytes_read / headroom
+
+
+# --- flops --------------------------------------------------------------------------------------
+
+
+def decode_flops_per_token(matmul_params: float, num_layers: int, q_dim: int, context_len: int) -> float:
+    """2 flop per weight (multiply + add), plus attention: QK^T and AV over the context, 2 flop each."""
+    return 2 * matmul_params + 4 * num_layers * q_dim * context_len
+
+
+def prefill_flops(matmul_params: float, num_layers: int, q_dim: int, prompt_len: int) -> float:
+    """2 flop per weight per token, plus causal attention (half of the P x P score matrix, twice)."""
+    return 2 * matmul_params * prompt_len + 2 * num_layers * q_dim * prompt_len**2
+
+
+def model_flops_utilization(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
+    return tokens_per_s * flops_per_token / peak_flops
+
+
+# --- tensor parallelism -------------------------------------------------------------------------
+
+
+def tp_allreduce_bytes_per_token(num_layers: int, hidden_size: int, activation_bytes: float) -> float:
+    """Megatron-style TP all-reduces the hidden state twice per layer (after attention, after MLP)."""
+    return 2 * num_layers * hidden_size * activation_bytes
+
+
+def ring_allreduce_wire_bytes(payload_bytes: float, tensor_parallel: int) -> float:
+    """Bytes each GPU sends in a ring all-reduce: reduce-scatter plus all-gather, (n-1)/n each."""
+    if tensor_parallel <= 1:
+        return 0.0
+    return 2 * (tensor_parallel - 1) / tensor_parallel * payload_bytes
+
+
+# --- economics ----------------------------------------------------------------------------------
+
+
+def cost_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float:
+    return price_per_hour / (tokens_per_s * 3600) * 1e6
+
+
+# --- speculative decoding -----------------------------------------------------------------------
+
+
+def spec_expected_tokens(alpha: float, k: int) -> float:
+    """Tokens per target step with k drafts, each accepted with probability alpha (Leviathan et al.).
+
+    A geometric series: 1 + alpha + ... + alpha^k, the +1 being the token the target samples itself.
+    """
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def spec_speedup(alpha: float, k: int, draft_cost: float) -> float:
+    """Speed-up over plain decoding when a draft step costs `draft_cost` target steps.
+
+    Assumes verifying k+1 tokens costs one target step (decode is memory-bound, so it nearly does).
+    """
+    return spec_expected_tokens(alpha, k) / (1 + k * draft_cost)
+
+
+def best_spec_k(alpha: float, draft_cost: float, max_k: int = 16) -> int:
+    return max(range(1, max_k + 1), key=lambda k: spec_speedup(alpha, k, draft_cost))
+
+
+# --- scheduling -------------------------------------------------------------------------------
+
+
+def prefix_reusable_tokens(prompt_len: int, prefix_len: int, block_size: int) -> int:
+    """Only whole blocks are cached, and the last prompt token is always recomputed (to get logits)."""
+    shared = min(prefix_len, prompt_len - 1)
+    return (shared // block_size) * block_size
+
+
+def chunked_prefill_steps(prompt_len: int, token_budget: int, running_decodes: int) -> int | None:
+    """Steps to prefill a prompt when running decodes take their 1 token each from the budget first.
+
+    None when the decodes leave no room: the prompt would wait forever.
+    """
+    chunk = token_budget - running_decodes
+    if chunk <= 0:
+        return None
+    return math.ceil(prompt_len / chunk)
