@@ -54,6 +54,7 @@ class LLMEngine:
         self._groups: dict[str, list[Request]] = {}  # user request id -> its n samples
         self._prompts: dict[str, str | None] = {}
         self._seed_source = random.Random(config.seed)
+        self._failures: dict[str, Exception] = {}  # user request id -> what broke it
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
             num_blocks, config.cache.block_size, num_blocks * config.cache.block_size * bytes_per_token / 2**20,
@@ -87,7 +88,7 @@ class LLMEngine:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids, prompt_text = self._tokenize(prompt)
-        self._validate(prompt_ids, params)
+        self.validate(prompt_ids, params)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         samples = []
         for index in range(params.n):
@@ -114,7 +115,8 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
         return list(prompt), None
 
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestRejected for a request that can never run. Reads only config: thread-safe."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")
         vocab_size = self.model_config.vocab_size
@@ -150,19 +152,32 @@ class LLMEngine:
 
     # --- outputs -----------------------------------------------------------------------------------
 
+    def pop_failures(self) -> dict[str, Exception]:
+        """Requests that failed (and were aborted) during the last steps, with their errors."""
+        failures, self._failures = self._failures, {}
+        return failures
+
     def _make_outputs(self, advanced: list[Request], logprobs: dict[str, dict[int, float]]) -> list[RequestOutput]:
         groups = []
         for request in advanced:
-            if request.request_id in logprobs:
-                request.output_logprobs.append(logprobs[request.request_id])
-            text = self._texts[request.request_id]
-            stop = text.add_token(request.output_token_ids[-1])
-            if stop is not None:
-                self.scheduler.finish(request, FinishReason.STOP)
-                request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+            try:
+                self._process_token(request, logprobs.get(request.request_id))
+            except Exception as error:  # one request's fault must not take the others down
+                logger.exception("request %s failed", request.group_id)
+                self._failures[request.group_id] = error
             if request.group_id not in groups:
                 groups.append(request.group_id)
-        return [self._group_output(group_id) for group_id in groups]
+        for group_id in self._failures:
+            self.abort_request(group_id)
+        return [self._group_output(group_id) for group_id in groups if group_id in self._groups]
+
+    def _process_token(self, request: Request, logprobs: dict[int, float] | None) -> None:
+        if logprobs is not None:
+            request.output_logprobs.append(logprobs)
+        stop = self._texts[request.request_id].add_token(request.output_token_ids[-1])
+        if stop is not None:
+            self.scheduler.finish(request, FinishReason.STOP)
+            request.finish_reason, request.stop_reason = FinishReason.STOP, stop
 
     def _group_output(self, group_id: str) -> RequestOutput:
         samples = self._groups[group_id]
@@ -174,6 +189,7 @@ class LLMEngine:
             outputs=[self._texts[r.request_id].completion(r.sample_index) for r in samples],
             finished=finished,
             num_cached_tokens=samples[0].num_cached_tokens,
+            queue_time=_queue_time(samples[0]),
         )
         if finished:
             del self._groups[group_id]
@@ -181,3 +197,9 @@ class LLMEngine:
             for request in samples:
                 del self._texts[request.request_id]
         return output
+
+
+def _queue_time(request: Request) -> float | None:
+    if request.first_scheduled_time is None:
+        return None
+    return request.first_scheduled_time - request.arrival_time

@@ -59,6 +59,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduling
 
 
 @dataclass

@@ -153,7 +153,8 @@ class LlamaModel(nn.Module):
         for name, _ in self.named_parameters(remove_duplicate=False):
             if ".qkv_proj." in name:
                 c = self.config
-                keys += [f"{name}@{o}" for o in (0, c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim)]
+                offsets = (0, c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim)
+                keys += [f"{name}@{offset}" for offset in offsets]
             elif ".gate_up_proj." in name:
                 keys += [f"{name}@0", f"{name}@{self.config.intermediate_size}"]
             else:

@@ -1,0 +1,5 @@
+import sys
+
+from pagoda.cli import main
+
+sys.exit(main())

@@ -1,0 +1,241 @@
+"""One API call's generation: prompts x n choices, merged engine streams, OpenAI-shaped output.
+
+Both /v1/completions and /v1/chat/completions go through `Generation`; only the shape of a choice
+differs (`text` vs `message`/`delta`, and the logprobs layout).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagoda.engine.async_engine import AsyncEngine
+from pagoda.engine.output import CompletionOutput, RequestOutput
+from pagoda.sampling import SamplingParams
+from pagoda.server.metrics import ServerMetrics
+from pagoda.server.protocol import Kind, OpenAIError, now, usage
+
+
+@dataclass
+class ChoiceProgress:
+    """What has been sent of one choice so far (streaming sends deltas)."""
+
+    text_length: int = 0
+    num_tokens: int = 0
+    started: bool = False  # chat: the first chunk carries the role
+    finished: bool = False
+
+
+@dataclass
+class PromptTiming:
+    arrival: float
+    last_token: float | None = None
+
+
+class Generation:
+    def __init__(
+        self,
+        *,
+        kind: Kind,
+        response_id: str,
+        model_name: str,
+        engine: AsyncEngine,
+        tokenizer,
+        metrics: ServerMetrics,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        echo_texts: list[str] | None = None,
+        include_usage: bool = False,
+    ) -> None:
+        self.kind, self.response_id, self.model_name = kind, response_id, model_name
+        self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
+        self.prompts, self.params = prompts, params
+        self.echo_texts = echo_texts
+        self.include_usage = include_usage
+        self.created = now()
+        self.finals: dict[int, RequestOutput] = {}
+        arrival = time.monotonic()
+        self.timings = [PromptTiming(arrival) for _ in prompts]
+
+    # --- merged engine streams ---------------------------------------------------------------------
+
+    async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, prompt: list[int]) -> None:
+            try:
+                async for output in self.engine.generate(f"{self.response_id}-{index}", prompt, self.params):
+                    await queue.put((index, output))
+            except Exception as error:
+                await queue.put((index, error))
+            finally:
+                await queue.put((index, None))
+
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(self.prompts)]
+        try:
+            remaining = len(tasks)
+            while remaining:
+                index, item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise OpenAIError(500, f"internal error: {item}") from item
+                else:
+                    self._observe(index, item)
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()  # a client that went away aborts its requests (AsyncEngine.generate)
+
+    def _observe(self, index: int, output: RequestOutput) -> None:
+        timing, moment = self.timings[index], time.monotonic()
+        if timing.last_token is None:
+            self.metrics.ttft.observe(moment - timing.arrival)
+        else:
+            self.metrics.itl.observe(moment - timing.last_token)
+        timing.last_token = moment
+        if output.finished:
+            self.finals[index] = output
+            self.metrics.e2e.observe(moment - timing.arrival)
+            if output.queue_time is not None:
+                self.metrics.queue_time.observe(output.queue_time)
+            self.metrics.prompt_tokens.inc(len(output.prompt_token_ids))
+            for completion in output.outputs:
+                self.metrics.generation_tokens.inc(len(completion.token_ids))
+                self.metrics.request_finished(completion.finish_reason or "abort")
+
+    # --- non-streaming -----------------------------------------------------------------------------
+
+    async def response(self) -> dict:
+        async for _ in self._outputs():
+            pass
+        choices = []
+        for index in range(len(self.prompts)):
+            for completion in self.finals[index].outputs:
+                choices.append(self._full_choice(index, completion))
+        return {
+            "id": self.response_id,
+            "object": "text_completion" if self.kind == "completion" else "chat.completion",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": choices,
+            "usage": self._usage(),
+        }
+
+    def _full_choice(self, prompt_index: int, completion: CompletionOutput) -> dict:
+        index = prompt_index * self.params.n + completion.index
+        logprobs = self._logprobs(completion, 0) if completion.logprobs is not None else None
+        if self.kind == "completion":
+            prefix = self.echo_texts[prompt_index] if self.echo_texts else ""
+            return {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
+                    "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        return {"index": index, "message": {"role": "assistant", "content": completion.text},
+                "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason}
+
+    def _usage(self) -> dict:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        completion_tokens = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
+        cached = sum(out.num_cached_tokens for out in self.finals.values())
+        return usage(prompt_tokens, completion_tokens, cached)
+
+    # --- streaming ---------------------------------------------------------------------------------
+
+    async def sse(self) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per choice that changed, then usage (if asked) and [DONE]."""
+        progress: dict[tuple[int, int], ChoiceProgress] = {}
+        try:
+            async for prompt_index, output in self._outputs():
+                for completion in output.outputs:
+                    state = progress.setdefault((prompt_index, completion.index), ChoiceProgress())
+                    chunk = self._delta_chunk(prompt_index, completion, state)
+                    if chunk is not None:
+                        yield _event(chunk)
+        except OpenAIError as error:
+            yield _event(error.body())
+            yield "data: [DONE]\n\n"
+            return
+        if self.include_usage:
+            yield _event(self._chunk([], usage=self._usage()))
+        yield "data: [DONE]\n\n"
+
+    def _delta_chunk(self, prompt_index: int, completion: CompletionOutput, state: ChoiceProgress) -> dict | None:
+        if state.finished:
+            return None
+        text = completion.text[state.text_length :]
+        new_tokens = len(completion.token_ids) - state.num_tokens
+        finish = completion.finish_reason
+        if not text and finish is None and new_tokens == 0:
+            return None
+        if not text and finish is None and self.kind == "chat":
+            return None  # no role-only chunk before there is content: clients time TTFT from it
+        logprobs = self._logprobs(completion, state.num_tokens) if completion.logprobs is not None else None
+        if self.kind == "completion" and not state.started and self.echo_texts:
+            text = self.echo_texts[prompt_index] + text
+        index = prompt_index * self.params.n + completion.index
+        if self.kind == "completion":
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+        else:
+            delta = {"content": text} if text else {}
+            if not state.started:
+                delta = {"role": "assistant", **delta}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        if finish is not None:
+            choice["stop_reason"] = completion.stop_reason
+        state.started = True
+        state.text_length = len(completion.text)
+        state.num_tokens = len(completion.token_ids)
+        state.finished = finish is not None
+        return self._chunk([choice])
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
+        chunk = {
+            "id": self.response_id,
+            "object": "text_completion" if self.kind == "completion" else "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model_name,
+            "choices": choices,
+        }
+        if usage is not None:
+            chunk["usage"] = usage
+        return chunk
+
+    # --- logprobs ----------------------------------------------------------------------------------
+
+    def _logprobs(self, completion: CompletionOutput, start: int) -> dict:
+        token_ids = completion.token_ids[start:]
+        positions = completion.logprobs[start:]
+        k = self.params.logprobs or 0
+        decode = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        if self.kind == "completion":
+            offset = len(completion.text) - sum(len(decode(t)) for t in token_ids)
+            offsets = []
+            for token_id in token_ids:
+                offsets.append(max(offset, 0))
+                offset += len(decode(token_id))
+            return {
+                "tokens": [decode(t) for t in token_ids],
+                "token_logprobs": [lp[t] for t, lp in zip(token_ids, positions)],
+                "top_logprobs": [{decode(i): v for i, v in _top(lp, k)} for lp in positions],
+                "text_offset": offsets,
+            }
+
+        def entry(token_id: int, logprob: float) -> dict:
+            text = decode(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+        return {"content": [
+            {**entry(t, lp[t]), "top_logprobs": [entry(i, v) for i, v in _top(lp, k)]}
+            for t, lp in zip(token_ids, positions)
+        ]}
+
+
+def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(logprobs.items(), key=lambda item: -item[1])[:k]
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

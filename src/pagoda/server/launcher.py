@@ -1,0 +1,99 @@
+"""`pagoda serve`: bind the port first, load the model behind it, drain on SIGTERM, exit 0.
+
+The listener is up before the model loads, so load balancers see /health = 503 (not a refused
+connection) while loading and while draining. uvicorn's own signal handling closes the listener first,
+so SIGTERM is handled here: stop admitting, let in-flight requests finish (or abort them at the
+timeout), then stop uvicorn.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+
+import uvicorn
+
+from pagoda.engine.async_engine import AsyncEngine
+from pagoda.engine.engine import LLMEngine
+from pagoda.model.tokenizer import load_tokenizer
+from pagoda.sampling import SamplingParams
+from pagoda.server.api import ServerState, build_app
+from pagoda.server.metrics import ServerMetrics
+
+logger = logging.getLogger("pagoda.serve")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+        super().__init__(config)
+        self.pagoda_state = state
+        self.drain_timeout = drain_timeout
+
+    def handle_exit(self, sig: int, frame) -> None:  # replaces uvicorn's: no re-raise, so exit code 0
+        if self.pagoda_state.draining:
+            self.force_exit = sig == signal.SIGINT
+            self.should_exit = True
+            return
+        logger.info("signal %d: draining (health 503), up to %.0f s for in-flight requests", sig, self.drain_timeout)
+        self.pagoda_state.draining = True
+        threading.Thread(target=self._drain, name="pagoda-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        engine = self.pagoda_state.engine
+        deadline = time.monotonic() + self.drain_timeout
+        while engine is not None and engine.num_unfinished and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if engine is not None and engine.num_unfinished:
+            logger.warning("drain timeout: aborting %d requests", engine.num_unfinished)
+            engine.abort_all()
+            time.sleep(0.2)  # let the aborts reach their streams
+        self.should_exit = True
+
+
+def load_engine(state: ServerState, engine_config, max_waiting_requests: int | None, on_error) -> None:
+    """Runs in a thread while the port already answers 503."""
+    try:
+        started = time.monotonic()
+        engine = LLMEngine(engine_config)
+        state.tokenizer = load_tokenizer(engine_config.model)
+        state.max_model_len = engine.max_model_len
+        async_engine = AsyncEngine(engine, max_waiting_requests)
+        state.metrics = ServerMetrics(state.model_name, lambda: async_engine.stats)
+        _warm_up(engine)
+        state.engine = async_engine
+        logger.info("model %s ready in %.1f s", state.model_name, time.monotonic() - started)
+    except Exception as error:
+        logger.exception("model load failed")
+        state.load_error = f"model load failed: {error}"
+        on_error()
+
+
+def _warm_up(engine: LLMEngine) -> None:
+    """One tiny generation before /health turns 200, so the first user does not pay for lazy init."""
+    engine.add_request("warmup", [engine.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def serve(engine_config, *, model_name: str, host: str, port: int, api_key: str | None,
+          max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info") -> int:
+    state = ServerState(model_name=model_name, api_key=api_key)
+    app = build_app(state)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    server = DrainingServer(config, state, drain_timeout)
+    failed = threading.Event()
+
+    def on_error() -> None:
+        failed.set()
+        server.should_exit = True
+
+    threading.Thread(
+        target=load_engine, args=(state, engine_config, max_waiting_requests, on_error), name="pagoda-load",
+        daemon=True,
+    ).start()
+    server.run()
+    if state.engine is not None:
+        state.engine.shutdown()
+    return 1 if failed.is_set() else 0

@@ -1,0 +1,76 @@
+"""Prometheus metrics with vLLM's names, so existing dashboards and autoscalers work unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from pagoda.engine.async_engine import EngineStats
+
+# vLLM's buckets, trimmed: CPU latencies run longer, so the top buckets go further.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _EngineCollector:
+    """Reads the engine's own counters and gauges at scrape time."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.stats = stats
+
+    def collect(self):
+        stats = self.stats()
+        labels = ["model_name"]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
+            ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", stats.kv_cache_usage),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=labels)
+            gauge.add_metric([self.model_name], value)
+            yield gauge
+        for name, doc, value in (
+            ("vllm:num_preemptions", "Preemptions by recompute.", stats.num_preemptions),
+            ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric([self.model_name], value)
+            yield counter
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(model_name, stats))
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=self.registry).labels(model_name)
+
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
+        self._success = Counter("vllm:request_success", "Finished requests, by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, end to end.", E2E_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Time waiting before the first step.",
+                                    E2E_BUCKETS)
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

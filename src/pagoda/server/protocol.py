@@ -1,0 +1,209 @@
+"""OpenAI request/response shapes (with vLLM's extensions), validated at the door."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pagoda.sampling import SamplingParams
+
+
+class OpenAIError(Exception):
+    """Anything answered with OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields (user, ...) are ignored, as OpenAI does
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extensions
+    top_k: int = Field(default=0, ge=-1)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    cache_salt: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_not_empty(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop strings")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
+        return value
+
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, num_logprobs: int | None) -> SamplingParams:
+        return SamplingParams(
+            n=self.n,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            max_tokens=self.wanted_max_tokens(),
+            min_tokens=self.min_tokens,
+            stop=self.stop or [],
+            stop_token_ids=self.stop_token_ids or [],
+            ignore_eos=self.ignore_eos,
+            logprobs=num_logprobs,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
+            skip_special_tokens=self.skip_special_tokens,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs (prompt logprobs) is not supported yet")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]
+        return list(prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text":
+                raise ValueError(f"content part type {part.get('type')!r} is not supported (text only)")
+            parts.append(part.get("text", ""))
+        return "".join(parts)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    def wanted_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def now() -> int:
+    return int(time.time())
+
+
+Kind = Literal["completion", "chat"]
