@@ -1,0 +1,65 @@
+"""pagoda-demo: a tiny model that pagoda trains itself (scripts/train_demo_model.py) and ships.
+
+It is the model `pagoda serve` / `pagoda generate` load when no `--model` is given, and the quality gate
+for every numeric path (see benchmarks/quality.py and docs/demo-model.md). Its tokenizer carries a
+ChatML template: prompts must go through `tokenizer.apply_chat_template(..., add_generation_prompt=True)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pagoda.demo.tasks import Item
+
+DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "pagoda-demo"
+
+__all__ = ["DEMO_MODEL_DIR", "encode_prompts", "render_prompt", "transformers_greedy"]
+
+
+def render_prompt(tokenizer: Any, item: Item) -> str:
+    """The chat-formatted prompt text, ending where the assistant's answer begins."""
+    return tokenizer.apply_chat_template(item.messages(), add_generation_prompt=True, tokenize=False)
+
+
+def encode_prompts(tokenizer: Any, items: list[Item]) -> list[list[int]]:
+    """Chat-formatted prompt token ids: what every path (pagoda's and transformers') is given."""
+    texts = [render_prompt(tokenizer, item) for item in items]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def transformers_greedy(
+    model: Any, pad_token_id: int, prompts: list[list[int]], max_new_tokens: int = 48, batch_size: int = 64
+) -> list[list[int]]:
+    """Greedy completions from a `transformers` model: the reference every pagoda path is compared to.
+
+    `prompts` are token ids (see `encode_prompts`). Returns the generated token ids per prompt, up to and
+    including eos. Prompts are batched by length (left padding) only to save time; the result keeps the
+    order of `prompts`.
+    """
+    import torch  # here, not at module level: `pagoda.demo` stays importable without torch
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[list[int]] = [[] for _ in prompts]
+    eos = model.generation_config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.tensor([[pad_token_id] * (width - len(prompts[i])) + prompts[i] for i in batch])
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in batch])
+        with torch.inference_mode():
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                pad_token_id=pad_token_id,
+            )
+        for row, i in enumerate(batch):
+            results[i] = _until_eos(out[row, width:].tolist(), eos_ids)
+    return results
+
+
+def _until_eos(token_ids: list[int], eos_ids: set[int]) -> list[int]:
+    for position, token in enumerate(token_ids):
+        if token in eos_ids:
+            return token_ids[: position + 1]
+    return token_ids

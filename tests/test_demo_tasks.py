@@ -1,0 +1,90 @@
+"""The demo model's task corpus: deterministic, held-out problems never trained on, honest checkers."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+
+import pytest
+
+from pagoda.demo.tasks import TASKS, Item, generate, held_out_set, in_test_split, is_correct, training_stream
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_generation_is_deterministic(task: str) -> None:
+    assert generate(task, "test", 50) == generate(task, "test", 50)
+    assert generate(task, "train", 50, seed=3) == generate(task, "train", 50, seed=3)
+    assert generate(task, "train", 50, seed=3) != generate(task, "train", 50, seed=4)
+
+
+def test_training_stream_is_deterministic_and_mixes_all_tasks() -> None:
+    first = list(itertools.islice(training_stream(seed=5), 2000))
+    assert first == list(itertools.islice(training_stream(seed=5), 2000))
+    assert {item.task for item in first} == set(TASKS)
+    assert any(item.system for item in first) and any(item.system is None for item in first)
+
+
+def test_held_out_problems_never_reach_training() -> None:
+    held_out = {item.key for items in held_out_set(300).values() for item in items}
+    trained = {item.key for item in itertools.islice(training_stream(), 20_000)}
+    assert held_out and trained
+    assert not held_out & trained
+    assert all(in_test_split(key) for key in held_out)
+
+
+def test_test_set_is_large_and_distinct_per_task() -> None:
+    for task, items in held_out_set(1000).items():
+        assert len(items) == 1000, task
+        assert len({item.key for item in items}) == 1000, task
+        assert all(item.task == task and item.system is None for item in items)
+
+
+def test_test_set_does_not_depend_on_its_size() -> None:
+    # A quick run (--limit) scores the first items of the full set, not a different set.
+    small, large = held_out_set(20), held_out_set(200)
+    assert all(large[task][:20] == small[task] for task in TASKS)
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_checker_accepts_the_answer_and_rejects_a_wrong_one(task: str) -> None:
+    for item in generate(task, "test", 100):
+        assert is_correct(item, item.answer)
+        assert is_correct(item, f" {item.answer}\n")  # surrounding whitespace is not an error
+        assert not is_correct(item, item.answer + "0")
+        assert not is_correct(item, "")
+
+
+def test_answers_are_right() -> None:
+    for item in generate("addition", "test", 200):
+        a, b = map(int, item.key.split("+"))
+        assert int(item.answer) == a + b and f"{a} + {b}" in item.prompt
+    for item in generate("subtraction", "test", 200):
+        a, b = map(int, item.key.split("-"))
+        assert int(item.answer) == a - b >= 0
+    for item in generate("sort", "test", 200):
+        numbers = [int(x) for x in item.key.removeprefix("sort:").split(", ")]
+        assert [int(x) for x in item.answer.split(", ")] == sorted(numbers)
+    for item in generate("reverse", "test", 200):
+        assert item.answer.split(", ") == item.key.removeprefix("reverse:").split(", ")[::-1]
+    for item in generate("counting", "test", 200):
+        assert int(item.answer) == len(item.key.removeprefix("count:").split(", "))
+    for item in generate("json", "test", 200):
+        pairs = dict(pair.split("=") for pair in item.key.removeprefix("json:").split(" "))
+        assert {k: str(v) for k, v in json.loads(item.answer).items()} == pairs
+    for item in generate("facts", "test", 200):
+        facts, target = item.key.removeprefix("facts:").split("|")
+        assert target in item.prompt.split("?")[0].split(".")[-1]
+        assert any(s.startswith(target) and s.endswith(item.answer) for s in facts.rstrip(".").split(". "))
+
+
+def test_messages_put_the_system_prompt_first() -> None:
+    item = Item("copy", "copy:x", "Copy this text: x", "x")
+    assert item.messages() == [{"role": "user", "content": "Copy this text: x"}]
+    with_system = replace(item, system="Be brief.")
+    assert [m["role"] for m in with_system.messages()] == ["system", "user"]
+
+
+def test_unknown_split_is_refused() -> None:
+    with pytest.raises(ValueError):
+        generate("copy", "validation", 1)
