@@ -1,0 +1,133 @@
+"""Greedy fp32 output equals `transformers` token for token, for every architecture, whatever the batching:
+everything at once, chunked prefill mixed with decodes, and a KV pool so small that requests are
+preempted and recomputed. Divergence is allowed only at a near-tie (see conftest.compare_with_reference)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import Reference, compare_with_reference, random_prompts
+
+from pagoda import SamplingParams
+from pagoda.engine.scheduler import Scheduler
+from pagoda.testing import ARCHITECTURES
+
+MAX_NEW_TOKENS = 20
+SLIDING_WINDOW = 24  # pagoda.testing.checkpoints' window for mistral and qwen2-swa
+# Different lengths: 1 token, block boundaries, and several longer than the sliding window.
+PROMPT_LENGTHS = [1, 5, 12, 19, 27, 34, 45, 58]
+PROMPTS = random_prompts(PROMPT_LENGTHS, seed=1)
+# Two prompts share a 30-token prefix, so the prefix cache has something to hit.
+PROMPTS.append(PROMPTS[-1][:30] + random_prompts([9], seed=2)[0])
+
+MODES = {
+    "all-at-once": dict(block_size=16, num_kv_blocks=64),
+    # 7 tokens a step: every prompt of more than 7 tokens is chunked, and chunks share steps with decodes.
+    "chunked": dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=7),
+    # 20 blocks of 4 = 80 tokens: the longest request (58 + 20) fits, all of them together (~420) don't.
+    "preemption": dict(block_size=4, num_kv_blocks=20),
+    # Both at once: chunks of 7 tokens in a pool that cannot hold everyone.
+    "chunked+preemption": dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=7),
+    # The same batch twice: the second time, every prompt's full blocks come from the prefix cache.
+    "prefix-cached": dict(block_size=4, num_kv_blocks=256),
+}
+
+
+def observe_schedules(monkeypatch, scheduler: Scheduler) -> list[list[tuple[int, int, int]]]:
+    """Records, for each step, (num_computed_tokens, num_tokens, num_prompt_tokens) per scheduled request,
+    as they were when the step was scheduled."""
+    steps: list[list[tuple[int, int, int]]] = []
+    original = scheduler.schedule
+
+    def schedule():
+        output = original()
+        steps.append(
+            [(s.request.num_computed_tokens, s.num_tokens, s.request.num_prompt_tokens) for s in output.scheduled]
+        )
+        return output
+
+    monkeypatch.setattr(scheduler, "schedule", schedule)
+    return steps
+
+
+def is_decode(computed: int, num_tokens: int, num_prompt: int) -> bool:
+    return computed >= num_prompt and num_tokens == 1
+
+
+def is_partial_prefill(computed: int, num_tokens: int, num_prompt: int) -> bool:
+    return computed + num_tokens < num_prompt
+
+
+def run_greedy(llm, prompts) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for output in outputs:
+        assert output.finished and output.outputs[0].finish_reason == "length"
+    return [output.outputs[0].token_ids for output in outputs]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_matches_transformers(arch, mode, checkpoint, hf_reference, make_llm, monkeypatch):
+    model_dir = checkpoint(arch)
+    references = [hf_reference(model_dir, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
+    llm = make_llm(model_dir, **MODES[mode])
+    steps = observe_schedules(monkeypatch, llm.engine.scheduler)
+
+    if mode == "prefix-cached":
+        run_greedy(llm, PROMPTS)
+        steps.clear()
+    actual = run_greedy(llm, PROMPTS)
+
+    for index, (tokens, reference) in enumerate(zip(actual, references)):
+        compare_with_reference(tokens, reference, f"{arch}/{mode}/prompt {index} ({len(PROMPTS[index])} tokens)")
+    scheduler = llm.engine.scheduler
+    if mode.startswith("chunked"):
+        mixed = [s for s in steps if any(is_decode(*r) for r in s) and any(is_partial_prefill(*r) for r in s)]
+        assert mixed, "no step mixed a prefill chunk with decodes"
+        assert max(sum(r[1] for r in s) for s in steps) <= 7
+        assert scheduler.prefix_cache_hits > 0, "the shared prefix was never served from the cache"
+    if mode.endswith("preemption"):
+        assert scheduler.num_preemptions > 0
+    elif mode == "prefix-cached":
+        first_computed = [r[0] for r in steps[0]]
+        assert first_computed == [(len(p) - 1) // 4 * 4 for p in PROMPTS], "every full block should be a hit"
+    elif mode == "all-at-once":
+        assert scheduler.num_preemptions == 0
+        assert len(steps[0]) == len(PROMPTS), "all prompts should be prefilled in the first step"
+
+
+@pytest.mark.parametrize("arch, without_window", [("mistral", "llama"), ("qwen2-swa", "qwen2")])
+def test_sliding_window_changes_the_reference(arch, without_window, checkpoint, hf_reference):
+    """The window is really exercised: the same weights without it continue long prompts differently,
+    so matching transformers above is not satisfied by ignoring the window."""
+    long_prompts = [p for p in PROMPTS if len(p) > SLIDING_WINDOW]
+    windowed = [hf_reference(checkpoint(arch), p, MAX_NEW_TOKENS).token_ids for p in long_prompts]
+    full = [hf_reference(checkpoint(without_window), p, MAX_NEW_TOKENS).token_ids for p in long_prompts]
+    assert windowed != full
+
+
+def test_sharded_checkpoint_loads_and_matches(checkpoint, hf_reference, make_llm):
+    model_dir = checkpoint("qwen3", max_shard_size="50KB")
+    index = json.loads((model_dir / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1, "checkpoint was not sharded"
+    llm = make_llm(model_dir, block_size=4, num_kv_blocks=64)
+    for tokens, prompt in zip(run_greedy(llm, PROMPTS[:4]), PROMPTS[:4]):
+        compare_with_reference(tokens, hf_reference(model_dir, prompt, MAX_NEW_TOKENS), "sharded qwen3")
+
+
+def test_near_tie_rule_rejects_real_divergence():
+    """The comparison helper can fail: a divergence at a decisive position is an error, at a tie it is not."""
+    import torch
+
+    logits = torch.zeros(2, 8)
+    logits[0, 3], logits[0, 5] = 10.0, 9.0  # decisive
+    logits[1, 2], logits[1, 6] = 7.0, 7.0 - 1e-4  # near-tie
+    reference = Reference([3, 2], logits)
+    assert compare_with_reference([3, 2], reference) is None
+    assert compare_with_reference([3, 6, 1], reference) == 1
+    with pytest.raises(AssertionError, match="not a near-tie"):
+        compare_with_reference([5, 2], reference)
+    with pytest.raises(AssertionError, match="1 tokens"):
+        compare_with_reference([3], reference)
