@@ -73,11 +73,15 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError("need one SamplingParams, or one per prompt")
         ids = []
-        for prompt, p in zip(prompts, params_list):
-            request_id = f"offline-{self._counter}"
-            self._counter += 1
-            self.engine.add_request(request_id, prompt, p)
-            ids.append(request_id)
+        try:
+            for prompt, p in zip(prompts, params_list):
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(ids)  # all or nothing: a rejected prompt leaves no orphans behind
+            raise
         return self._run(ids, use_tqdm if use_tqdm is not None else sys.stderr.isatty())
 
     def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
