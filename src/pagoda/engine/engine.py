@@ -55,6 +55,9 @@ class LLMEngine:
         self._prompts: dict[str, str | None] = {}
         self._seed_source = random.Random(config.seed)
         self._failures: dict[str, Exception] = {}  # user request id -> what broke it
+        # n > 1: samples after the first wait here until it has computed the prompt, then find
+        # the prompt's blocks in the prefix cache instead of computing them again.
+        self._deferred: dict[str, list[Request]] = {}
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
             num_blocks, config.cache.block_size, num_blocks * config.cache.block_size * bytes_per_token / 2**20,
@@ -107,7 +110,10 @@ class LLMEngine:
             samples.append(request)
         self._groups[request_id] = samples
         self._prompts[request_id] = prompt_text
-        for request in samples:
+        share_prompt = len(samples) > 1 and self.kv_cache.enable_prefix_caching
+        if share_prompt:
+            self._deferred[request_id] = samples[1:]
+        for request in samples[:1] if share_prompt else samples:
             self.scheduler.add_request(request)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -138,6 +144,7 @@ class LLMEngine:
                 self.scheduler.finish(request, FinishReason.ABORT)
                 self._texts.pop(request.request_id, None)
             self._prompts.pop(group_id, None)
+            self._deferred.pop(group_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -147,8 +154,15 @@ class LLMEngine:
         if scheduler_output.is_empty:
             return []
         runner_output = self.runner.execute(scheduler_output)
+        self._record_prompt_logprobs(runner_output.prompt_logprobs)
         advanced = self.scheduler.update(scheduler_output, runner_output.sampled)
         return self._make_outputs(advanced, runner_output.logprobs)
+
+    def _record_prompt_logprobs(self, chunks: dict[str, tuple[int, list[dict[int, float]]]]) -> None:
+        for request_id, (start, logprobs) in chunks.items():
+            request = self.scheduler.requests[request_id]
+            # After a preemption the prompt is recomputed: keep only positions not yet recorded.
+            request.prompt_logprobs.extend(logprobs[len(request.prompt_logprobs) - start :])
 
     # --- outputs -----------------------------------------------------------------------------------
 
@@ -169,6 +183,8 @@ class LLMEngine:
                 groups.append(request.group_id)
         for group_id in self._failures:
             self.abort_request(group_id)
+        for request in advanced:
+            self._release_deferred(request)
         return [self._group_output(group_id) for group_id in groups if group_id in self._groups]
 
     def _process_token(self, request: Request, logprobs: dict[int, float] | None) -> None:
@@ -178,6 +194,11 @@ class LLMEngine:
         if stop is not None:
             self.scheduler.finish(request, FinishReason.STOP)
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+
+    def _release_deferred(self, first: Request) -> None:
+        """Once the first sample has its first token, its prompt blocks are cached: admit the rest."""
+        for request in reversed(self._deferred.pop(first.group_id, [])):
+            self.scheduler.add_request(request, front=True)
 
     def _group_output(self, group_id: str) -> RequestOutput:
         samples = self._groups[group_id]
@@ -190,6 +211,7 @@ class LLMEngine:
             finished=finished,
             num_cached_tokens=samples[0].num_cached_tokens,
             queue_time=_queue_time(samples[0]),
+            prompt_logprobs=[None, *samples[0].prompt_logprobs] if samples[0].needs_prompt_logprobs else None,
         )
         if finished:
             del self._groups[group_id]

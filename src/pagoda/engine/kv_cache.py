@@ -153,7 +153,7 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the hashes of blocks that became full of computed tokens."""
-        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
+        if not self.enable_prefix_caching:
             return
         blocks = self._blocks.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))

@@ -60,6 +60,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling
+    # vLLM's shape: one entry per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass

@@ -41,10 +41,11 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0
     cache_salt: str | None = None  # separates tenants in the prefix cache
-    needs_prompt_logprobs: bool = False  # such requests compute their whole prompt (no cache hits)
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # prompt_logprobs[i]: logprobs of prompt token i + 1 (the first prompt token has none)
+    prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
@@ -59,6 +60,11 @@ class Request:
         self.all_token_ids = list(self.prompt_token_ids)
         if not self.group_id:
             self.group_id = self.request_id
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Such requests compute their whole prompt: cached prompt tokens have no logits."""
+        return self.params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -6,11 +6,11 @@ prefill chunk that reaches the end of the prompt, and every decode.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from pagoda.engine.sampler import build_sampling_metadata, sample
+from pagoda.engine.sampler import build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.scheduler import SchedulerOutput
 from pagoda.model.attention import build_metadata
 from pagoda.model.llama import LlamaModel
@@ -20,6 +20,8 @@ from pagoda.model.llama import LlamaModel
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token id
     logprobs: dict[str, dict[int, float]]  # request id -> {chosen id: lp, top ids: lp}, when asked
+    # request id -> (index of the first prompt position covered, logprobs of the following prompt tokens)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -56,6 +58,7 @@ class ModelRunner:
             self.kv_caches,
             meta,
         )
+        prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         sampling_rows, sampling_requests, row = [], [], 0
         for item in scheduled:
             row += item.num_tokens
@@ -63,9 +66,22 @@ class ModelRunner:
                 sampling_rows.append(row - 1)
                 sampling_requests.append(item.request)
         if not sampling_requests:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, {}, prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(sampling_rows, device=self.device)])
         result = sample(logits, build_sampling_metadata(sampling_requests, logits.shape[1]))
         ids = [r.request_id for r in sampling_requests]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs)
+        return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, scheduled, hidden: torch.Tensor) -> dict:
+        """For requests that asked: logprobs of each prompt token given the ones before it."""
+        result, row = {}, 0
+        for item in scheduled:
+            request, start = item.request, item.request.num_computed_tokens
+            end = min(start + item.num_tokens, request.num_prompt_tokens - 1)  # positions with a next prompt token
+            if request.needs_prompt_logprobs and start < end:
+                logits = self.model.compute_logits(hidden[row : row + end - start])
+                targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=logits.device)
+                result[request.request_id] = (start, top_logprobs(logits, targets, request.params.prompt_logprobs))
+            row += item.num_tokens
+        return result

@@ -172,11 +172,24 @@ def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetad
     wanted = [k for k in meta.num_logprobs if k is not None]
     if not wanted:
         return [None] * len(token_ids)
+    rows = top_logprobs(logits, token_ids, max(wanted))
+    return [None if k is None else _trim(row, k) for k, row in zip(meta.num_logprobs, rows)]
+
+
+def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[dict[int, float]]:
+    """Per row: {token id: logprob, then the top-k ids: logprobs} from log_softmax(logits).
+
+    The chosen token comes first; it appears once, so a row has k or k + 1 entries.
+    """
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids[:, None])[:, 0].tolist()
-    top_values, top_ids = logprobs.topk(max(max(wanted), 1), dim=-1)
-    rows = zip(meta.num_logprobs, token_ids.tolist(), chosen, top_ids.tolist(), top_values.tolist())
-    return [
-        None if k is None else {token_id: chosen_lp, **dict(zip(ids[:k], values[:k]))}
-        for k, token_id, chosen_lp, ids, values in rows
-    ]
+    top_values, top_ids = logprobs.topk(max(k, 1), dim=-1)
+    rows = zip(token_ids.tolist(), chosen, top_ids.tolist(), top_values.tolist())
+    return [{token_id: lp, **dict(zip(ids[:k], values[:k]))} for token_id, lp, ids, values in rows]
+
+
+def _trim(row: dict[int, float], k: int) -> dict[int, float]:
+    """A row built for a larger k, cut to the chosen token plus the k best."""
+    chosen_id, chosen_lp = next(iter(row.items()))
+    best = sorted(row.items(), key=lambda item: -item[1])[:k]
+    return {chosen_id: chosen_lp, **dict(best)}

@@ -53,8 +53,11 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens of admitted requests (vLLM counts in tokens)
         self.prefix_cache_hits = 0  # of which served from the prefix cache
 
-    def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+    def add_request(self, request: Request, front: bool = False) -> None:
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
         self.requests[request.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
