@@ -92,7 +92,9 @@ def build_app(state: ServerState) -> FastAPI:
         params = _sampling_params(body, body.logprobs)
         for prompt in prompts:
             _validate(state, prompt, params)
-        echo = [state.tokenizer.decode(p) for p in prompts] if body.echo else None
+        echo = None
+        if body.echo:  # the prompt as the user gave it; token-id prompts decoded
+            echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts()]
         return await _respond(Generation(
             kind="completion", response_id=random_id("cmpl"), model_name=state.model_name, engine=engine,
             tokenizer=state.tokenizer, metrics=state.metrics, prompts=prompts, params=params,

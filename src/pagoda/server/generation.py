@@ -59,6 +59,7 @@ class Generation:
         self.finals: dict[int, RequestOutput] = {}
         arrival = time.monotonic()
         self.timings = [PromptTiming(arrival) for _ in prompts]
+        self._prompt_logprobs: dict[int, list] = {}
 
     # --- merged engine streams ---------------------------------------------------------------------
 
@@ -92,6 +93,8 @@ class Generation:
 
     def _observe(self, index: int, output: RequestOutput) -> None:
         timing, moment = self.timings[index], time.monotonic()
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs[index] = output.prompt_logprobs
         if timing.last_token is None:
             self.metrics.ttft.observe(moment - timing.arrival)
         else:
@@ -128,6 +131,8 @@ class Generation:
     def _full_choice(self, prompt_index: int, completion: CompletionOutput) -> dict:
         index = prompt_index * self.params.n + completion.index
         logprobs = self._logprobs(completion, 0) if completion.logprobs is not None else None
+        if logprobs is not None and self.echo_texts:
+            logprobs = self._with_prompt_logprobs(prompt_index, logprobs)
         if self.kind == "completion":
             prefix = self.echo_texts[prompt_index] if self.echo_texts else ""
             return {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
@@ -175,6 +180,8 @@ class Generation:
         logprobs = self._logprobs(completion, state.num_tokens) if completion.logprobs is not None else None
         if self.kind == "completion" and not state.started and self.echo_texts:
             text = self.echo_texts[prompt_index] + text
+            if logprobs is not None:
+                logprobs = self._with_prompt_logprobs(prompt_index, logprobs)
         index = prompt_index * self.params.n + completion.index
         if self.kind == "completion":
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
@@ -204,6 +211,25 @@ class Generation:
         return chunk
 
     # --- logprobs ----------------------------------------------------------------------------------
+
+    def _with_prompt_logprobs(self, prompt_index: int, completion_logprobs: dict) -> dict:
+        """echo: the prompt's tokens come first, the first one without a logprob (nothing precedes it)."""
+        prompt_ids = self.prompts[prompt_index]
+        prompt_logprobs = self._prompt_logprobs.get(prompt_index) or [None] * len(prompt_ids)
+        k = self.params.prompt_logprobs or 0
+        tokens = [self.tokenizer.decode([t]) for t in prompt_ids]
+        offsets, offset = [], 0
+        for token in tokens:
+            offsets.append(offset)
+            offset += len(token)
+        return {
+            "tokens": tokens + completion_logprobs["tokens"],
+            "token_logprobs": [lp[t] if lp else None for t, lp in zip(prompt_ids, prompt_logprobs)]
+            + completion_logprobs["token_logprobs"],
+            "top_logprobs": [{self.tokenizer.decode([i]): v for i, v in _top(lp, k)} if lp else None
+                             for lp in prompt_logprobs] + completion_logprobs["top_logprobs"],
+            "text_offset": offsets + [o + offset for o in completion_logprobs["text_offset"]],
+        }
 
     def _logprobs(self, completion: CompletionOutput, start: int) -> dict:
         token_ids = completion.token_ids[start:]

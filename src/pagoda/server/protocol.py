@@ -85,8 +85,12 @@ class SamplingRequest(BaseModel):
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def prompt_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, num_logprobs: int | None) -> SamplingParams:
         return SamplingParams(
+            prompt_logprobs=self.prompt_logprobs(),
             n=self.n,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -124,9 +128,11 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("suffix is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs (prompt logprobs) is not supported yet")
         return self
+
+    def prompt_logprobs(self) -> int | None:
+        """echo + logprobs returns the prompt's logprobs too (OpenAI's legacy completions)."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt
