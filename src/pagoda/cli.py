@@ -27,6 +27,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: built-in)")
     parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quantization", "-q", default=None, choices=["int8"],
+                        help="int8: weight-only W8A16, per-output-channel symmetric, quantized at load")
+    parser.add_argument("--use-kernels", action=argparse.BooleanOptionalAction, default=True,
+                        help="pagoda's native CPU kernels (compiled on first use) where they apply")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=128)
@@ -50,7 +54,8 @@ def engine_config_from(args: argparse.Namespace, max_waiting_requests: int | Non
     from pagoda.entrypoints import build_engine_config
 
     return build_engine_config(
-        args.model, dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+        args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
+        use_kernels=args.use_kernels, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
@@ -126,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.calc.cli import add_parser as add_calc
 
     add_calc(commands)
+    from pagoda.bench.cli import add_parser as add_bench
+    add_bench(commands)
     return parser
 
 

@@ -82,6 +82,8 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
+    quantization: str | None = None  # None or "int8" (weight-only, per output channel)
+    use_kernels: bool = True  # pagoda's native CPU kernels where they apply (False: the torch reference)
     model_config: ModelConfig | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -19,6 +19,8 @@ def build_engine_config(
     dtype: str = "float32",
     device: str = "cpu",
     seed: int = 0,
+    quantization: str | None = None,
+    use_kernels: bool = True,
     max_model_len: int = 2048,
     max_num_seqs: int = 128,
     max_num_batched_tokens: int = 2048,
@@ -36,6 +38,8 @@ def build_engine_config(
         dtype=parse_dtype(dtype),
         device=device,
         seed=seed,
+        quantization=quantization,
+        use_kernels=use_kernels,
         cache=CacheConfig(
             block_size=block_size,
             kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -135,7 +135,7 @@ def _json_value(rng: random.Random) -> str | int:
 
 def _to_json(rng: random.Random) -> Problem:
     pairs = {key: _json_value(rng) for key in rng.sample(JSON_KEYS, rng.randint(1, 3))}
-    text = " ".join(f"{k}={v}" for k, v in pairs.items())
+    text = ", ".join(f"{k}={v}" for k, v in pairs.items())
     prompt = rng.choice(("Convert to JSON: {x}", "Write as a JSON object: {x}"))
     return "json:" + text, prompt.format(x=text), json.dumps(pairs)
 
@@ -197,7 +197,7 @@ def held_out_set(count_per_task: int = 1000, seed: int = 0) -> dict[str, list[It
     return {task: generate(task, "test", count_per_task, seed) for task in TASKS}
 
 
-def training_stream(seed: int = 0, system_rate: float = 0.2) -> Iterator[Item]:
+def training_stream(seed: int = 0, system_rate: float = 0.1) -> Iterator[Item]:
     """Endless, interleaved training items (repeats allowed: training draws with replacement)."""
     rng = random.Random(f"{seed}/mix")
     streams = {task: _train_stream(task, seed, system_rate) for task in TASKS}

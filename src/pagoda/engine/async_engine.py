@@ -85,14 +85,14 @@ class AsyncEngine:
         return self.stats.num_waiting + self._commands.qsize() >= self.max_waiting_requests
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative RequestOutputs until the last (finished) one. Closing the iterator aborts."""
         if self.is_dead:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._submit(lambda: self._add(request_id, prompt, params, stream))
+        self._submit(lambda: self._add(request_id, prompt, params, cache_salt, stream))
         finished = False
         try:
             while True:
@@ -141,9 +141,9 @@ class AsyncEngine:
 
     # --- engine thread -----------------------------------------------------------------------------
 
-    def _add(self, request_id: str, prompt, params: SamplingParams, stream: _Stream) -> None:
+    def _add(self, request_id: str, prompt, params: SamplingParams, cache_salt: str | None, stream: _Stream) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.add_request(request_id, prompt, params, cache_salt)
         except Exception as error:  # a bad request must not touch the loop
             self._fail(request_id, error)
 

@@ -41,7 +41,10 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.tokenizer = load_tokenizer(config.model)
         model_max_len = config.scheduler.max_model_len
-        self.model, self.model_config = load_model(config.model, dtype=config.dtype, device=config.device)
+        self.model, self.model_config = load_model(
+            config.model, dtype=config.dtype, device=config.device, quantization=config.quantization,
+            use_kernels=config.use_kernels,
+        )
         bytes_per_token = self.model_config.kv_bytes_per_token(config.dtype)
         num_blocks = _num_kv_blocks(config, bytes_per_token)
         max_model_len = self._fit_max_model_len(model_max_len, num_blocks * config.cache.block_size)
@@ -87,7 +90,9 @@ class LLMEngine:
 
     # --- the vLLM-shaped API -----------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> None:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids, prompt_text = self._tokenize(prompt)
@@ -104,6 +109,7 @@ class LLMEngine:
                 group_id=request_id,
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
+                cache_salt=cache_salt,
             )
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             self._texts[request.request_id] = SequenceText(request, detokenizer)

@@ -112,16 +112,12 @@ class TorchAttentionBackend:
         window: int | None,
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
+        if not meta.prefills:  # a decode-only step: no scatter into a shared output
+            return self._decode(q, k_cache, v_cache, meta, scale, window)
         out = torch.empty_like(q)
         if meta.num_decodes:
             rows = meta.decode_token_index
-            keys = k_cache[meta.decode_key_slots].transpose(1, 2)  # [B, kv_heads, L, D]
-            values = v_cache[meta.decode_key_slots].transpose(1, 2)
-            query = q[rows][:, :, None, :]  # [B, heads, 1, D]
-            attended = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=meta.decode_masks[window], scale=scale, enable_gqa=True
-            )
-            out[rows] = attended[:, :, 0, :]
+            out[rows] = self._decode(q[rows], k_cache, v_cache, meta, scale, window)
         for seq in meta.prefills:
             query = q[seq.query_start : seq.query_end].transpose(0, 1)  # [heads, q_len, D]
             keys = k_cache[seq.key_slots].transpose(0, 1)  # [kv_heads, seq_len, D]
@@ -131,3 +127,20 @@ class TorchAttentionBackend:
             )
             out[seq.query_start : seq.query_end] = attended.transpose(0, 1)
         return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+        """One query per sequence, as two batched matmuls in fp32.
+
+        CPU SDPA spends most of its time on setup at this size (and is slow in bf16); plain matmuls
+        over the gathered keys are several times faster and accumulate in fp32 whatever the model dtype.
+        """
+        batch, num_heads, head_dim = q.shape
+        keys = k_cache[meta.decode_key_slots].float()  # [B, L, kv_heads, D]
+        values = v_cache[meta.decode_key_slots].float()
+        num_kv_heads = keys.shape[2]
+        query = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        scores = torch.matmul(query, keys.permute(0, 2, 3, 1)) * scale  # [B, kv_heads, group, L]
+        scores = scores.masked_fill(~meta.decode_masks[window], float("-inf"))
+        attended = torch.matmul(scores.softmax(dim=-1), values.transpose(1, 2))  # [B, kv_heads, group, D]
+        return attended.view(batch, num_heads, head_dim).to(q.dtype)

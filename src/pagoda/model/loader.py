@@ -149,12 +149,20 @@ def iter_weights(model_dir: str | Path):
             raise ModelLoadError(f"{file}: cannot read safetensors ({error})") from error
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu"):
+def load_model(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    quantization: str | None = None,
+    use_kernels: bool = True,
+):
     """Builds the model for the directory and loads its weights. Returns (model, ModelConfig)."""
     from pagoda.model.llama import LlamaModel
+    from pagoda.model.quantization import prepare_linears
 
     config = load_model_config(model_dir)
     with torch.device("meta"):
         model = LlamaModel(config)
     model.load_weights(iter_weights(model_dir), dtype=dtype, device=device)
+    prepare_linears(model, quantization, use_kernels)
     return model.eval(), config

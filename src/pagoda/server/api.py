@@ -98,7 +98,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await _respond(Generation(
             kind="completion", response_id=random_id("cmpl"), model_name=state.model_name, engine=engine,
             tokenizer=state.tokenizer, metrics=state.metrics, prompts=prompts, params=params,
-            echo_texts=echo, include_usage=body.include_usage,
+            echo_texts=echo, include_usage=body.include_usage, cache_salt=body.cache_salt,
         ), body.stream)
 
     @app.post("/v1/chat/completions")
@@ -110,7 +110,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await _respond(Generation(
             kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name, engine=engine,
             tokenizer=state.tokenizer, metrics=state.metrics, prompts=[prompt], params=params,
-            include_usage=body.include_usage,
+            include_usage=body.include_usage, cache_salt=body.cache_salt,
         ), body.stream)
 
     @app.post("/tokenize")

@@ -49,12 +49,14 @@ class Generation:
         params: SamplingParams,
         echo_texts: list[str] | None = None,
         include_usage: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
         self.kind, self.response_id, self.model_name = kind, response_id, model_name
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
         self.prompts, self.params = prompts, params
         self.echo_texts = echo_texts
         self.include_usage = include_usage
+        self.cache_salt = cache_salt
         self.created = now()
         self.finals: dict[int, RequestOutput] = {}
         arrival = time.monotonic()
@@ -68,7 +70,8 @@ class Generation:
 
         async def pump(index: int, prompt: list[int]) -> None:
             try:
-                async for output in self.engine.generate(f"{self.response_id}-{index}", prompt, self.params):
+                request_id = f"{self.response_id}-{index}"
+                async for output in self.engine.generate(request_id, prompt, self.params, self.cache_salt):
                     await queue.put((index, output))
             except Exception as error:
                 await queue.put((index, error))

@@ -1,0 +1,5 @@
+import sys
+
+from pagoda.bench.cli import main
+
+sys.exit(main())

@@ -1,0 +1,144 @@
+"""Console tables, warnings and the JSON document of a benchmark."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+
+import pagoda
+
+ROW_COLUMNS = ("endpoint", "load", "ok", "err", "req/s", "out tok/s", "total tok/s", "TTFT p50", "TTFT p99",
+               "TPOT p50", "TPOT p99", "ITL p50", "E2E p50", "goodput")
+STATS = ("mean", "p50", "p90", "p95", "p99")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.1f}"
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}g}"
+
+
+def level_row(endpoint_name: str, point: dict) -> list[str]:
+    s = point["summary"]
+    goodput = s.get("goodput")
+    good = "-" if not goodput else f"{_num(goodput['requests_per_s'])}/s ({goodput['fraction']:.0%})"
+    flag = " !" if point["client"]["behind"] else ""
+    return [endpoint_name, point["label"] + flag, str(s["num_ok"]), str(s["num_errors"]),
+            _num(s["request_throughput"]), _num(s["output_throughput"]), _num(s["total_throughput"]),
+            _ms(s["ttft"]["p50"]), _ms(s["ttft"]["p99"]), _ms(s["tpot"]["p50"]), _ms(s["tpot"]["p99"]),
+            _ms(s["itl"]["p50"]), _num(s["e2e"]["p50"]), good]
+
+
+def format_table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+    lines = ["  ".join(str(cell).rjust(width) for cell, width in zip(line, widths)) for line in [header, *rows]]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join(lines)
+
+
+def results_table(endpoints: list[dict]) -> str:
+    rows = [level_row(e["name"], point) for e in endpoints for point in e["levels"]]
+    legend = "times in ms except E2E (s); '!' = the client fell behind at that level (see warnings)"
+    return format_table(ROW_COLUMNS, rows) + "\n" + legend
+
+
+def detail_table(point: dict) -> str:
+    """mean / p50 / p90 / p95 / p99 of TTFT, TPOT, ITL and E2E (ms) of one level."""
+    s = point["summary"]
+    rows = [[name.upper(), str(s[name]["count"]), *(_ms(s[name][stat]) for stat in STATS)]
+            for name in ("ttft", "tpot", "itl", "e2e")]
+    return format_table(("metric (ms)", "n", *STATS), rows)
+
+
+def warnings_of(endpoint: dict, point: dict) -> list[str]:
+    """What a reader must know before trusting a level's numbers."""
+    s, client, where = point["summary"], point["client"], f"{endpoint['name']} {point['label']}"
+    notes = []
+    if client["behind"]:
+        notes += [f"CLIENT FELL BEHIND ({where}): {reason}; these numbers include the client's own delay"
+                  for reason in client["reasons"]]
+    notes += [f"{where}: {warning}" for warning in client["warnings"]]
+    if s["errors"]:
+        errors = ", ".join(f"{kind} x{count}" for kind, count in sorted(s["errors"].items()))
+        notes.append(f"{where}: {s['num_errors']} of {s['num_requests']} requests failed: {errors}")
+    tokens = s["tokens"]
+    if tokens["short_outputs"]:
+        notes.append(f"{where}: {tokens['short_outputs']} of {s['num_ok']} requests returned fewer tokens than "
+                     "asked (max_tokens); use --ignore-eos to force output lengths")
+    if tokens["usage_missing"]:
+        notes.append(f"{where}: {tokens['usage_missing']} responses had no usage; token counts there come from "
+                     "the client tokenizer")
+    if tokens["prompt_mismatches"]:
+        notes.append(f"{where}: usage.prompt_tokens differs from the client's count in "
+                     f"{tokens['prompt_mismatches']} of {tokens['prompt_checked']} requests")
+    ratio = tokens["output_client_over_server"]
+    if ratio is not None and abs(ratio - 1) > 0.1:
+        notes.append(f"{where}: the client tokenizer counts {ratio:.2f}x the server's output tokens "
+                     "(re-encoding generated text is not exact; the server's usage is what metrics use)")
+    if point["warmup"].get("errors"):
+        notes.append(f"{where}: {point['warmup']['errors']} of {point['warmup']['requests']} warm-up requests failed")
+    return notes
+
+
+def render(endpoints: list[dict]) -> str:
+    parts = [results_table(endpoints)]
+    single = [(e, p) for e in endpoints for p in e["levels"]]
+    if len(single) == 1:
+        parts.append(detail_table(single[0][1]))
+    notes = [note for e, p in single for note in warnings_of(e, p)]
+    notes += [f"{e['name']}: sweep stopped: {e['stop_reason']}" for e in endpoints if e.get("stop_reason")]
+    if notes:
+        parts.append("\n".join(f"WARNING: {note}" if "CLIENT FELL BEHIND" in note else f"note: {note}"
+                               for note in notes))
+    return "\n\n".join(parts) + "\n"
+
+
+def environment() -> dict:
+    """Where the client ran (the server may be elsewhere)."""
+    import httpx
+
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    return {"pagoda": pagoda.__version__, "python": platform.python_version(), "httpx": httpx.__version__,
+            "platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
+            "loadavg_1_5_15": list(load) if load else None}
+
+
+def document(command: str, config: dict, endpoints: list[dict], note: str | None, started: str,
+             environment_before: dict) -> dict:
+    after = environment()
+    return {"pagoda_bench": 1, "command": command, "started": started, "note": note, "config": config,
+            "environment": {**environment_before, "loadavg_after": after["loadavg_1_5_15"]},
+            "endpoints": endpoints}
+
+
+def write_json(path: str | Path, doc: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n", encoding="utf-8")
+
+
+def _finite(value):
+    """JSON has no inf or nan: they become null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def print_level(endpoint_name: str, point: dict) -> None:
+    """One line per finished level, as the run goes (stderr: stdout gets the final table)."""
+    s = point["summary"]
+    behind = " (CLIENT FELL BEHIND)" if point["client"]["behind"] else ""
+    sys.stderr.write(f"{endpoint_name} {point['label']}: {s['num_ok']} ok, {s['num_errors']} failed, "
+                     f"{_num(s['output_throughput'])} out tok/s, TTFT p50 {_ms(s['ttft']['p50'])} ms, "
+                     f"TPOT p50 {_ms(s['tpot']['p50'])} ms{behind}\n")
+    sys.stderr.flush()

@@ -1,0 +1,149 @@
+"""One benchmark of one endpoint: discover it, build each level's workload, run the levels, summarize.
+
+Level i of a sweep uses seed + i for its prompts, so no level finds the previous level's prompts in the
+server's prefix cache; warm-up prompts come from another seed still. The same seeds for every endpoint of
+a `--compare` make their workloads identical.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import httpx
+
+from pagoda.bench.client import Endpoint, RequestOptions, make_http_client, make_sender
+from pagoda.bench.load import LoadResult, LoadSpec, run_load
+from pagoda.bench.metrics import client_verdict, summarize
+from pagoda.bench.sweep import saturation_reason
+from pagoda.bench.tokens import ClientTokenizer, ServerTokenizer
+from pagoda.bench.workloads import Conversation, WorkloadSpec, build_workload
+
+WARMUP_SEED_OFFSET = 1_000_003
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    workload: WorkloadSpec
+    loads: tuple[LoadSpec, ...]  # one per level, in order
+    num_requests: int = 32
+    warmup: int = 2
+    seed: int = 0
+    slo: dict = field(default_factory=dict)
+    options: RequestOptions = field(default_factory=RequestOptions)
+    timeout_s: float = 600.0
+    lag_tolerance_s: float = 0.02
+    stop_at_saturation: bool = True
+    min_gain: float = 0.05
+    max_error_fraction: float = 0.1
+    use_server_tokenize: bool = True
+    progress: bool = True
+
+    def to_dict(self) -> dict:
+        return {
+            "workload": self.workload.to_dict(), "levels": [load.to_dict() for load in self.loads],
+            "num_requests": self.num_requests, "warmup": self.warmup, "seed": self.seed, "slo_s": self.slo,
+            "temperature": self.options.temperature, "ignore_eos": self.options.ignore_eos,
+            "extra_body": self.options.extra_body, "timeout_s": self.timeout_s,
+            "lag_tolerance_s": self.lag_tolerance_s, "stop_at_saturation": self.stop_at_saturation,
+            "min_gain": self.min_gain, "max_error_fraction": self.max_error_fraction,
+        }
+
+
+async def discover(http: httpx.AsyncClient, endpoint: Endpoint) -> tuple[Endpoint, dict]:
+    """Fills in the model name from /v1/models when not given; reads /version when the server has one."""
+    info: dict = {"url": endpoint.url, "api": endpoint.api}
+    try:
+        response = await http.get(f"{endpoint.root}/v1/models", headers=endpoint.headers)
+        models = [m["id"] for m in response.json().get("data", [])] if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        models = []
+    if endpoint.model is None:
+        if not models:
+            raise RuntimeError(f"{endpoint.root}: cannot list models (GET /v1/models); give --model")
+        endpoint = replace(endpoint, model=models[0])
+    try:
+        response = await http.get(f"{endpoint.root}/version", headers=endpoint.headers)
+        info["server_version"] = response.json().get("version") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        info["server_version"] = None
+    info["model"] = endpoint.model
+    return endpoint, info
+
+
+async def fill_prompt_counts(conversations: list[Conversation], server: ServerTokenizer, api: str) -> None:
+    """Exact first-turn prompt lengths from the server's /tokenize, for the prompts the client cannot count
+    exactly itself (text and chat messages); token-id prompts are exact already."""
+    for conversation in conversations:
+        turn = conversation.turns[0]
+        if isinstance(turn.prompt, list) and turn.prompt and isinstance(turn.prompt[0], int):
+            continue
+        if api == "chat":
+            messages = turn.prompt if isinstance(turn.prompt, list) else [{"role": "user", "content": turn.prompt}]
+            turn.expected_prompt_tokens = await server.count(messages)
+        else:
+            turn.expected_prompt_tokens = await server.count(turn.prompt)
+
+
+def count_outputs(result: LoadResult, tokenizer: ClientTokenizer | None) -> None:
+    """The client tokenizer's count of each answer (after the run: it costs the client CPU)."""
+    if tokenizer is None:
+        return
+    for record in result.records:
+        text = result.outputs.get(record.request_id)
+        if record.ok and text is not None:
+            record.client_output_tokens = tokenizer.count(text)
+
+
+def level_result(load: LoadSpec, seed: int, result: LoadResult, config: BenchConfig) -> dict:
+    verdict = client_verdict(result.dispatch_lags, result.loop_lags, result.cpu_fraction, config.lag_tolerance_s)
+    return {
+        "label": load.label(), "level": load.level if not math.isinf(load.level) else None, "load": load.to_dict(),
+        "seed": seed, "wall_s": result.wall_s, "warmup": result.warmup,
+        "summary": summarize(result.records, slo=config.slo or None), "client": verdict,
+        "requests": [record.to_dict() for record in result.records],
+    }
+
+
+async def bench_endpoint(endpoint: Endpoint, config: BenchConfig, tokenizer: ClientTokenizer | None,
+                         on_level: Callable[[Endpoint, dict], None] | None = None) -> dict:
+    """Runs every level of `config` against one endpoint (stopping at saturation when asked)."""
+    async with make_http_client(config.timeout_s) as http:
+        endpoint, info = await discover(http, endpoint)
+        server = ServerTokenizer(http, endpoint.root, endpoint.model, endpoint.headers)
+        info["tokenize"] = await server.probe() if config.use_server_tokenize else False
+        sender = make_sender(http, endpoint, config.options)
+        levels: list[dict] = []
+        stop_reason = None
+        for index, load in enumerate(config.loads):
+            seed = config.seed + index
+            conversations = build_workload(config.workload, config.num_requests, tokenizer, endpoint.api, seed)
+            warmup = []
+            if index == 0 and config.warmup:
+                warmup = build_workload(config.workload, config.warmup, tokenizer, endpoint.api,
+                                        config.seed + WARMUP_SEED_OFFSET)
+            if info["tokenize"]:
+                await fill_prompt_counts(conversations, server, endpoint.api)
+            with _progress(config, f"{endpoint.name} {load.label()}") as bar:
+                result = await run_load(sender, conversations, load, seed=seed, warmup=warmup,
+                                        on_done=lambda record: bar.update(1))
+            count_outputs(result, tokenizer)
+            point = level_result(load, seed, result, config)
+            levels.append(point)
+            if on_level is not None:
+                on_level(endpoint, point)
+            if len(config.loads) > 1 and config.stop_at_saturation:
+                stop_reason = saturation_reason(levels, config.min_gain, config.max_error_fraction)
+                if stop_reason:
+                    break
+    return {"name": endpoint.name, "root": endpoint.root, **info, "levels": levels, "stop_reason": stop_reason}
+
+
+def _progress(config: BenchConfig, description: str):
+    from tqdm import tqdm
+
+    # leave=False: the level's table row replaces the bar; disable=None: no bar when stderr is not a terminal
+    return tqdm(total=config.num_requests, desc=description, unit="req", leave=False, file=sys.stderr,
+                disable=None if config.progress else True, dynamic_ncols=True)

@@ -1,0 +1,69 @@
+"""Linear layers for the fast paths: bf16 weights and int8 weight-only (W8A16) quantization.
+
+After loading, `prepare_linears` swaps the model's nn.Linear layers for these. Decode-sized inputs
+(<= 8 rows) go to pagoda's AVX-512 GEMV kernels (kernels/cpu_gemv.cpp), which stream bf16/int8
+weights far faster than stock torch; larger inputs (prefill, big batches) are matrix multiplications
+and go to torch (oneDNN). Without the kernels, everything goes to torch: same results, slower.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.kernels import cpu_kernels
+
+QUANTIZATIONS = (None, "int8")
+KERNEL_MAX_ROWS = 8
+
+
+class Bf16Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, kernels) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > KERNEL_MAX_ROWS or x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        y = self.kernels.gemv_bf16(x, self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(nn.Module):
+    """Per-output-channel symmetric int8 weights: W ~= q * scale[:, None], q in [-127, 127]."""
+
+    def __init__(self, linear: nn.Linear, kernels) -> None:
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS:
+            y = self.kernels.gemv_int8(x, self.qweight, self.scale).to(x.dtype)
+        else:
+            y = torch._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
+        return y if self.bias is None else y + self.bias
+
+
+def prepare_linears(model: nn.Module, quantization: str | None, use_kernels: bool = True) -> None:
+    """Swaps nn.Linear layers (LM head included) for the fast path the dtype and quantization call for."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}")
+    dtype = next(model.parameters()).dtype
+    if quantization is None and dtype != torch.bfloat16:
+        return  # fp32/fp16: torch's own GEMV is already near the bandwidth floor for fp32
+    kernels = cpu_kernels() if use_kernels and next(model.parameters()).device.type == "cpu" else None
+    if quantization is None and kernels is None:
+        return
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                fast = Int8Linear(child, kernels) if quantization == "int8" else Bf16Linear(child, kernels)
+                setattr(parent, name, fast)
