@@ -171,6 +171,7 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, pieces: 
         if usage:
             record.prompt_tokens = usage.get("prompt_tokens")
             record.output_tokens = usage.get("completion_tokens")
+            record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
     return False
 
 

@@ -122,6 +122,7 @@ def token_checks(records: Sequence[RequestRecord]) -> dict:
         "prompt_mismatches": sum(1 for r in with_expected if r.prompt_tokens != r.expected_prompt_tokens),
         "output_checked": len(with_client),
         "output_client_over_server": client_out / server_out if server_out else None,
+        "cached_prompt_tokens": sum(r.cached_tokens or 0 for r in ok),
         "short_outputs": sum(1 for r in ok if r.num_output_tokens is not None and r.num_output_tokens < r.max_tokens),
     }
 

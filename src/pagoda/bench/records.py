@@ -22,6 +22,7 @@ class RequestRecord:
     max_tokens: int = 0  # output tokens asked for
     prompt_tokens: int | None = None  # server's usage.prompt_tokens
     output_tokens: int | None = None  # server's usage.completion_tokens
+    cached_tokens: int | None = None  # server's usage.prompt_tokens_details.cached_tokens (prefix cache hits)
     expected_prompt_tokens: int | None = None  # the client's own count of the prompt (exact for token ids)
     client_output_tokens: int | None = None  # the client tokenizer's count of the output text
     output_chars: int = 0

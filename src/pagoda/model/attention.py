@@ -136,9 +136,11 @@ class TorchAttentionBackend:
         over the gathered keys are several times faster and accumulate in fp32 whatever the model dtype.
         """
         batch, num_heads, head_dim = q.shape
-        keys = k_cache[meta.decode_key_slots].float()  # [B, L, kv_heads, D]
-        values = v_cache[meta.decode_key_slots].float()
-        num_kv_heads = keys.shape[2]
+        slots = meta.decode_key_slots
+        num_kv_heads = k_cache.shape[1]
+        gathered_shape = (*slots.shape, num_kv_heads, head_dim)  # [B, L, kv_heads, D]
+        keys = k_cache.index_select(0, slots.view(-1)).view(gathered_shape).float()
+        values = v_cache.index_select(0, slots.view(-1)).view(gathered_shape).float()
         query = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.matmul(query, keys.permute(0, 2, 3, 1)) * scale  # [B, kv_heads, group, L]
         scores = scores.masked_fill(~meta.decode_masks[window], float("-inf"))

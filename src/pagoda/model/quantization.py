@@ -22,11 +22,12 @@ class Bf16Linear(nn.Module):
     def __init__(self, linear: nn.Linear, kernels) -> None:
         super().__init__()
         self.weight = nn.Parameter(linear.weight.detach().to(torch.bfloat16).contiguous(), requires_grad=False)
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
         self.kernels = kernels
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > KERNEL_MAX_ROWS or x.dim() != 2:
+        if self.kernels is None or x.dim() != 2 or x.shape[0] > KERNEL_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         y = self.kernels.gemv_bf16(x, self.weight).to(x.dtype)
         return y if self.bias is None else y + self.bias

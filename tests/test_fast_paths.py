@@ -1,0 +1,133 @@
+"""The fast CPU paths (bf16 weights, int8 weight-only, native GEMV kernels) against the references.
+
+bf16 and int8 do not promise fp32's exact tokens; their contract is bounded error against fp32
+(measured here on prompt logprobs) and, with the kernels, agreement with the torch path of the same
+dtype up to accumulation order.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+from conftest import random_prompts
+from torch import nn
+
+from pagoda import SamplingParams
+from pagoda.kernels import _cpu_flags, cpu_kernels
+from pagoda.model.quantization import Bf16Linear, Int8Linear
+
+HAS_AVX512_BF16 = {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags()
+needs_kernels = pytest.mark.skipif(not HAS_AVX512_BF16, reason="this CPU lacks AVX-512 BF16: kernels do not apply")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    module = cpu_kernels()
+    assert module is not None, "the CPU has AVX-512 BF16, so the kernels must build"
+    return module
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+def test_bf16_gemv_matches_torch(kernels, rows):
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 320), torch.randn(96, 320).bfloat16()
+    expected = x.bfloat16().float() @ w.float().T
+    torch.testing.assert_close(kernels.gemv_bf16(x, w), expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_gemv_matches_dequantized_matmul(kernels, rows):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 256)
+    q = torch.randint(-127, 128, (160, 256), dtype=torch.int8)
+    scale = torch.rand(160) / 50
+    expected = (x @ q.float().T) * scale
+    torch.testing.assert_close(kernels.gemv_int8(x, q, scale), expected, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernels
+def test_kernels_reject_shapes_they_do_not_handle(kernels):
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        kernels.gemv_bf16(torch.randn(1, 48), torch.randn(8, 48).bfloat16())
+    with pytest.raises(RuntimeError, match="1..8 rows"):
+        kernels.gemv_bf16(torch.randn(9, 64), torch.randn(8, 64).bfloat16())
+
+
+@pytest.mark.parametrize("layer_type", [Bf16Linear, Int8Linear])
+@pytest.mark.parametrize("rows", [1, 8, 20])  # 20 rows: the torch path even when kernels are on
+def test_fast_linear_layers_agree_with_and_without_kernels(layer_type, rows):
+    torch.manual_seed(0)
+    linear = nn.Linear(128, 96, bias=True)
+    x = torch.randn(rows, 128).bfloat16()
+    reference = layer_type(linear, kernels=None)
+    fast = layer_type(linear, kernels=cpu_kernels() if HAS_AVX512_BF16 else None)
+    torch.testing.assert_close(fast(x).float(), reference(x).float(), rtol=2e-2, atol=2e-2)
+    # And both stay close to the fp32 layer they replace.
+    error = (fast(x).float() - linear(x.float())).abs().max().item()
+    assert error < 0.05 * linear(x.float()).abs().max().item()
+
+
+def test_int8_quantization_is_per_channel_symmetric():
+    linear = nn.Linear(64, 4, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.linspace(-2, 2, 256).view(4, 64))
+    layer = Int8Linear(linear, kernels=None)
+    assert layer.qweight.dtype == torch.int8 and layer.qweight.abs().max().item() == 127
+    torch.testing.assert_close(layer.scale, linear.weight.abs().amax(dim=1) / 127)
+    dequantized = layer.qweight.float() * layer.scale[:, None]
+    assert (dequantized - linear.weight).abs().max().item() <= layer.scale.max().item() / 2 + 1e-6
+
+
+def _prompt_logprobs(llm, prompts) -> list[float]:
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    values = []
+    for prompt, output in zip(prompts, outputs):
+        values += [lp[token] for token, lp in zip(prompt[1:], output.prompt_logprobs[1:])]
+    return values
+
+
+@pytest.mark.parametrize(("dtype", "quantization", "max_mean_error"), [
+    ("bfloat16", None, 0.05),
+    ("bfloat16", "int8", 0.08),
+    ("float32", "int8", 0.06),
+])
+def test_low_precision_logprob_error_is_bounded(make_llm, checkpoint, dtype, quantization, max_mean_error):
+    """The numerics contract: mean |logprob error| against fp32 stays small.
+
+    Measured at about 0.6 of each bound: the tiny test models have wide logits."""
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([9, 23, 40])
+    reference = _prompt_logprobs(make_llm(model_dir), prompts)
+    fast = _prompt_logprobs(make_llm(model_dir, dtype=dtype, quantization=quantization), prompts)
+    errors = [abs(a - b) for a, b in zip(reference, fast)]
+    assert statistics.mean(errors) < max_mean_error, f"mean {statistics.mean(errors):.4f}, max {max(errors):.4f}"
+    assert max(errors) < 10 * max_mean_error
+
+
+def test_decode_kernel_path_agrees_with_torch_path(make_llm, checkpoint):
+    """bf16 decode through the kernels and through torch pick the same tokens (or diverge at a near-tie)."""
+    model_dir = checkpoint("qwen3")
+    prompts = random_prompts([5, 17, 31], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    with_kernels = make_llm(model_dir, dtype="bfloat16", use_kernels=True).generate(prompts, params)
+    torch_only = make_llm(model_dir, dtype="bfloat16", use_kernels=False).generate(prompts, params)
+    for fast, slow in zip(with_kernels, torch_only):
+        fast_ids, slow_ids = fast.outputs[0].token_ids, slow.outputs[0].token_ids
+        same = next((i for i, (a, b) in enumerate(zip(fast_ids, slow_ids)) if a != b), None)
+        if same is None:
+            continue
+        # Divergence is only allowed where the torch path's top two choices were nearly tied (bf16 scale).
+        top = sorted(slow.outputs[0].logprobs[same].values(), reverse=True)
+        assert len(top) >= 2 and top[0] - top[1] < 0.05, f"diverged at {same} without a near-tie: {top[:2]}"
+
+
+def test_unknown_quantization_is_rejected(checkpoint):
+    from pagoda import LLM
+
+    with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
+        LLM(str(checkpoint("llama")), quantization="int4", num_kv_blocks=16)
