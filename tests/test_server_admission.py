@@ -146,65 +146,67 @@ def test_a_full_waiting_queue_answers_429_with_retry_after(server):
     server.wait_until_idle()
 
 
-def test_a_burst_past_the_queue_bound_gets_429s_and_the_rest_is_served(server):
-    burst = 16
+def test_bursts_past_the_queue_bound_get_429s_and_the_rest_is_served(server):
+    """Bursts of simultaneous requests while one runs: each burst admits exactly one (to wait), refuses the
+    rest with 429; once the runner is gone, everything refused is served on retry. Streams are used so an
+    admitted request answers at once (headers) and can be aborted between rounds."""
+    burst, rounds = 16, 3
+
+    async def open_stream(aclient, seed: int):
+        try:
+            return await aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, seed=seed,
+                                                    temperature=1.0, stream=True)
+        except openai.RateLimitError as error:
+            return error
+
+    async def bursts(aclient) -> tuple[list[tuple[int, int]], list, list[int]]:
+        admitted_per_round = []
+        for round_index in range(rounds):
+            results = await asyncio.gather(*(open_stream(aclient, seed) for seed in range(burst)))
+            admitted = [r for r in results if not isinstance(r, openai.RateLimitError)]
+            refused = [seed for seed, r in enumerate(results) if isinstance(r, openai.RateLimitError)]
+            for result in results:
+                if isinstance(result, openai.RateLimitError):
+                    assert_rate_limited(result)
+            admitted_per_round.append((len(admitted), len(refused)))
+            if round_index < rounds - 1:
+                for stream in admitted:
+                    await stream.close()  # aborts it: the next burst starts from an empty queue
+                await wait_for(server, running=1, waiting=0)
+        return admitted_per_round, admitted, refused
 
     async def main():
         async with server.async_client() as aclient:
             blocker = await start_blocker(aclient)
-            tasks = [asyncio.create_task(aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, seed=i,
-                                                                    temperature=1.0))
-                     for i in range(burst)]
             try:
-                return await burst_then_retry(aclient, blocker, tasks)
+                admitted_per_round, admitted, refused = await bursts(aclient)
+                assert admitted_per_round == [(1, burst - 1)] * rounds, (
+                    f"(admitted, refused) per burst: {admitted_per_round}: --max-waiting-requests 1 was exceeded")
+                await wait_for(server, running=1, waiting=1)
             finally:
                 await blocker.close()
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            first_served = [chunk async for chunk in admitted[0]]
 
-    async def burst_then_retry(aclient, blocker, tasks):
-        # While the blocker runs, the burst settles into refused (429) and waiting; exactly one may wait.
-        async def settled():
-            for _ in range(1500):
-                waiting = (await asyncio.to_thread(server.metrics)).gauge("vllm:num_requests_waiting")
-                done = sum(t.done() for t in tasks)
-                if done + waiting == burst:
-                    return done, waiting
-                await asyncio.sleep(0.02)
-            raise AssertionError("the burst never settled into refused + waiting")
+            # The refused ones retry (as a client honouring Retry-After would, with a shorter wait) until served.
+            retries = 0
 
-        done, waiting = await settled()
-        assert (done, waiting) == (burst - 1, 1), (
-            f"{waiting:.0f} requests admitted to wait, {done} refused: --max-waiting-requests 1 was exceeded")
-        refused = [t for t in tasks if t.done()]
-        admitted = [t for t in tasks if not t.done()]
-        for task in refused:
-            assert isinstance(task.exception(), openai.RateLimitError), task.exception()
-            assert_rate_limited(task.exception())
-        await blocker.close()
-        first_served = await admitted[0]
+            async def until_served(seed: int):
+                nonlocal retries
+                for _ in range(500):
+                    try:
+                        return await aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, seed=seed,
+                                                                temperature=1.0)
+                    except openai.RateLimitError:
+                        retries += 1
+                        await asyncio.sleep(0.02)
+                raise AssertionError("never served")
 
-        # The refused ones retry (as a client honouring Retry-After would, with a shorter wait) until served.
-        retries = 0
-
-        async def until_served(seed: int):
-            nonlocal retries
-            for _ in range(500):
-                try:
-                    return await aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, seed=seed,
-                                                            temperature=1.0)
-                except openai.RateLimitError:
-                    retries += 1
-                    await asyncio.sleep(0.02)
-            raise AssertionError("never served")
-
-        rest = await asyncio.gather(*(until_served(tasks.index(t)) for t in refused))
+            rest = await asyncio.gather(*(until_served(seed) for seed in refused))
         return first_served, rest, retries
 
     first_served, rest, retries = asyncio.run(main())
-    assert first_served.usage.completion_tokens == 3
+    assert first_served[-1].choices[0].finish_reason == "length"
     assert len(rest) == burst - 1
     assert all(r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length" for r in rest)
-    assert retries > 0  # the second wave ran past the bound too, and was still all served
+    assert retries > 0  # the retries ran past the bound too, and were still all served
     server.wait_until_idle()

@@ -431,6 +431,23 @@ def test_echo_returns_the_prompt_then_the_completion(client):
     assert streamed == PROMPT + plain
 
 
+def test_echo_with_logprobs_scores_the_prompt_too(server, client):
+    prompt_ids = tokenize(server, PROMPT)
+    response = complete(client, prompt_ids, max_tokens=3, echo=True, logprobs=1, extra_body={"ignore_eos": True})
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) + 3
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None  # nothing precedes it
+    assert all(lp <= 0.0 for lp in logprobs.token_logprobs[1:])
+    assert logprobs.text_offset == sorted(logprobs.text_offset)
+
+    # A prompt token's logprob is the one the model gave it as the next token: force token 300 after the
+    # prompt (the bias changes the choice, not the reported logprob), then score prompt + [300] with echo.
+    forced = complete(client, prompt_ids, max_tokens=1, logprobs=0, logit_bias={"300": 100})
+    forced_logprob = forced.choices[0].logprobs.token_logprobs[0]
+    scored = complete(client, prompt_ids + [300], max_tokens=1, echo=True, logprobs=0)
+    assert scored.choices[0].logprobs.token_logprobs[len(prompt_ids)] == pytest.approx(forced_logprob, abs=1e-4)
+
+
 def test_stream_options_include_usage_adds_a_final_usage_chunk(client):
     chunks = list(complete(client, max_tokens=5, stream=True, stream_options={"include_usage": True},
                            extra_body={"ignore_eos": True}))
@@ -644,7 +661,6 @@ BAD_COMPLETION_PARAMS = [
     ({"prompt": [VOCAB_SIZE]}, ...),
     ({"prompt": None}, ...),
     ({"suffix": "tail"}, ...),
-    ({"echo": True, "logprobs": 1}, ...),
 ]
 
 
