@@ -50,7 +50,7 @@ def _bytes(text: str) -> int:
     return int(text)
 
 
-def engine_config_from(args: argparse.Namespace, max_waiting_requests: int | None = None):
+def engine_config_from(args: argparse.Namespace):
     from pagoda.entrypoints import build_engine_config
 
     return build_engine_config(
@@ -59,7 +59,6 @@ def engine_config_from(args: argparse.Namespace, max_waiting_requests: int | Non
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-        max_waiting_requests=max_waiting_requests,
     )
 
 
@@ -68,7 +67,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     args.model = args.model or default_model()
     return serve(
-        engine_config_from(args, args.max_waiting_requests),
+        engine_config_from(args),
         model_name=args.served_model_name or args.model,
         host=args.host, port=args.port, api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests, drain_timeout=args.shutdown_timeout,

@@ -73,7 +73,6 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
-    max_waiting_requests: int | None = None
 
 
 @dataclass(frozen=True)

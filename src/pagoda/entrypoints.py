@@ -28,7 +28,6 @@ def build_engine_config(
     kv_cache_memory_bytes: int = 2 << 30,
     num_kv_blocks: int | None = None,
     enable_prefix_caching: bool = True,
-    max_waiting_requests: int | None = None,
 ) -> EngineConfig:
     """Engine options with vLLM's names -> EngineConfig. Shared by LLM and the CLI."""
     if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
@@ -50,7 +49,6 @@ def build_engine_config(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
-            max_waiting_requests=max_waiting_requests,
         ),
     )
 

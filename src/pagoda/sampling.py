@@ -6,6 +6,13 @@ from dataclasses import dataclass, field
 
 # Rows with temperature below this are greedy: argmax, no randomness at all.
 GREEDY_EPS = 1e-5
+MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
+
+
+class InvalidParam(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -41,7 +48,7 @@ class SamplingParams:
     def _validate(self) -> None:
         def check(ok: bool, name: str, message: str) -> None:
             if not ok:
-                raise ValueError(f"{name} {message}, got {getattr(self, name)!r}")
+                raise InvalidParam(name, f"{name} {message}, got {getattr(self, name)!r}")
 
         check(self.n >= 1, "n", "must be at least 1")
         check(self.temperature >= 0.0, "temperature", "must be non-negative")
@@ -61,7 +68,7 @@ class SamplingParams:
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
         check(all(s for s in self.stop), "stop", "must not contain empty strings")
-        check(self.seed is None or self.seed >= 0, "seed", "must be non-negative")
+        check(self.seed is None or 0 <= self.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}]")
 
     @property
     def greedy(self) -> bool:

@@ -56,9 +56,8 @@ class EngineStats:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self.max_waiting_requests = max_waiting_requests
         self.stats = EngineStats()
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
@@ -77,12 +76,6 @@ class AsyncEngine:
     @property
     def num_unfinished(self) -> int:
         return len(self._streams)
-
-    def queue_is_full(self) -> bool:
-        """Admission control: the waiting queue is at its bound (callers answer 429)."""
-        if self.max_waiting_requests is None:
-            return False
-        return self.stats.num_waiting + self._commands.qsize() >= self.max_waiting_requests
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None

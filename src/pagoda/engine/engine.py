@@ -24,6 +24,10 @@ logger = logging.getLogger(__name__)
 class RequestRejected(ValueError):
     """The request can never run (too long for the context, bad token ids, ...): a 400, not a 500."""
 
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
+
 
 def _num_kv_blocks(config: EngineConfig, bytes_per_token: int) -> int:
     if config.cache.num_blocks is not None:
@@ -134,9 +138,10 @@ class LLMEngine:
         vocab_size = self.model_config.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_ids):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})")
-        for token_id in list(params.stop_token_ids) + list(params.logit_bias or {}):
-            if not 0 <= token_id < vocab_size:
-                raise RequestRejected(f"token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        for param, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or {})):
+            for token_id in token_ids:
+                if not 0 <= token_id < vocab_size:
+                    raise RequestRejected(f"token id {token_id} is outside the vocabulary [0, {vocab_size})", param)
         wanted = len(prompt_ids) + (params.max_tokens or 1)
         if wanted > self.max_model_len:
             raise RequestRejected(

@@ -58,8 +58,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     hidden_size = need("hidden_size")
     num_layers = need("num_hidden_layers")
     rope_theta, rope_scaling = _rope(hf, path)
-    eos = hf.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    eos_ids = _eos_token_ids(hf, Path(model_dir) / "generation_config.json")
     return ModelConfig(
         architecture=arch,
         vocab_size=need("vocab_size"),
@@ -82,6 +81,19 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         eos_token_ids=eos_ids,
         bos_token_id=hf.get("bos_token_id"),
     )
+
+
+def _eos_token_ids(hf: dict, generation_config: Path) -> tuple[int, ...]:
+    """config.json's eos ids plus generation_config.json's (chat models list their end-of-turn there)."""
+    ids: list[int] = []
+    sources = [hf.get("eos_token_id")]
+    if generation_config.is_file():
+        sources.append(read_json(generation_config).get("eos_token_id"))
+    for eos in sources:
+        for token_id in eos if isinstance(eos, list) else ([] if eos is None else [eos]):
+            if token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
 
 
 def _rope(hf: dict, path: Path) -> tuple[float, dict | None]:

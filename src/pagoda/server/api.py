@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -38,7 +39,16 @@ class ServerState:
     max_model_len: int = 0
     draining: bool = False
     load_error: str | None = None
-    extra: dict = field(default_factory=dict)
+    # Admission control, on the event loop only: engine requests admitted at the door that have not yet
+    # produced a token count as waiting. Reserved synchronously, so a burst cannot slip past the bound.
+    max_waiting_requests: int | None = None
+    num_waiting: int = 0
+
+    def reserve(self, count: int) -> None:
+        self.num_waiting += count
+
+    def release(self, count: int) -> None:
+        self.num_waiting -= count
 
     @property
     def ready(self) -> bool:
@@ -81,6 +91,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
+        state.require_ready()
         card = {"id": state.model_name, "object": "model", "created": now(), "owned_by": "pagoda",
                 "root": state.model_name, "max_model_len": state.max_model_len}
         return {"object": "list", "data": [card]}
@@ -98,8 +109,8 @@ def build_app(state: ServerState) -> FastAPI:
         return await _respond(Generation(
             kind="completion", response_id=random_id("cmpl"), model_name=state.model_name, engine=engine,
             tokenizer=state.tokenizer, metrics=state.metrics, prompts=prompts, params=params,
-            echo_texts=echo, include_usage=body.include_usage, cache_salt=body.cache_salt,
-        ), body.stream)
+            echo_texts=echo, include_usage=body.include_usage, cache_salt=body.cache_salt, admission=state,
+        ), body.stream, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
@@ -110,8 +121,8 @@ def build_app(state: ServerState) -> FastAPI:
         return await _respond(Generation(
             kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name, engine=engine,
             tokenizer=state.tokenizer, metrics=state.metrics, prompts=[prompt], params=params,
-            include_usage=body.include_usage, cache_salt=body.cache_salt,
-        ), body.stream)
+            include_usage=body.include_usage, cache_salt=body.cache_salt, admission=state,
+        ), body.stream, raw)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
@@ -146,7 +157,8 @@ def _admit(state: ServerState, model: str | None) -> AsyncEngine:
     engine = state.require_ready()
     if model is not None and model != state.model_name:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
-    if engine.queue_is_full():
+    bound = state.max_waiting_requests
+    if bound is not None and state.num_waiting >= bound:
         raise OpenAIError(429, "the server is at its waiting-queue bound; retry later", headers={"Retry-After": "1"})
     return engine
 
@@ -155,7 +167,7 @@ def _sampling_params(body, num_logprobs: int | None):
     try:
         return body.sampling_params(num_logprobs)
     except ValueError as error:
-        raise OpenAIError(400, str(error)) from error
+        raise OpenAIError(400, str(error), getattr(error, "param", None)) from error
 
 
 def _encode_prompt(state: ServerState, prompt: str | list[int]) -> list[int]:
@@ -181,13 +193,26 @@ def _validate(state: ServerState, prompt: list[int], params) -> None:
     try:
         state.engine.engine.validate(prompt, params)
     except RequestRejected as error:
-        raise OpenAIError(400, str(error), "prompt") from error
+        raise OpenAIError(400, str(error), error.param) from error
 
 
-async def _respond(generation: Generation, stream: bool):
-    if stream:
+async def _respond(generation: Generation, stream: bool, raw: Request):
+    if stream:  # Starlette cancels the body iterator when the client goes away: that aborts the requests
         return StreamingResponse(generation.sse(), media_type="text/event-stream")
-    return JSONResponse(await generation.response())
+    # Non-streamed: race the work against the client's disconnect, which Starlette does not watch here.
+    work = asyncio.create_task(generation.response())
+    disconnect = asyncio.create_task(_client_gone(raw))
+    done, _ = await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    if work in done:
+        disconnect.cancel()
+        return JSONResponse(work.result())
+    work.cancel()  # Generation's cleanup aborts its engine requests
+    return Response(status_code=499)
+
+
+async def _client_gone(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
 
 
 # --- errors ------------------------------------------------------------------------------------------
@@ -207,7 +232,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         errors = error.errors()
         if not errors or errors[0].get("type") == "json_invalid":
             return _error_response(OpenAIError(400, "the request body is not valid JSON"))
-        fields = [".".join(str(part) for part in e.get("loc", ())[1:]) for e in errors]
+        fields = [str(e["loc"][1]) if len(e.get("loc", ())) > 1 else "" for e in errors]  # the top-level field
         message = "; ".join(f"{field}: {e.get('msg')}" for field, e in zip(fields, errors))
         return _error_response(OpenAIError(400, message, fields[0] or None))
 

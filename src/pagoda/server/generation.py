@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagoda.engine.async_engine import AsyncEngine
@@ -50,6 +51,7 @@ class Generation:
         echo_texts: list[str] | None = None,
         include_usage: bool = False,
         cache_salt: str | None = None,
+        admission=None,
     ) -> None:
         self.kind, self.response_id, self.model_name = kind, response_id, model_name
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
@@ -62,6 +64,8 @@ class Generation:
         arrival = time.monotonic()
         self.timings = [PromptTiming(arrival) for _ in prompts]
         self._prompt_logprobs: dict[int, list] = {}
+        self._release = _waiting_slots(admission, len(prompts), params.n)
+        weakref.finalize(self, self._release)  # a response that never ran still gives its slots back
 
     # --- merged engine streams ---------------------------------------------------------------------
 
@@ -69,13 +73,20 @@ class Generation:
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, prompt: list[int]) -> None:
+            finished = False
             try:
                 request_id = f"{self.response_id}-{index}"
                 async for output in self.engine.generate(request_id, prompt, self.params, self.cache_salt):
+                    self._release(index)
+                    finished = output.finished
                     await queue.put((index, output))
             except Exception as error:
                 await queue.put((index, error))
             finally:
+                self._release(index)
+                if not finished:  # cancelled (client gone) or failed
+                    for _ in range(self.params.n):
+                        self.metrics.request_finished("abort")
                 await queue.put((index, None))
 
         tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(self.prompts)]
@@ -248,7 +259,7 @@ class Generation:
             return {
                 "tokens": [decode(t) for t in token_ids],
                 "token_logprobs": [lp[t] for t, lp in zip(token_ids, positions)],
-                "top_logprobs": [{decode(i): v for i, v in _top(lp, k)} for lp in positions],
+                "top_logprobs": [_by_text(_top(lp, k), decode) for lp in positions],
                 "text_offset": offsets,
             }
 
@@ -262,8 +273,33 @@ class Generation:
         ]}
 
 
+def _waiting_slots(admission, num_prompts: int, n: int) -> Callable[..., None]:
+    """Reserves n waiting slots per prompt; the returned function releases one prompt's (or all) once."""
+    if admission is None:
+        return lambda index=None: None
+    admission.reserve(num_prompts * n)
+    held = set(range(num_prompts))
+
+    def release(index: int | None = None) -> None:
+        for prompt_index in list(held) if index is None else [index]:
+            if prompt_index in held:
+                held.discard(prompt_index)
+                admission.release(n)
+
+    return release
+
+
 def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k best (id, logprob) pairs, best first."""
     return sorted(logprobs.items(), key=lambda item: -item[1])[:k]
+
+
+def _by_text(pairs: list[tuple[int, float]], decode) -> dict[str, float]:
+    """Completions key top logprobs by text; two ids with the same text keep the better logprob."""
+    result: dict[str, float] = {}
+    for token_id, logprob in pairs:
+        result.setdefault(decode(token_id), logprob)
+    return result
 
 
 def _event(payload: dict) -> str:

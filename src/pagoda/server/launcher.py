@@ -52,14 +52,14 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def load_engine(state: ServerState, engine_config, max_waiting_requests: int | None, on_error) -> None:
+def load_engine(state: ServerState, engine_config, on_error) -> None:
     """Runs in a thread while the port already answers 503."""
     try:
         started = time.monotonic()
         engine = LLMEngine(engine_config)
         state.tokenizer = load_tokenizer(engine_config.model)
         state.max_model_len = engine.max_model_len
-        async_engine = AsyncEngine(engine, max_waiting_requests)
+        async_engine = AsyncEngine(engine)
         state.metrics = ServerMetrics(state.model_name, lambda: async_engine.stats)
         _warm_up(engine)
         state.engine = async_engine
@@ -79,7 +79,7 @@ def _warm_up(engine: LLMEngine) -> None:
 
 def serve(engine_config, *, model_name: str, host: str, port: int, api_key: str | None,
           max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info") -> int:
-    state = ServerState(model_name=model_name, api_key=api_key)
+    state = ServerState(model_name=model_name, api_key=api_key, max_waiting_requests=max_waiting_requests)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
     server = DrainingServer(config, state, drain_timeout)
@@ -90,7 +90,7 @@ def serve(engine_config, *, model_name: str, host: str, port: int, api_key: str 
         server.should_exit = True
 
     threading.Thread(
-        target=load_engine, args=(state, engine_config, max_waiting_requests, on_error), name="pagoda-load",
+        target=load_engine, args=(state, engine_config, on_error), name="pagoda-load",
         daemon=True,
     ).start()
     server.run()
