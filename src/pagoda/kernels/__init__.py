@@ -13,7 +13,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp")]
 
 
 def _cpu_flags() -> set[str]:
@@ -40,8 +40,8 @@ def cpu_kernels():
 
         logger.info("compiling pagoda's CPU kernels (first use only; cached afterwards)")
         return load(
-            name="pagoda_cpu_gemv",
-            sources=[str(_SOURCE)],
+            name="pagoda_cpu_kernels",
+            sources=[str(source) for source in _SOURCES],
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
             verbose=False,
         )

@@ -119,7 +119,13 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& w, const to
   return y;
 }
 
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& slots,
+                                     const torch::Tensor& seq_lens, int64_t window, double scale);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query per sequence attending to its keys in the paged KV cache (window 0: none)");
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for bf16 w and 1..8 rows of x (float32 out)");
   m.def("gemv_int8", &gemv_int8, "y = (x @ w.T) * scale for int8 w and 1..8 rows of x (float32 out)");
 }

@@ -30,6 +30,7 @@ class AttentionMetadata:
     # Decodes (one query token each) are batched: keys gathered into [num_decodes, max_seq_len].
     decode_token_index: torch.Tensor  # [num_decodes] their rows in the flat batch
     decode_key_slots: torch.Tensor  # [num_decodes, max_seq_len], padded with slot 0
+    decode_seq_lens: torch.Tensor  # [num_decodes]
     decode_masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_seq_len]
     prefills: list[PrefillSeq] = field(default_factory=list)
 
@@ -75,6 +76,7 @@ def build_metadata(
         slot_mapping=torch.cat(slot_chunks) if slot_chunks else torch.empty(0, dtype=torch.long),
         decode_token_index=torch.tensor(decode_rows, dtype=torch.long),
         decode_key_slots=decode_slots,
+        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
         decode_masks=decode_masks,
         prefills=prefills,
     )
@@ -128,8 +130,7 @@ class TorchAttentionBackend:
             out[seq.query_start : seq.query_end] = attended.transpose(0, 1)
         return out
 
-    @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
         """One query per sequence, as two batched matmuls in fp32.
 
         CPU SDPA spends most of its time on setup at this size (and is slow in bf16); plain matmuls
@@ -146,3 +147,16 @@ class TorchAttentionBackend:
         scores = scores.masked_fill(~meta.decode_masks[window], float("-inf"))
         attended = torch.matmul(scores.softmax(dim=-1), values.transpose(1, 2))  # [B, kv_heads, group, D]
         return attended.view(batch, num_heads, head_dim).to(q.dtype)
+
+
+class CpuAttentionBackend(TorchAttentionBackend):
+    """Decodes through pagoda's paged-attention kernel (keys read in place, nothing gathered);
+    prefills as the reference backend does (SDPA is efficient for long queries)."""
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None):
+        return self.kernels.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_key_slots, meta.decode_seq_lens, window or 0, scale
+        )

@@ -177,4 +177,18 @@ def load_model(
         model = LlamaModel(config)
     model.load_weights(iter_weights(model_dir), dtype=dtype, device=device)
     prepare_linears(model, quantization, use_kernels)
+    if use_kernels:
+        model.backend = select_attention_backend(config, dtype, device)
     return model.eval(), config
+
+
+def select_attention_backend(config: ModelConfig, dtype: torch.dtype, device: str):
+    """The native CPU backend where it applies (fp32/bf16, head_dim a multiple of 16), else the reference."""
+    from pagoda.kernels import cpu_kernels
+    from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend
+
+    if device == "cpu" and dtype in (torch.float32, torch.bfloat16) and config.head_dim % 16 == 0:
+        kernels = cpu_kernels()
+        if kernels is not None:
+            return CpuAttentionBackend(kernels)
+    return TorchAttentionBackend()
