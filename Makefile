@@ -9,6 +9,8 @@ $(STAMP): pyproject.toml
 	# Pinned CPU build first, so nothing later pulls a CUDA torch.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
+	# Native CPU kernels are compiled once here (about a minute), not inside the first test or request.
+	$(PY) -m pagoda.kernels
 	touch $(STAMP)
 
 .PHONY: install serve generate test lint bench-models

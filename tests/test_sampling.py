@@ -9,7 +9,7 @@ from conftest import compare_with_reference, random_prompts, register_engine
 
 from pagoda import SamplingParams
 from pagoda.engine.request import Request
-from pagoda.engine.sampler import build_sampling_metadata, sample
+from pagoda.engine.sampler import _draw_seed, build_sampling_metadata, sample
 
 ARCH = "qwen2"  # tied embeddings: greedy output repeats tokens, which the penalty tests need
 EOS = 1
@@ -113,7 +113,7 @@ def sample_many(params: SamplingParams, seeds, output_positions) -> torch.Tensor
                 for i, seed in enumerate(seeds)]
     meta = build_sampling_metadata(requests, LOGITS.numel())
     # As if each request had already produced that many tokens (cheaper than building the outputs).
-    meta.output_positions = torch.tensor(list(output_positions), dtype=torch.long)
+    meta.draw_seeds = [_draw_seed(seed, position) for seed, position in zip(seeds, output_positions)]
     return torch.tensor(sample(LOGITS.repeat(len(requests), 1), meta).token_ids)
 
 

@@ -40,11 +40,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         scheduled = scheduler_output.scheduled
-        input_ids, positions = [], []
+        input_ids = []
         for item in scheduled:
             start = item.request.num_computed_tokens
             input_ids += item.request.all_token_ids[start : start + item.num_tokens]
-            positions.append(torch.arange(start, start + item.num_tokens))
         meta = build_metadata(
             query_lens=[item.num_tokens for item in scheduled],
             seq_lens=[item.request.num_computed_tokens + item.num_tokens for item in scheduled],
@@ -54,7 +53,7 @@ class ModelRunner:
         )
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            torch.cat(positions).to(self.device),
+            meta.positions.to(self.device),
             self.kv_caches,
             meta,
         )

@@ -1,8 +1,9 @@
-"""Logits -> token ids (+ logprobs), vectorised over the batch, with no stateful RNG.
+"""Logits -> token ids (+ logprobs), vectorised over the batch, with no RNG state carried over.
 
-Randomness is a pure function of (request seed, output position, token id): a counter-based hash
-gives each vocabulary entry a Gumbel draw, and the sample is argmax(logits / T + gumbel). So a seeded
-request gives the same tokens whatever else shares its batch, and after a preemption recomputes it.
+Randomness is a pure function of (request seed, output position): each sampled row draws its Gumbel
+noise from a generator seeded with a hash of the two, and the sample is argmax(logits / T + gumbel).
+So a seeded request gives the same tokens whatever else shares its batch, and after a preemption
+recomputes it. Greedy rows draw nothing.
 """
 
 from __future__ import annotations
@@ -14,19 +15,19 @@ import torch
 from pagoda.engine.request import Request
 from pagoda.sampling import GREEDY_EPS
 
-_MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
 
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [B] float32 (1.0 on greedy rows, which ignore it)
-    greedy: torch.Tensor  # [B] bool
-    all_greedy: bool
-    top_k: torch.Tensor | None  # [B] long, vocab size where disabled; None if no row uses it
-    top_p: torch.Tensor | None  # [B] float32; None if no row uses it
+    # Rows that sample at random (temperature > 0); the others take the argmax. Fields below are
+    # per random row, in this order.
+    random_rows: torch.Tensor  # [R] long
+    temperature: torch.Tensor  # [R] float32
+    top_k: torch.Tensor | None  # [R] long, vocab size where disabled; None if no row uses it
+    top_p: torch.Tensor | None  # [R] float32; None if no row uses it
     min_p: torch.Tensor | None
-    seeds: torch.Tensor  # [B] long
-    output_positions: torch.Tensor  # [B] long: index of the token being sampled
+    draw_seeds: list[int]  # [R] generator seed of each row's draw: hash of (request seed, output position)
     num_logprobs: list[int | None]  # per row: top-k logprobs asked for, None for none
     penalties: PenaltyMetadata | None
 
@@ -48,24 +49,29 @@ class SamplerOutput:
 
 
 def build_sampling_metadata(requests: list[Request], vocab_size: int) -> SamplingMetadata:
-    params = [r.params for r in requests]
-    greedy = torch.tensor([p.temperature < GREEDY_EPS for p in params])
-    temperature = torch.tensor([1.0 if g else p.temperature for p, g in zip(params, greedy.tolist())])
+    rows = [i for i, r in enumerate(requests) if r.params.temperature >= GREEDY_EPS]
+    params = [requests[i].params for i in rows]
     use_top_k = any(0 < p.top_k < vocab_size for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)
     use_min_p = any(p.min_p > 0.0 for p in params)
     return SamplingMetadata(
-        temperature=temperature.float(),
-        greedy=greedy,
-        all_greedy=bool(greedy.all()),
+        random_rows=torch.tensor(rows, dtype=torch.long),
+        temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
         top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]) if use_top_k else None,
-        top_p=torch.tensor([p.top_p for p in params]).float() if use_top_p else None,
-        min_p=torch.tensor([p.min_p for p in params]).float() if use_min_p else None,
-        seeds=torch.tensor([r.seed for r in requests], dtype=torch.long),
-        output_positions=torch.tensor([r.num_output_tokens for r in requests], dtype=torch.long),
-        num_logprobs=[p.logprobs for p in params],
+        top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32) if use_top_p else None,
+        min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32) if use_min_p else None,
+        draw_seeds=[_draw_seed(requests[i].seed, requests[i].num_output_tokens) for i in rows],
+        num_logprobs=[r.params.logprobs for r in requests],
         penalties=_build_penalties(requests, vocab_size),
     )
+
+
+def _draw_seed(seed: int, position: int) -> int:
+    """splitmix64 of (seed, position): distinct, well-mixed generator seeds for every draw."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 def _needs_penalties(request: Request) -> bool:
@@ -114,24 +120,15 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> torch.Tensor:
     return logits + pen.bias
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3's 32-bit finaliser in int64 arithmetic (products wrap; only the low 32 bits are kept)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _MASK32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _MASK32
-    return h ^ (h >> 16)
-
-
-def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] Gumbel(0, 1) draws, a pure function of (seed, position, token id)."""
-    low, high = seeds & _MASK32, (seeds >> 32) & _MASK32
-    row = _fmix32(low ^ _fmix32(high ^ _fmix32((positions * 0x9E3779B1 + 0x7F4A7C15) & _MASK32)))
-    token = (torch.arange(vocab_size, dtype=torch.long) * 0x27D4EB2F) & _MASK32
-    h = _fmix32(_fmix32(row[:, None] ^ token[None, :]) ^ row[:, None])
-    # 24 bits, centred: u lies strictly inside (0, 1) and is exact in float32.
-    uniform = ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return -torch.log(-torch.log(uniform))
+def gumbel_noise(draw_seeds: list[int], vocab_size: int) -> torch.Tensor:
+    """[R, V] Gumbel(0, 1) draws, each row from its own freshly seeded generator."""
+    noise = torch.empty(len(draw_seeds), vocab_size)
+    generator = torch.Generator()
+    for row, seed in enumerate(draw_seeds):
+        generator.manual_seed(seed)
+        noise[row].uniform_(generator=generator)
+    # uniform_ may return exactly 0: -log(-log(0)) = -inf, a token that simply never wins.
+    return -torch.log(-torch.log(noise))
 
 
 def _filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -159,11 +156,10 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     token_ids = logits.argmax(dim=-1)
-    if not meta.all_greedy:
-        scaled = _filter(logits / meta.temperature[:, None], meta)
-        noise = gumbel_noise(meta.seeds, meta.output_positions, logits.shape[1])
-        sampled = (scaled + noise).argmax(dim=-1)
-        token_ids = torch.where(meta.greedy, token_ids, sampled)
+    if meta.random_rows.numel():
+        scaled = _filter(logits[meta.random_rows] / meta.temperature[:, None], meta)
+        noise = gumbel_noise(meta.draw_seeds, logits.shape[1])
+        token_ids[meta.random_rows] = (scaled + noise).argmax(dim=-1)
     return SamplerOutput(token_ids.tolist(), _logprobs(raw_logits, token_ids, meta))
 
 

@@ -2,18 +2,28 @@
 
 `cpu_kernels()` returns the compiled module, or None (with one warning) when the CPU lacks AVX-512
 BF16, no compiler is present, the build fails, or PAGODA_DISABLE_KERNELS=1 asks for the torch path.
+
+The build lives in ~/.cache/pagoda/kernels/<hash of the sources and flags>/, with the sources copied in:
+every checkout with the same sources shares one build (paths never differ, so ninja never rebuilds),
+and a changed source gets a directory of its own. `make install` builds it, so tests never wait for it.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
+import shutil
+import time
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp")]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+_CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda")) / "kernels"
+_STALE_LOCK_SECONDS = 900  # a build lock this old belongs to a killed build: torch would wait on it forever
 
 
 def _cpu_flags() -> set[str]:
@@ -27,6 +37,26 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+def _build_directory() -> tuple[str, Path, list[str]]:
+    digest = hashlib.sha256()
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
+    digest.update(" ".join(_FLAGS).encode())
+    version = digest.hexdigest()[:12]
+    directory = _CACHE / version
+    (directory / "src").mkdir(parents=True, exist_ok=True)
+    sources = []
+    for source in _SOURCES:
+        target = directory / "src" / source.name
+        if not target.exists():
+            shutil.copyfile(source, target)
+        sources.append(str(target))
+    lock = directory / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
+        lock.unlink(missing_ok=True)
+    return f"pagoda_cpu_kernels_{version}", directory, sources
+
+
 @functools.cache
 def cpu_kernels():
     if os.environ.get("PAGODA_DISABLE_KERNELS") == "1":
@@ -38,13 +68,11 @@ def cpu_kernels():
     try:
         from torch.utils.cpp_extension import load
 
-        logger.info("compiling pagoda's CPU kernels (first use only; cached afterwards)")
-        return load(
-            name="pagoda_cpu_kernels",
-            sources=[str(source) for source in _SOURCES],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"],
-            verbose=False,
-        )
+        name, directory, sources = _build_directory()
+        if not any(directory.glob("*.so")):
+            logger.info("compiling pagoda's CPU kernels into %s (once)", directory)
+        return load(name=name, sources=sources, extra_cflags=_FLAGS, build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler, missing headers, ...: the torch path still works
         logger.warning("native CPU kernels unavailable (%s); using torch", error)
         return None
+

@@ -26,10 +26,11 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
+    positions: torch.Tensor  # [num_tokens] absolute position of each token of the flat batch
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     # Decodes (one query token each) are batched: keys gathered into [num_decodes, max_seq_len].
     decode_token_index: torch.Tensor  # [num_decodes] their rows in the flat batch
-    decode_key_slots: torch.Tensor  # [num_decodes, max_seq_len], padded with slot 0
+    decode_key_slots: torch.Tensor  # [num_decodes, max_seq_len]; padding points at valid but unused slots
     decode_seq_lens: torch.Tensor  # [num_decodes]
     decode_masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_seq_len]
     prefills: list[PrefillSeq] = field(default_factory=list)
@@ -53,46 +54,42 @@ def build_metadata(
     block_size: int,
     windows: set[int | None],
 ) -> AttentionMetadata:
-    """Flat-batch metadata for one step. seq_lens include this step's tokens."""
-    slot_chunks, prefills = [], []
-    decode_rows, decode_lens, decode_tables = [], [], []
-    query_start = 0
-    for query_len, seq_len, table in zip(query_lens, seq_lens, block_tables):
-        table_tensor = torch.tensor(table, dtype=torch.long)
-        positions = torch.arange(seq_len)
-        all_slots = table_tensor[positions // block_size] * block_size + positions % block_size
-        slot_chunks.append(all_slots[seq_len - query_len :])
-        if query_len == 1:
-            decode_rows.append(query_start)
-            decode_lens.append(seq_len)
-            decode_tables.append(all_slots)
-        else:
-            query_pos = positions[seq_len - query_len :, None]
-            masks = {w: _window_mask(query_pos, positions[None, :], w) for w in windows}
-            prefills.append(PrefillSeq(query_start, query_start + query_len, all_slots, masks))
-        query_start += query_len
-    decode_slots, decode_masks = _decode_layout(decode_lens, decode_tables, windows)
+    """Flat-batch metadata for one step, in a fixed number of tensor ops (Python loops only over the
+    step's prefills). seq_lens include this step's tokens."""
+    num_seqs, max_blocks = len(query_lens), max(len(table) for table in block_tables)
+    table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+    query_lens_t, seq_lens_t = torch.tensor(query_lens), torch.tensor(seq_lens)
+    key_pos = torch.arange(max(seq_lens))
+    all_slots = table[:, key_pos // block_size] * block_size + key_pos % block_size  # [num_seqs, max_len]
+
+    query_starts = torch.cumsum(query_lens_t, 0) - query_lens_t
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)
+    first_new = (seq_lens_t - query_lens_t)[seq_of_token]
+    positions = torch.arange(seq_of_token.numel()) - query_starts[seq_of_token] + first_new
+    slot_mapping = all_slots[seq_of_token, positions]
+
+    is_decode = query_lens_t == 1
+    decode_seqs = is_decode.nonzero()[:, 0]
+    decode_lens = seq_lens_t[decode_seqs]
+    decode_width = int(decode_lens.max()) if decode_seqs.numel() else 0
+    query_pos = decode_lens[:, None] - 1
+    decode_masks = {w: _window_mask(query_pos, key_pos[None, :decode_width], w)[:, None, None, :] for w in windows}
+
+    prefills = []
+    for seq in (~is_decode).nonzero()[:, 0].tolist():
+        seq_len, start = seq_lens[seq], int(query_starts[seq])
+        query_pos = key_pos[seq_len - query_lens[seq] : seq_len, None]
+        masks = {w: _window_mask(query_pos, key_pos[None, :seq_len], w) for w in windows}
+        prefills.append(PrefillSeq(start, start + query_lens[seq], all_slots[seq, :seq_len], masks))
     return AttentionMetadata(
-        slot_mapping=torch.cat(slot_chunks) if slot_chunks else torch.empty(0, dtype=torch.long),
-        decode_token_index=torch.tensor(decode_rows, dtype=torch.long),
-        decode_key_slots=decode_slots,
-        decode_seq_lens=torch.tensor(decode_lens, dtype=torch.long),
+        positions=positions,
+        slot_mapping=slot_mapping,
+        decode_token_index=query_starts[decode_seqs],
+        decode_key_slots=all_slots[decode_seqs, :decode_width],
+        decode_seq_lens=decode_lens,
         decode_masks=decode_masks,
         prefills=prefills,
     )
-
-
-def _decode_layout(lens: list[int], slot_lists: list[torch.Tensor], windows: set[int | None]):
-    if not lens:
-        return torch.empty(0, 0, dtype=torch.long), {}
-    max_len = max(lens)
-    slots = torch.zeros(len(lens), max_len, dtype=torch.long)
-    for row, row_slots in enumerate(slot_lists):
-        slots[row, : row_slots.numel()] = row_slots
-    key_pos = torch.arange(max_len)[None, :]
-    query_pos = torch.tensor(lens)[:, None] - 1
-    masks = {w: _window_mask(query_pos, key_pos, w)[:, None, None, :] for w in windows}
-    return slots, masks
 
 
 class TorchAttentionBackend:

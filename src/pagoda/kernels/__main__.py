@@ -1,0 +1,8 @@
+"""`python -m pagoda.kernels`: build the native CPU kernels now (`make install` does this)."""
+
+import logging
+
+from pagoda.kernels import cpu_kernels
+
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+print("pagoda CPU kernels:", "ready" if cpu_kernels() is not None else "unavailable (torch fallback)")
