@@ -40,6 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV pool size in bytes (suffixes K, M, G: 2G = 2 GiB)")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="explicit pool size in blocks")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice, one per physical core)")
 
 
 def _bytes(text: str) -> int:
@@ -51,6 +53,10 @@ def _bytes(text: str) -> int:
 
 
 def engine_config_from(args: argparse.Namespace):
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
     from pagoda.entrypoints import build_engine_config
 
     return build_engine_config(
