@@ -1,6 +1,6 @@
 """Task accuracy of the demo model per numeric path, through pagoda's engine, beside `transformers`.
 
-    .venv/bin/python benchmarks/quality.py                          # fp32 and bf16, 1,000 items per task
+    .venv/bin/python benchmarks/quality.py                          # fp32, bf16 and int8, 1,000 items per task
     .venv/bin/python benchmarks/quality.py --limit 100 --paths fp32  # a quick look
 
 The held-out set (pagoda.demo.tasks.held_out_set) is never trained on. Every path decodes greedily the
@@ -36,7 +36,7 @@ ENGINE_PATHS: dict[str, dict[str, Any]] = {
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR)
-    parser.add_argument("--paths", default="fp32,bf16", help=f"comma-separated, of {sorted(ENGINE_PATHS)}")
+    parser.add_argument("--paths", default="fp32,bf16,int8", help=f"comma-separated, of {sorted(ENGINE_PATHS)}")
     parser.add_argument("--limit", type=int, default=1000, help="held-out items per task family")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-num-seqs", type=int, default=128)

@@ -25,6 +25,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
@@ -39,26 +40,29 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-# Every digit, space and punctuation mark is a pre-token of its own, so BPE merges only within a run of
-# letters: numbers are read digit by digit (arithmetic is learnable), and a word is the same token
-# whether it follows a space, a newline or a quote (copying is learnable).
-PRE_TOKEN = Regex(r"[^\W\d_]+|\d|\s|[^\w\s]|_")
+# Digits are single pre-tokens, so numbers are read digit by digit (arithmetic is learnable at this size).
+# A word or punctuation mark takes at most the one space after it, never the one before: a word is then
+# the same token after a space, a newline or a quote, so copying it from the prompt is learnable, and
+# the common ", " and ": " cost one token, not two.
+PRE_TOKEN = Regex(r"[^\W\d_]+ ?|\d|[^\w\s] ?|_ ?|\s")
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=2400)
-    parser.add_argument("--batch-size", type=int, default=64, help="sequences per step")
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
+    parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--mlp", type=int, default=704)
     parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--prompt-loss-weight", type=float, default=0.25,
+                        help="loss weight of prompt tokens, relative to answer tokens")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--max-minutes", type=float, default=20.0, help="guard on the training loop")
+    parser.add_argument("--max-minutes", type=float, default=60.0, help="guard on the training loop")
     parser.add_argument("--eval-items", type=int, default=200, help="held-out items per task (0: skip)")
     return parser.parse_args()
 
@@ -89,17 +93,20 @@ def train_tokenizer(sample: list[Item], vocab_size: int) -> PreTrainedTokenizerF
     return wrapped
 
 
-def encode(tokenizer: PreTrainedTokenizerFast, items: list[Item]) -> list[tuple[list[int], list[int]]]:
-    """(input ids, labels) per item; the loss falls on the answer and its eos only."""
+def encode(tokenizer: PreTrainedTokenizerFast, items: list[Item]) -> list[tuple[list[int], int]]:
+    """(token ids, prompt length) per item: the chat-formatted prompt, then the answer and eos."""
     prompts = encode_prompts(tokenizer, items)
     answers = tokenizer([it.answer for it in items], add_special_tokens=False)["input_ids"]
     eos = tokenizer.eos_token_id
-    return [(p + a + [eos], [-100] * len(p) + a + [eos]) for p, a in zip(prompts, answers)]
+    return [(p + a + [eos], len(p)) for p, a in zip(prompts, answers)]
 
 
-def batches(tokenizer: PreTrainedTokenizerFast, seed: int, batch_size: int) -> Iterator[tuple[torch.Tensor, ...]]:
-    """Right-padded batches of similar-length items: little padding, and no attention mask is needed
-    because under a causal mask no real token can see the padding after it."""
+def batches(
+    tokenizer: PreTrainedTokenizerFast, seed: int, batch_size: int
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(token ids, role) batches, right-padded, of similar-length items (little padding). Role per token:
+    1 answer, 0 prompt, -1 padding. No attention mask is needed: under a causal mask no real token can
+    see the padding after it."""
     stream, rng, group = training_stream(seed), random.Random(seed), 16
     while True:
         items = list(itertools.islice(stream, batch_size * group))
@@ -109,8 +116,19 @@ def batches(tokenizer: PreTrainedTokenizerFast, seed: int, batch_size: int) -> I
         for chunk in chunks:
             width = max(len(ids) for ids, _ in chunk)
             ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in chunk])
-            labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in chunk])
-            yield ids, labels
+            role = torch.tensor([[0] * n + [1] * (len(x) - n) + [-1] * (width - len(x)) for x, n in chunk])
+            yield ids, role
+
+
+def loss_fn(model: LlamaForCausalLM, ids: torch.Tensor, role: torch.Tensor, prompt_weight: float):
+    """(loss to train on, loss on answer tokens alone). Prompt tokens may carry a small weight: a dense
+    language-modelling signal about the prompts' structure, on top of the answers'."""
+    logits = model(input_ids=ids).logits[:, :-1]
+    token_loss = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none")
+    role = role[:, 1:].flatten()
+    answer = (role == 1).float()
+    weight = answer + prompt_weight * (role == 0).float()
+    return (token_loss * weight).sum() / weight.sum(), (token_loss * answer).sum() / answer.sum()
 
 
 def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
@@ -147,17 +165,17 @@ def train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, args: arg
     optimizer, schedule = make_optimizer(model, args)
     model.train()
     start, losses, step = time.monotonic(), [], 0
-    for step, (ids, labels) in enumerate(batches(tokenizer, args.seed, args.batch_size), start=1):
-        loss = model(input_ids=ids, labels=labels).loss
+    for step, (ids, role) in enumerate(batches(tokenizer, args.seed, args.batch_size), start=1):
+        loss, answer_loss = loss_fn(model, ids, role, args.prompt_loss_weight)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        losses.append(answer_loss.item())
         minutes = (time.monotonic() - start) / 60
         if step % 50 == 0 or step == args.steps:
-            print(f"step {step:5d}/{args.steps}  loss {sum(losses[-50:]) / len(losses[-50:]):.4f}  "
+            print(f"step {step:5d}/{args.steps}  answer loss {sum(losses[-50:]) / len(losses[-50:]):.4f}  "
                   f"lr {schedule.get_last_lr()[0]:.2e}  {minutes:.1f} min", flush=True)
         if step == args.steps:
             break
@@ -166,7 +184,7 @@ def train(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, args: arg
             break
     model.eval()
     return {"steps": step, "train_seconds": round(time.monotonic() - start, 1),
-            "final_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4)}
+            "final_answer_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4)}
 
 
 def evaluate(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, items_per_task: int) -> dict:
@@ -186,6 +204,11 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path,
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out, save_jinja_files=False)  # the template goes into tokenizer_config.json
+    # transformers 5 writes its own class name, which transformers 4 cannot load; this name both can.
+    config_path = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_path.read_text())
+    tokenizer_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config_path.write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
 
 
@@ -198,7 +221,7 @@ def main() -> None:
     model = build_model(args, tokenizer)
     params = sum(p.numel() for p in model.parameters())
     print(f"vocab {len(tokenizer)}, {params / 1e6:.2f}M parameters, {len(TASKS)} task families", flush=True)
-    log = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    log = {"args": {k: v for k, v in vars(args).items() if k != "out"},
            "parameters": params, "torch": torch.__version__, **train(model, tokenizer, args)}
     if args.eval_items:
         print(f"held-out exact match ({args.eval_items} items per task, transformers greedy):")

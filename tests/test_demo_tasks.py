@@ -70,7 +70,7 @@ def test_answers_are_right() -> None:
     for item in generate("counting", "test", 200):
         assert int(item.answer) == len(item.key.removeprefix("count:").split(", "))
     for item in generate("json", "test", 200):
-        pairs = dict(pair.split("=") for pair in item.key.removeprefix("json:").split(" "))
+        pairs = dict(pair.split("=") for pair in item.key.removeprefix("json:").split(", "))
         assert {k: str(v) for k, v in json.loads(item.answer).items()} == pairs
     for item in generate("facts", "test", 200):
         facts, target = item.key.removeprefix("facts:").split("|")

@@ -104,14 +104,14 @@ def _counting(rng: random.Random) -> Problem:
 
 
 def _reversing(rng: random.Random) -> Problem:
-    items = rng.sample(WORDS, rng.randint(2, 6))
+    items = rng.sample(WORDS, rng.randint(2, 5))
     text = ", ".join(items)
     prompt = rng.choice(("Reverse the list: {x}", "Reverse this list: {x}"))
     return "reverse:" + text, prompt.format(x=text), ", ".join(reversed(items))
 
 
 def _sorting(rng: random.Random) -> Problem:
-    numbers = [rng.randint(0, 99) for _ in range(rng.randint(2, 6))]
+    numbers = [rng.randint(0, 99) for _ in range(rng.randint(2, 5))]
     text = ", ".join(map(str, numbers))
     prompt = rng.choice(("Sort the numbers: {x}", "Sort these numbers in ascending order: {x}"))
     return "sort:" + text, prompt.format(x=text), ", ".join(map(str, sorted(numbers)))
@@ -123,7 +123,7 @@ def _code(rng: random.Random) -> str:
 
 
 def _copying(rng: random.Random) -> Problem:
-    parts = [rng.choice(WORDS) if rng.random() < 0.6 else _code(rng) for _ in range(rng.randint(1, 5))]
+    parts = [rng.choice(WORDS) if rng.random() < 0.6 else _code(rng) for _ in range(rng.randint(1, 4))]
     text = " ".join(parts)
     prompt = rng.choice(("Repeat exactly: {x}", "Copy this text: {x}"))
     return "copy:" + text, prompt.format(x=text), text
