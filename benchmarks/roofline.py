@@ -1,0 +1,223 @@
+"""Roofline: pagoda's speed as a fraction of this machine's own limits, measured in the same run.
+
+Limits: streaming-read bandwidth (a >= 1 GiB buffer, and a buffer the size of the step's own bytes)
+and matmul rate at the model's own GEMM shapes (fp32 / bf16 F.linear, int8 weight-only
+torch._weight_int8pack_mm or dequantize+bf16, whichever is faster). Workloads, greedy, ignore_eos:
+
+  decode   batch-1, 128-token prompt, 128 new tokens: floor = (weight + KV bytes per step) / bandwidth
+  prefill  one 1,024-token prompt: floor = the model's GEMMs at M=1024, each timed at its shape
+  offline  32 prompts 128 -> 64 on bench-125m: prefill floor + each batch-32 decode step's
+           max(bytes / bandwidth, GEMMs at M=32)
+
+fraction = floor / measured (1.0 = at the limit). Configs: fp32, bf16, int8 (weight-only W8A16, LM head
+included). Targets: bench-1b decode fp32 >= 0.85, bf16/int8 >= 0.6; prefill >= 0.7.
+
+    python benchmarks/roofline.py [--threads 2] [--repeats 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+from common import (
+    CONFIGS,
+    TORCH_DTYPES,
+    GiB,
+    add_common_args,
+    attention_flops,
+    environment,
+    fraction,
+    kv_read_bytes,
+    linear_flops,
+    load_average,
+    log,
+    make_llm,
+    make_prompts,
+    matmul_floor,
+    read_bandwidth,
+    run_engine,
+    save_bar_png,
+    set_threads,
+    summary,
+    weight_bytes,
+    write_json,
+)
+
+TARGETS = {("decode", "bench-1b", "fp32"): 0.85, ("decode", "bench-1b", "bf16"): 0.6,
+           ("decode", "bench-1b", "int8"): 0.6, ("prefill", None, None): 0.7}
+
+
+def target_for(kind: str, model: str, config: str) -> float | None:
+    return TARGETS.get((kind, model, config), TARGETS.get((kind, None, None)))
+
+
+def bandwidth(num_bytes: int, args) -> dict:
+    size = min(num_bytes, args.max_buffer_gib * GiB)
+    samples = read_bandwidth(size, args.repeats)
+    return {"buffer_bytes": size, **summary(samples)}
+
+
+def decode_workload(model_dir: str, name: str, config: str, args) -> dict:
+    prompt_len, new_tokens = args.prompt_len, args.decode_tokens
+    llm = make_llm(model_dir, config, 1, prompt_len + new_tokens, enable_prefix_caching=False)
+    engine, model_config = llm.engine, llm.engine.model_config
+    dtype = TORCH_DTYPES[CONFIGS[config][0]]
+    run_engine(engine, make_prompts(1, 16, model_config.vocab_size, seed=99), 4)  # warm-up
+    step_bytes = weight_bytes(engine.model)
+    bw = bandwidth(step_bytes, args)
+    runs, per_run_medians, all_steps = [], [], []
+    for repeat in range(args.repeats):
+        records = run_engine(engine, make_prompts(1, prompt_len, model_config.vocab_size, seed=repeat), new_tokens)
+        decode_steps = [r.seconds for r in records[1:]]
+        runs.append({"prefill_s": records[0].seconds, "decode_step_s": decode_steps})
+        per_run_medians.append(statistics.median(decode_steps))
+        all_steps += records[1:]
+        log(f"  {name} {config} decode repeat {repeat + 1}/{args.repeats}: "
+            f"{1 / per_run_medians[-1]:.1f} tok/s (median step {per_run_medians[-1] * 1e3:.1f} ms)")
+    step_s = statistics.median(per_run_medians)
+    mean_kv = statistics.mean(kv_read_bytes(model_config, dtype, r.context_lens) for r in all_steps)
+    floor_s = (step_bytes + mean_kv) / bw["median"]
+    del llm, engine
+    gc.collect()
+    return {"kind": "decode", "model": name, "config": config, "prompt_len": prompt_len, "new_tokens": new_tokens,
+            "weight_bytes": step_bytes, "kv_bytes_mean": mean_kv, "bandwidth": bw, "runs": runs,
+            "step_s_per_run_median": per_run_medians, "step_s": step_s, "tokens_per_s": 1 / step_s,
+            "floor_s": floor_s, "limit": f"{bw['median'] / 1e9:.1f} GB/s", "fraction": fraction(floor_s, step_s),
+            "target": target_for("decode", name, config)}
+
+
+def prefill_workload(model_dir: str, name: str, config: str, args) -> dict:
+    tokens = args.prefill_tokens
+    llm = make_llm(model_dir, config, 1, tokens + 8, max_batched_tokens=max(4096, tokens),
+                   enable_prefix_caching=False)
+    engine, model_config = llm.engine, llm.engine.model_config
+    run_engine(engine, make_prompts(1, 64, model_config.vocab_size, seed=99), 1)  # warm-up
+    samples = []
+    for repeat in range(args.repeats):
+        records = run_engine(engine, make_prompts(1, tokens, model_config.vocab_size, seed=repeat), 1)
+        assert len(records) == 1 and records[0].num_tokens == tokens, "the prompt must be one step"
+        samples.append(records[0].seconds)
+        log(f"  {name} {config} prefill repeat {repeat + 1}/{args.repeats}: {samples[-1]:.2f} s")
+    del llm, engine
+    gc.collect()
+    floors = {kind: matmul_floor(kind, model_config, tokens, 1, args.repeats)
+              for kind in (["int8", "int8_dequant"] if config == "int8" else [config])}
+    best = min(floors.values(), key=lambda f: f["seconds"])
+    step_s = statistics.median(samples)
+    flops = linear_flops(model_config, tokens, 1) + attention_flops(model_config, [tokens], [tokens])
+    return {"kind": "prefill", "model": name, "config": config, "prompt_len": tokens, **summary(samples),
+            "step_s": step_s, "tokens_per_s": tokens / step_s, "model_flops": flops,
+            "engine_flop_per_s": flops / step_s, "matmul_floors": floors, "floor_kind": best["kind"],
+            "floor_s": best["seconds"], "limit": f"{best['flop_per_s'] / 1e9:.0f} GFLOP/s",
+            "fraction": fraction(best["seconds"], step_s), "target": target_for("prefill", name, config),
+            "fraction_of_engine_gemm": fraction(floors[config]["seconds"], step_s)}
+
+
+def offline_workload(model_dir: str, name: str, config: str, args) -> dict:
+    num, prompt_len, output_len = args.offline_prompts, args.prompt_len, args.offline_tokens
+    llm = make_llm(model_dir, config, num, prompt_len + output_len, enable_prefix_caching=False)
+    engine, model_config = llm.engine, llm.engine.model_config
+    dtype = TORCH_DTYPES[CONFIGS[config][0]]
+    run_engine(engine, make_prompts(4, 16, model_config.vocab_size, seed=99), 4)  # warm-up
+    runs = []
+    for repeat in range(args.repeats):
+        records = run_engine(engine, make_prompts(num, prompt_len, model_config.vocab_size, seed=repeat), output_len)
+        runs.append(records)
+        log(f"  {name} {config} offline repeat {repeat + 1}/{args.repeats}: {sum(r.seconds for r in records):.2f} s, "
+            f"{num * output_len / sum(r.seconds for r in records):.1f} output tok/s")
+    step_bytes = weight_bytes(engine.model)
+    del llm, engine
+    gc.collect()
+    bw = bandwidth(step_bytes, args)
+    kind = "int8" if config == "int8" else config
+    decode_floor = matmul_floor(kind, model_config, num, num, args.repeats)
+    floor_s, prefill_chunks = 0.0, {}
+    for record in runs[0]:
+        if record.num_decodes == len(record.context_lens):  # a pure decode step
+            memory_s = (step_bytes + kv_read_bytes(model_config, dtype, record.context_lens)) / bw["median"]
+            compute_s = decode_floor["seconds"] * record.num_decodes / num
+            floor_s += max(memory_s, compute_s)
+        else:
+            if record.num_tokens not in prefill_chunks:
+                prefill_chunks[record.num_tokens] = matmul_floor(kind, model_config, record.num_tokens,
+                                                                 len(record.context_lens), args.repeats)
+            floor_s += prefill_chunks[record.num_tokens]["seconds"]
+    totals = [sum(r.seconds for r in records) for records in runs]
+    total_s = statistics.median(totals)
+    return {"kind": "offline", "model": name, "config": config, "num_prompts": num, "prompt_len": prompt_len,
+            "output_len": output_len, **summary(totals), "step_s": total_s,
+            "tokens_per_s": num * output_len / total_s, "weight_bytes": step_bytes, "bandwidth": bw,
+            "decode_matmul_floor": decode_floor, "prefill_matmul_floors": prefill_chunks,
+            "steps": [[(r.seconds, r.num_tokens, r.num_decodes) for r in records] for records in runs],
+            "floor_s": floor_s, "limit": "per-step roofline", "fraction": fraction(floor_s, total_s), "target": None}
+
+
+def print_table(results: list[dict], bw_big: dict) -> None:
+    print(f"\nstreaming read, >= 1 GiB buffer: {bw_big['median'] / 1e9:.1f} GB/s (median of {bw_big['n']})")
+    print(f"{'workload':<10}{'model':<12}{'config':<7}{'measured':>14}{'floor':>11}{'limit':>18}{'fraction':>10}"
+          f"{'target':>8}  ok")
+    for r in results:
+        measured = f"{r['tokens_per_s']:.1f} tok/s"
+        target = "" if r["target"] is None else f"{r['target']:.2f}"
+        ok = "" if r["target"] is None else ("yes" if r["fraction"] >= r["target"] else "NO")
+        print(f"{r['kind']:<10}{r['model']:<12}{r['config']:<7}{measured:>14}{r['floor_s'] * 1e3:>9.1f}ms"
+              f"{r['limit']:>18}{r['fraction']:>10.2f}{target:>8}  {ok}")
+    for r in results:
+        if r["kind"] == "prefill" and r["floor_kind"] != r["config"]:
+            own = r["matmul_floors"][r["config"]]
+            print(f"note: prefill {r['model']} {r['config']}: the engine's GEMM (torch._weight_int8pack_mm) runs at "
+                  f"{own['flop_per_s'] / 1e9:.0f} GFLOP/s, dequantize + bf16 GEMM at {r['limit']}; against its own "
+                  f"GEMM the prefill reaches {r['fraction_of_engine_gemm']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser, "benchmarks/results/roofline.json")
+    parser.add_argument("--models-dir", default="models")
+    parser.add_argument("--configs", default="fp32,bf16,int8")
+    parser.add_argument("--decode-models", default="bench-1b,bench-125m")
+    parser.add_argument("--prefill-models", default="bench-1b,bench-125m")
+    parser.add_argument("--offline-models", default="bench-125m")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=1024)
+    parser.add_argument("--offline-prompts", type=int, default=32)
+    parser.add_argument("--offline-tokens", type=int, default=64)
+    parser.add_argument("--max-buffer-gib", type=float, default=8.0, help="cap on the step-sized read buffer")
+    args = parser.parse_args()
+    if args.quick:
+        args.decode_tokens, args.prefill_tokens, args.offline_prompts, args.offline_tokens = 16, 256, 8, 8
+        args.decode_models, args.prefill_models = "bench-125m", "bench-125m"
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    set_threads(args.threads)
+    load_start = load_average()
+    log(f"roofline: torch threads {args.threads}, load average {load_start}")
+    configs = args.configs.split(",")
+    bw_big = bandwidth(GiB, args)
+    log(f"streaming read (1 GiB): {bw_big['median'] / 1e9:.1f} GB/s")
+    plan = ([(decode_workload, m, c) for m in args.decode_models.split(",") if m for c in configs]
+            + [(prefill_workload, m, c) for m in args.prefill_models.split(",") if m for c in configs]
+            + [(offline_workload, m, c) for m in args.offline_models.split(",") if m for c in configs])
+    results = []
+    for index, (workload, model, config) in enumerate(plan):
+        log(f"[{index + 1}/{len(plan)}] {workload.__name__.removesuffix('_workload')} {model} {config}")
+        started = time.monotonic()
+        results.append(workload(f"{args.models_dir}/{model}", model, config, args))
+        r = results[-1]
+        log(f"  -> {r['tokens_per_s']:.1f} tok/s, fraction of floor {r['fraction']:.2f} "
+            f"({time.monotonic() - started:.0f} s)")
+    bw_big_end = bandwidth(GiB, args)
+    print_table(results, bw_big)
+    write_json(args.out, {"config": vars(args), "environment": environment(load_start),
+                          "bandwidth_1gib": bw_big, "bandwidth_1gib_end": bw_big_end, "results": results})
+    save_bar_png(args.out.removesuffix(".json") + ".png",
+                 f"pagoda / physical limit ({args.threads} threads, load {load_start[0]})",
+                 [f"{r['kind']} {r['model']} {r['config']}" for r in results], [r["fraction"] for r in results],
+                 [r["target"] for r in results], "fraction of floor (1.0 = at the limit)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""Where one decode step's time goes, and whether the step is memory-, compute- or overhead-bound.
+
+For each (model, config, batch): requests with 128-token prompts are prefilled (untimed), then decode
+steps are measured three ways, one after the other on the same running batch:
+
+  plain         engine.step() wall clock, nothing attached: the reference step time
+  instrumented  timers around LLMEngine.step's parts (schedule / runner.execute / scheduler.update /
+                outputs), inside execute (build_metadata, model forward, LM head, sampling metadata,
+                sample), forward hooks on every linear (qkv, o, gate_up, down) and timers around the
+                attention backend; inside the forward: linears vs attention vs the rest (norms, rotary,
+                residuals, module calls). pagoda's AVX-512 kernels are not aten ops: this is how they count
+  profiler      torch.profiler over a few steps: top aten ops by self time (the kernels are invisible)
+
+Verdict per row: matmuls (linears + LM head) against the memory floor (weight + KV bytes / measured
+read bandwidth) and the compute floor (FLOPs / measured matmul rate): memory- or compute-bound when
+the matmuls dominate the step, overhead-bound when the rest does.
+
+    python benchmarks/step_profile.py [--threads 2] [--steps 32] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from common import (
+    CONFIGS,
+    TORCH_DTYPES,
+    Gemm,
+    add_common_args,
+    environment,
+    gemm_seconds,
+    kv_read_bytes,
+    linear_flops,
+    load_average,
+    log,
+    make_llm,
+    make_prompts,
+    model_gemms,
+    read_bandwidth,
+    set_threads,
+    weight_bytes,
+    write_json,
+)
+
+import pagoda.engine.runner as runner_module
+
+LINEAR_CLASSES = ("Linear", "Bf16Linear", "Int8Linear")
+
+
+class StepTimers:
+    """Per-step sums of named timers; wrap() instruments a callable, hook() a module."""
+
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+        self._undo: list = []
+        self._starts: dict[int, float] = {}
+
+    def wrap(self, owner, attribute: str, name: str) -> None:
+        original, own = getattr(owner, attribute), attribute in vars(owner)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.current[name] += time.perf_counter() - started
+
+        setattr(owner, attribute, timed)
+        self._undo.append(lambda: setattr(owner, attribute, original) if own else delattr(owner, attribute))
+
+    def hook(self, module: torch.nn.Module, name: str) -> None:
+        def before(mod, _inputs):
+            self._starts[id(mod)] = time.perf_counter()
+
+        def after(mod, _inputs, _output):
+            self.current[name] += time.perf_counter() - self._starts.pop(id(mod))
+
+        handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+        self._undo.append(lambda: [h.remove() for h in handles])
+
+    def end_step(self, step_seconds: float) -> None:
+        self.current["step"] = step_seconds
+        self.steps.append(dict(self.current))
+        self.current = defaultdict(float)
+
+    def remove(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+        self._undo.clear()
+
+    def medians(self) -> dict[str, float]:
+        names = {name for step in self.steps for name in step}
+        return {name: statistics.median(step.get(name, 0.0) for step in self.steps) for name in sorted(names)}
+
+
+def timed_steps(engine, count: int, timers: StepTimers | None = None) -> list[float]:
+    samples = []
+    for _ in range(count):
+        started = time.perf_counter()
+        engine.step()
+        samples.append(time.perf_counter() - started)
+        if timers is not None:
+            timers.end_step(samples[-1])
+    return samples
+
+
+def instrument(engine) -> StepTimers:
+    """Timers around step's parts and inside the runner, hooks on every linear, timers on attention."""
+    timers = StepTimers()
+    timers.wrap(engine.scheduler, "schedule", "schedule")
+    timers.wrap(engine.runner, "execute", "execute")
+    timers.wrap(engine.scheduler, "update", "update")
+    timers.wrap(engine, "_make_outputs", "outputs")
+    timers.hook(engine.model, "forward")
+    timers.wrap(engine.model, "compute_logits", "lm_head")
+    for function in ("build_metadata", "sample", "build_sampling_metadata"):
+        timers.wrap(runner_module, function, function)
+    for name, module in engine.model.layers.named_modules():
+        if type(module).__name__ in LINEAR_CLASSES:
+            timers.hook(module, f"linear.{name.rsplit('.', 1)[-1]}")
+    timers.wrap(engine.model.backend, "forward", "attention")
+    timers.wrap(engine.model.backend, "write_kv", "write_kv")
+    return timers
+
+
+def profiler_table(engine, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        wall = sum(timed_steps(engine, steps))
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total_self = sum(e.self_cpu_time_total for e in events) / 1e6
+    top = [{"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps}
+           for e in events[:15]]
+    # Ops with no aten parent (called from Python, or from a custom kernel): each pays eager dispatch once.
+    top_level = sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+    return {"wall_ms_per_step": wall / steps * 1e3, "aten_self_ms_per_step": total_self / steps * 1e3,
+            "top_level_aten_ops_per_step": top_level / steps, "top": top}
+
+
+def peak_matmul_rate(config_name: str, model_config) -> float:
+    """FLOP/s of the model's gate_up GEMM at 256 rows, the path the engine takes for big batches."""
+    kind = "int8" if config_name == "int8" else config_name
+    gemm = next(g for g in model_gemms(model_config) if g.name == "gate_up_proj")
+    seconds = statistics.median(gemm_seconds(kind, 256, Gemm(gemm.name, gemm.k, gemm.n, 1), 3))
+    return 2 * 256 * gemm.k * gemm.n / seconds
+
+
+def verdict(p: dict) -> str:
+    matmul, step = p["matmul_ms"], p["instrumented_step_ms"]
+    rest = step - matmul
+    biggest = max(p["breakdown_ms"].items(), key=lambda item: item[1] if item[0] != "matmuls" else -1)
+    if matmul < rest:
+        return (f"overhead-bound: matmuls {matmul:.1f} of {step:.1f} ms; the rest {rest:.1f} ms, most of it "
+                f"{biggest[0]} ({biggest[1]:.1f} ms)")
+    kind = "memory" if p["memory_floor_ms"] >= p["compute_floor_ms"] else "compute"
+    floor = max(p["memory_floor_ms"], p["compute_floor_ms"])
+    return (f"{kind}-bound: matmuls {matmul:.1f} of {step:.1f} ms, at {floor / matmul:.2f} of the {kind} floor "
+            f"({floor:.1f} ms); the rest {rest:.1f} ms")
+
+
+def profile_one(model_dir: str, name: str, config: str, batch: int, args) -> dict:
+    steps = args.steps
+    llm = make_llm(model_dir, config, batch, args.prompt_len + 4 * steps + 16, enable_prefix_caching=False)
+    engine, model_config = llm.engine, llm.engine.model_config
+    from pagoda import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=4 * steps + 12, ignore_eos=True)
+    for index, prompt in enumerate(make_prompts(batch, args.prompt_len, model_config.vocab_size, seed=7)):
+        engine.add_request(f"profile-{index}", prompt, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+        engine.step()  # prefill, untimed
+    timed_steps(engine, 4)  # warm-up decodes
+    plain = timed_steps(engine, steps)
+    timers = instrument(engine)
+    timed_steps(engine, steps, timers)
+    timers.remove()
+    profiled = profiler_table(engine, max(2, steps // 4))
+    context = [r.num_computed_tokens + 1 for r in engine.scheduler.running]
+    engine.abort_request([f"profile-{i}" for i in range(batch)])
+
+    dtype = TORCH_DTYPES[CONFIGS[config][0]]
+    wbytes, kvbytes = weight_bytes(engine.model), kv_read_bytes(model_config, dtype, context)
+    del llm, engine
+    gc.collect()
+    bandwidth = statistics.median(read_bandwidth(wbytes, 3))
+    rate = peak_matmul_rate(config, model_config)
+    ms = {name: seconds * 1e3 for name, seconds in timers.medians().items()}
+    linears = sum(v for k, v in ms.items() if k.startswith("linear."))
+    attention = ms["attention"] + ms["write_kv"]
+    in_execute = ("build_metadata", "forward", "lm_head", "build_sampling_metadata", "sample")
+    breakdown = {  # medians over the instrumented steps; their sum is close to the instrumented step
+        "matmuls": linears + ms["lm_head"],
+        "attention": attention,
+        "forward other (norms, rotary, residuals, module calls)": ms["forward"] - linears - attention,
+        "sampling (metadata + sample)": ms["build_sampling_metadata"] + ms["sample"],
+        "attention metadata": ms["build_metadata"],
+        "runner other (batch tensors)": ms["execute"] - sum(ms[k] for k in in_execute),
+        "schedule": ms["schedule"], "update": ms["update"], "outputs (detokenize)": ms["outputs"],
+        "step other": ms["step"] - ms["schedule"] - ms["execute"] - ms["update"] - ms["outputs"],
+    }
+    result = {
+        "model": name, "config": config, "batch": batch, "steps": steps,
+        "step_ms": statistics.median(plain) * 1e3, "plain_step_s": plain, "instrumented_step_ms": ms["step"],
+        "timer_medians_ms": ms, "instrumented_steps_s": timers.steps, "breakdown_ms": breakdown,
+        "matmul_ms": breakdown["matmuls"], "profiler": profiled,
+        "weight_bytes": wbytes, "kv_bytes": kvbytes, "bandwidth_bytes_per_s": bandwidth,
+        "matmul_flop_per_s": rate, "memory_floor_ms": (wbytes + kvbytes) / bandwidth * 1e3,
+        "compute_floor_ms": linear_flops(model_config, batch, batch) / rate * 1e3,
+    }
+    result["verdict"] = verdict(result)
+    return result
+
+
+def print_row(p: dict) -> None:
+    print(f"\n{p['model']} {p['config']} batch {p['batch']}: step {p['step_ms']:.1f} ms "
+          f"({p['batch'] / p['step_ms'] * 1e3:.1f} tok/s); memory floor {p['memory_floor_ms']:.1f} ms "
+          f"({p['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s), compute floor {p['compute_floor_ms']:.1f} ms "
+          f"({p['matmul_flop_per_s'] / 1e9:.0f} GFLOP/s)")
+    print(f"    instrumented step {p['instrumented_step_ms']:.1f} ms (timer overhead included), of which:")
+    for part, ms in p["breakdown_ms"].items():
+        print(f"    {part:<56}{ms:>9.2f} ms {ms / p['instrumented_step_ms'] * 100:>6.1f}%")
+    top = ", ".join(f"{t['op']} {t['self_ms_per_step']:.2f}" for t in p["profiler"]["top"][:6])
+    print(f"    profiler: {p['profiler']['top_level_aten_ops_per_step']:.0f} top-level aten ops per step; "
+          f"self ms/step: {top}")
+    print(f"    -> {p['verdict']}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser, "benchmarks/results/step_profile.json")
+    parser.add_argument("--models-dir", default="models")
+    parser.add_argument("--runs", default="bench-125m:fp32:1,bench-125m:bf16:1,bench-125m:int8:1,"
+                        "bench-125m:fp32:32,bench-125m:bf16:32,bench-125m:int8:32,"
+                        "bench-1b:fp32:1,bench-1b:bf16:1,bench-1b:int8:1", help="model:config:batch, ...")
+    parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    args = parser.parse_args()
+    if args.quick:
+        args.steps = 6
+        args.runs = ",".join(r for r in args.runs.split(",") if not r.startswith("bench-1b"))
+    set_threads(args.threads)
+    load_start = load_average()
+    log(f"step profile: torch threads {args.threads}, load average {load_start}")
+    results = []
+    runs = [r.split(":") for r in args.runs.split(",")]
+    for index, (model, config, batch) in enumerate(runs):
+        log(f"[{index + 1}/{len(runs)}] {model} {config} batch {batch}")
+        results.append(profile_one(f"{args.models_dir}/{model}", model, config, int(batch), args))
+        print_row(results[-1])
+    print(f"\n{'model':<12}{'config':<7}{'batch':>6}{'step ms':>10}{'matmul %':>10}  verdict")
+    for p in results:
+        print(f"{p['model']:<12}{p['config']:<7}{p['batch']:>6}{p['step_ms']:>10.1f}"
+              f"{p['matmul_ms'] / p['instrumented_step_ms'] * 100:>9.0f}%  {p['verdict'].split(':')[0]}")
+    write_json(args.out, {"config": vars(args), "environment": environment(load_start), "results": results})
+
+
+if __name__ == "__main__":
+    main()
