@@ -24,9 +24,14 @@ def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: s
     """
     hasher = hashlib.sha256(parent_hash or b"pagoda-root")
     if extra_key is not None and parent_hash is None:
-        hasher.update(extra_key.encode())
+        hasher.update(b"salt:" + extra_key.encode())
     hasher.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
     return hasher.digest()
+
+
+def _root(request: Request) -> str:
+    """What a request's first block hangs from: its cache salt (tenants never share a first block)."""
+    return "root" if request.cache_salt is None else f"salt:{request.cache_salt}"
 
 
 @dataclass
@@ -34,7 +39,15 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
-    token_ids: tuple[int, ...] = ()  # the tokens behind block_hash: a hit is verified, not trusted
+    # What a hit is verified against (never trusted on the hash alone): the block's own tokens, and the
+    # physical block that preceded it (id and reuse generation; None for a first block, with the salt).
+    token_ids: tuple[int, ...] = ()
+    parent: tuple[int, int] | str | None = None
+    generation: int = 0  # bumped each time the block is handed out afresh
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        return self.block_id, self.generation
 
 
 class BlockPool:
@@ -55,7 +68,8 @@ class BlockPool:
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 del self.cached[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
+                block.block_hash, block.token_ids, block.parent = None, (), None
+            block.generation += 1
             block.ref_count = 1
             taken.append(block)
         return taken
@@ -74,16 +88,16 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = None
 
-    def lookup(self, block_hash: bytes, token_ids: Sequence[int]) -> Block | None:
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent) -> Block | None:
         block = self.cached.get(block_hash)
-        if block is None or block.token_ids != tuple(token_ids):
+        if block is None or block.token_ids != tuple(token_ids) or block.parent != parent:
             return None
         return block
 
-    def register(self, block: Block, block_hash: bytes, token_ids: Sequence[int]) -> None:
+    def register(self, block: Block, block_hash: bytes, token_ids: Sequence[int], parent) -> None:
         if block.block_hash is not None or block_hash in self.cached:
             return  # already cached, or the same content lives in another block: keep that one
-        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        block.block_hash, block.token_ids, block.parent = block_hash, tuple(token_ids), parent
         self.cached[block_hash] = block
 
     def reset_cache(self) -> int:
@@ -92,7 +106,7 @@ class BlockPool:
         for block_hash, block in list(self.cached.items()):
             if block.ref_count == 0:
                 del self.cached[block_hash]
-                block.block_hash, block.token_ids = None, ()
+                block.block_hash, block.token_ids, block.parent = None, (), None
                 forgotten += 1
         return forgotten
 
@@ -119,7 +133,8 @@ class KVCacheManager:
         hashes = self._hashes_for(request, max_blocks)
         hits: list[Block] = []
         for index, block_hash in enumerate(hashes[:max_blocks]):
-            block = self.pool.lookup(block_hash, self._block_tokens(request, index))
+            parent = hits[-1].identity if hits else _root(request)
+            block = self.pool.lookup(block_hash, self._block_tokens(request, index), parent)
             if block is None:
                 break
             hits.append(block)
@@ -159,7 +174,8 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         hashes = self._hashes_for(request, num_full)
         for index in range(num_full):
-            self.pool.register(blocks[index], hashes[index], self._block_tokens(request, index))
+            parent = blocks[index - 1].identity if index else _root(request)
+            self.pool.register(blocks[index], hashes[index], self._block_tokens(request, index), parent)
 
     def free(self, request: Request) -> None:
         """Returns a finished, aborted or preempted request's blocks to the pool.

@@ -59,9 +59,9 @@ def load_engine(state: ServerState, engine_config, on_error) -> None:
         engine = LLMEngine(engine_config)
         state.tokenizer = load_tokenizer(engine_config.model)
         state.max_model_len = engine.max_model_len
+        _warm_up(engine)  # before the engine thread exists: only one thread may ever step an engine
         async_engine = AsyncEngine(engine)
         state.metrics = ServerMetrics(state.model_name, lambda: async_engine.stats)
-        _warm_up(engine)
         state.engine = async_engine
         logger.info("model %s ready in %.1f s", state.model_name, time.monotonic() - started)
     except Exception as error:

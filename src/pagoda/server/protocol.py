@@ -60,7 +60,7 @@ class SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    cache_salt: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)
 
     @field_validator("stop")
     @classmethod
