@@ -39,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--tokenizer", help="local tokenizer directory (tokenizer.json): exact-length prompts, "
                         "token cross-checks (default: --model when it is a local directory)")
     target.add_argument("--no-server-tokenize", action="store_true", help="do not use the server's /tokenize")
+    target.add_argument("--reset-prefix-cache", action="store_true",
+                        help="POST /reset_prefix_cache before each level (pagoda; vLLM in dev mode): cold prefills")
 
     work = parser.add_argument_group("workload")
     work.add_argument("--workload", choices=KINDS, default="random")
@@ -64,18 +66,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson, < 1 burstier)")
     load.add_argument("--max-concurrency", type=int, help="open loop: cap on requests in flight")
     load.add_argument("--num-requests", type=int, default=32, help="measured requests per level (32)")
+    load.add_argument("--waves", type=int, default=0,
+                      help="closed loop: at least this many requests per worker at each level (N >= waves x C)")
     load.add_argument("--warmup", type=int, default=2, help="unmeasured requests before the first level (2)")
     load.add_argument("--timeout", type=float, default=600.0, help="seconds per request (600)")
     load.add_argument("--sweep", action="store_true", help="one start level: double it until saturation")
     load.add_argument("--sweep-max", type=float, default=256, help="--sweep's highest level (256)")
     load.add_argument("--no-stop-at-saturation", action="store_true", help="run every level of a sweep")
     load.add_argument("--saturation-gain", type=float, default=0.05,
-                      help="a level that adds less output throughput than this fraction stops the sweep (0.05)")
+                      help="levels that add less output throughput than this fraction are flat (0.05)")
+    load.add_argument("--saturation-patience", type=int, default=2,
+                      help="this many flat levels in a row stop the sweep (2)")
 
     out = parser.add_argument_group("metrics and output")
     out.add_argument("--slo", help="goodput bounds, e.g. ttft=500ms,tpot=50ms,e2e=10s (bare numbers are ms)")
     out.add_argument("--lag-tolerance-ms", type=float, default=20.0,
                      help="client lag (dispatch or event loop, p99) above which the run says it fell behind (20)")
+    out.add_argument("--lag-relative", type=float, default=0.05,
+                     help="... or this fraction of the interval the lag distorts (median ITL, mean arrival gap), "
+                     "when larger (0.05)")
     out.add_argument("--out", help="JSON file (default: bench-<time>.json here)")
     out.add_argument("--plot", help="PNG file (default: the JSON's name with .png)")
     out.add_argument("--no-plot", action="store_true")
@@ -119,11 +128,15 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         path=args.dataset,
     )
     return BenchConfig(
-        workload=workload, loads=loads_from(args), num_requests=args.num_requests, warmup=args.warmup, seed=args.seed,
+        workload=workload, loads=loads_from(args), num_requests=args.num_requests, waves=args.waves,
+        warmup=args.warmup, seed=args.seed,
         slo=parse_slo(args.slo), options=RequestOptions(args.temperature, args.ignore_eos, args.extra_body),
         timeout_s=args.timeout, lag_tolerance_s=args.lag_tolerance_ms / 1e3,
+        lag_relative=args.lag_relative,
         stop_at_saturation=not args.no_stop_at_saturation, min_gain=args.saturation_gain,
-        use_server_tokenize=not args.no_server_tokenize, progress=not args.no_progress,
+        patience=args.saturation_patience,
+        use_server_tokenize=not args.no_server_tokenize, reset_prefix_cache=args.reset_prefix_cache,
+        progress=not args.no_progress,
     )
 
 
@@ -171,8 +184,9 @@ def run(args: argparse.Namespace) -> int:
     written = [str(out)]
     if not args.no_plot:
         model = results[0].get("model", "")
+        per_level = f"max({args.num_requests}, {args.waves} x C)" if args.waves else str(args.num_requests)
         title = (f"{model} ({args.api}): {args.workload} {args.input_len} in / {args.output_len} out tokens, "
-                 f"{args.num_requests} requests per level")
+                 f"{per_level} requests per level")
         written.append(str(plot_benchmark(results, args.plot or out.with_suffix(".png"), title)))
     print("wrote " + ", ".join(written))
     ok = sum(p["summary"]["num_ok"] for e in results for p in e["levels"])

@@ -146,7 +146,8 @@ async def run_load(sender: Sender, conversations: Sequence[Conversation], spec: 
             await _open(sender, conversations, offsets, spec.max_concurrency, origin, records, outputs,
                         dispatch_lags, on_done)
     wall = time.monotonic() - origin
-    cpu = (time.process_time() - cpu_start) / wall if wall > 0 else None
+    # CPU per wall second means little over a blink (imports, first connections): only over half a second
+    cpu = (time.process_time() - cpu_start) / wall if wall >= 0.5 else None
     records.sort(key=lambda r: (r.sent, r.request_id))
     warm = {"requests": len(warmup_records), "errors": sum(1 for r in warmup_records if not r.ok)}
     return LoadResult(records, outputs, wall, dispatch_lags, monitor.lags, cpu, warm)

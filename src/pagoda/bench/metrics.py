@@ -175,23 +175,33 @@ def client_verdict(
     loop_lags: Sequence[float],
     cpu_fraction: float | None,
     tolerance_s: float,
+    *,
+    relative: float = 0.0,
+    itl_p50: float | None = None,
+    mean_interarrival: float | None = None,
 ) -> dict:
     """Did the client fall behind? Its numbers are then the client's delay as much as the server's.
 
-    dispatch lag: how late open-loop requests went out against their schedule (p99 over tolerance: behind).
-    loop lag: how late the event loop woke up against a timer (p99 over tolerance: every timestamp may be late
-    by as much). cpu_fraction: client CPU seconds per wall second; near 1 the single-threaded client is saturated.
+    dispatch lag: how late open-loop requests went out against their schedule. loop lag: how late the event
+    loop woke up against a timer; every timestamp taken meanwhile is late by as much. Either one's p99 over
+    its tolerance means behind. A tolerance is `tolerance_s`, or `relative` times the interval it would
+    distort when that is larger: the median inter-chunk gap (loop lag) or the mean gap between arrivals
+    (dispatch lag), so that a 30 ms stall is not "behind" when chunks are a second apart.
+    cpu_fraction: client CPU seconds per wall second; near 1 the single-threaded client is saturated (a warning).
     """
     dispatch, loop = distribution(dispatch_lags), distribution(loop_lags)
+    dispatch_tolerance = max(tolerance_s, relative * (mean_interarrival or 0.0))
+    loop_tolerance = max(tolerance_s, relative * (itl_p50 or 0.0))
     reasons = []
-    if dispatch["count"] and dispatch["p99"] > tolerance_s:
+    if dispatch["count"] and dispatch["p99"] > dispatch_tolerance:
         reasons.append(f"requests went out late: p99 dispatch lag {dispatch['p99'] * 1e3:.1f} ms "
-                       f"(max {dispatch['max'] * 1e3:.1f} ms) > {tolerance_s * 1e3:.0f} ms")
-    if loop["count"] and loop["p99"] > tolerance_s:
+                       f"(max {dispatch['max'] * 1e3:.1f} ms) > {dispatch_tolerance * 1e3:.0f} ms")
+    if loop["count"] and loop["p99"] > loop_tolerance:
         reasons.append(f"the client's event loop stalled: p99 timer lag {loop['p99'] * 1e3:.1f} ms "
-                       f"(max {loop['max'] * 1e3:.1f} ms) > {tolerance_s * 1e3:.0f} ms, so timestamps are late")
+                       f"(max {loop['max'] * 1e3:.1f} ms) > {loop_tolerance * 1e3:.0f} ms, so timestamps are late")
     warnings = []
     if cpu_fraction is not None and cpu_fraction > 0.9:
         warnings.append(f"the client used {cpu_fraction:.0%} of a CPU core: it may be the bottleneck")
-    return {"behind": bool(reasons), "reasons": reasons, "warnings": warnings, "tolerance_s": tolerance_s,
+    return {"behind": bool(reasons), "reasons": reasons, "warnings": warnings,
+            "tolerance_s": {"dispatch": dispatch_tolerance, "loop": loop_tolerance},
             "dispatch_lag": dispatch, "loop_lag": loop, "cpu_fraction": cpu_fraction}

@@ -74,6 +74,12 @@ def warnings_of(endpoint: dict, point: dict) -> list[str]:
     if tokens["usage_missing"]:
         notes.append(f"{where}: {tokens['usage_missing']} responses had no usage; token counts there come from "
                      "the client tokenizer")
+    cached = tokens.get("cached_prompt_tokens") or 0
+    if cached and s["input_tokens"]:
+        notes.append(f"{where}: {cached} of {s['input_tokens']} prompt tokens ({cached / s['input_tokens']:.0%}) were "
+                     "prefix-cache hits (usage cached_tokens): TTFT is not a cold prefill there. Unless the workload "
+                     "shares prefixes on purpose, an earlier run with the same --seed left them in the cache: "
+                     "use another --seed or --reset-prefix-cache")
     if tokens["prompt_mismatches"]:
         notes.append(f"{where}: usage.prompt_tokens differs from the client's count in "
                      f"{tokens['prompt_mismatches']} of {tokens['prompt_checked']} requests")

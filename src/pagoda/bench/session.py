@@ -29,26 +29,35 @@ class BenchConfig:
     workload: WorkloadSpec
     loads: tuple[LoadSpec, ...]  # one per level, in order
     num_requests: int = 32
+    waves: int = 0  # closed loop: at least this many requests per worker (num_requests >= waves x concurrency)
     warmup: int = 2
     seed: int = 0
     slo: dict = field(default_factory=dict)
     options: RequestOptions = field(default_factory=RequestOptions)
     timeout_s: float = 600.0
     lag_tolerance_s: float = 0.02
+    lag_relative: float = 0.05
     stop_at_saturation: bool = True
     min_gain: float = 0.05
+    patience: int = 2
     max_error_fraction: float = 0.1
     use_server_tokenize: bool = True
+    reset_prefix_cache: bool = False
     progress: bool = True
+
+    def requests_at(self, load: LoadSpec) -> int:
+        """Measured requests of one level."""
+        return max(self.num_requests, self.waves * load.concurrency) if load.closed else self.num_requests
 
     def to_dict(self) -> dict:
         return {
             "workload": self.workload.to_dict(), "levels": [load.to_dict() for load in self.loads],
-            "num_requests": self.num_requests, "warmup": self.warmup, "seed": self.seed, "slo_s": self.slo,
-            "temperature": self.options.temperature, "ignore_eos": self.options.ignore_eos,
+            "num_requests": self.num_requests, "waves": self.waves, "warmup": self.warmup, "seed": self.seed,
+            "slo_s": self.slo, "temperature": self.options.temperature, "ignore_eos": self.options.ignore_eos,
             "extra_body": self.options.extra_body, "timeout_s": self.timeout_s,
-            "lag_tolerance_s": self.lag_tolerance_s, "stop_at_saturation": self.stop_at_saturation,
-            "min_gain": self.min_gain, "max_error_fraction": self.max_error_fraction,
+            "lag_tolerance_s": self.lag_tolerance_s, "lag_relative": self.lag_relative,
+            "stop_at_saturation": self.stop_at_saturation, "min_gain": self.min_gain, "patience": self.patience,
+            "max_error_fraction": self.max_error_fraction, "reset_prefix_cache": self.reset_prefix_cache,
         }
 
 
@@ -87,6 +96,15 @@ async def fill_prompt_counts(conversations: list[Conversation], server: ServerTo
             turn.expected_prompt_tokens = await server.count(turn.prompt)
 
 
+async def reset_prefix_cache(http: httpx.AsyncClient, endpoint: Endpoint) -> bool:
+    """POST /reset_prefix_cache (pagoda; vLLM in dev mode) so a level starts cold; False when refused."""
+    try:
+        response = await http.post(f"{endpoint.root}/reset_prefix_cache", headers=endpoint.headers)
+    except httpx.HTTPError:
+        return False
+    return response.status_code == 200
+
+
 def count_outputs(result: LoadResult, tokenizer: ClientTokenizer | None) -> None:
     """The client tokenizer's count of each answer (after the run: it costs the client CPU)."""
     if tokenizer is None:
@@ -98,11 +116,14 @@ def count_outputs(result: LoadResult, tokenizer: ClientTokenizer | None) -> None
 
 
 def level_result(load: LoadSpec, seed: int, result: LoadResult, config: BenchConfig) -> dict:
-    verdict = client_verdict(result.dispatch_lags, result.loop_lags, result.cpu_fraction, config.lag_tolerance_s)
+    summary = summarize(result.records, slo=config.slo or None)
+    verdict = client_verdict(result.dispatch_lags, result.loop_lags, result.cpu_fraction, config.lag_tolerance_s,
+                             relative=config.lag_relative, itl_p50=summary["itl"]["p50"],
+                             mean_interarrival=None if load.closed or math.isinf(load.rate) else 1.0 / load.rate)
     return {
         "label": load.label(), "level": load.level if not math.isinf(load.level) else None, "load": load.to_dict(),
         "seed": seed, "wall_s": result.wall_s, "warmup": result.warmup,
-        "summary": summarize(result.records, slo=config.slo or None), "client": verdict,
+        "summary": summary, "client": verdict,
         "requests": [record.to_dict() for record in result.records],
     }
 
@@ -118,32 +139,35 @@ async def bench_endpoint(endpoint: Endpoint, config: BenchConfig, tokenizer: Cli
         levels: list[dict] = []
         stop_reason = None
         for index, load in enumerate(config.loads):
-            seed = config.seed + index
-            conversations = build_workload(config.workload, config.num_requests, tokenizer, endpoint.api, seed)
+            seed, num_requests = config.seed + index, config.requests_at(load)
+            conversations = build_workload(config.workload, num_requests, tokenizer, endpoint.api, seed)
             warmup = []
             if index == 0 and config.warmup:
                 warmup = build_workload(config.workload, config.warmup, tokenizer, endpoint.api,
                                         config.seed + WARMUP_SEED_OFFSET)
             if info["tokenize"]:
                 await fill_prompt_counts(conversations, server, endpoint.api)
-            with _progress(config, f"{endpoint.name} {load.label()}") as bar:
+            reset = await reset_prefix_cache(http, endpoint) if config.reset_prefix_cache else None
+            with _progress(config, num_requests, f"{endpoint.name} {load.label()}") as bar:
                 result = await run_load(sender, conversations, load, seed=seed, warmup=warmup,
                                         on_done=lambda record: bar.update(1))
             count_outputs(result, tokenizer)
             point = level_result(load, seed, result, config)
+            point["prefix_cache_reset"] = reset
             levels.append(point)
             if on_level is not None:
                 on_level(endpoint, point)
             if len(config.loads) > 1 and config.stop_at_saturation:
-                stop_reason = saturation_reason(levels, config.min_gain, config.max_error_fraction)
+                stop_reason = saturation_reason(levels, config.min_gain, config.max_error_fraction,
+                                                config.patience)
                 if stop_reason:
                     break
     return {"name": endpoint.name, "root": endpoint.root, **info, "levels": levels, "stop_reason": stop_reason}
 
 
-def _progress(config: BenchConfig, description: str):
+def _progress(config: BenchConfig, total: int, description: str):
     from tqdm import tqdm
 
     # leave=False: the level's table row replaces the bar; disable=None: no bar when stderr is not a terminal
-    return tqdm(total=config.num_requests, desc=description, unit="req", leave=False, file=sys.stderr,
+    return tqdm(total=total, desc=description, unit="req", leave=False, file=sys.stderr,
                 disable=None if config.progress else True, dynamic_ncols=True)

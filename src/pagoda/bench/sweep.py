@@ -32,12 +32,14 @@ def doubling_levels(start: float, maximum: float) -> list[float]:
     return levels
 
 
-def saturation_reason(points: list[dict], min_gain: float, max_error_fraction: float) -> str | None:
+def saturation_reason(points: list[dict], min_gain: float, max_error_fraction: float, patience: int = 2) -> str | None:
     """Why the sweep should stop after its latest level, or None to go on.
 
     Each point is {"level", "summary", "client"}. It stops when the client fell behind (higher levels would
-    measure the client), when too many requests failed, or when output throughput grew less than `min_gain`
-    (a fraction) over the best earlier level: more load no longer buys throughput, only queueing.
+    measure the client), when too many requests failed, or when output throughput has grown less than
+    `min_gain` (a fraction) over the best level before them for `patience` levels in a row: more load no
+    longer buys throughput, only queueing. (One flat step is not enough: an engine may switch code paths
+    between batch sizes, and a shared machine has noisy levels.)
     """
     last = points[-1]
     summary = last["summary"]
@@ -46,11 +48,14 @@ def saturation_reason(points: list[dict], min_gain: float, max_error_fraction: f
     if summary["num_requests"] and summary["num_errors"] / summary["num_requests"] > max_error_fraction:
         return (f"{summary['num_errors']} of {summary['num_requests']} requests failed at level "
                 f"{last['level']:g} (over {max_error_fraction:.0%})")
-    if len(points) < 2:
+    if len(points) <= patience:
         return None
-    best = max((p["summary"]["output_throughput"] or 0.0) for p in points[:-1])
-    now = summary["output_throughput"] or 0.0
-    if best > 0 and now < best * (1 + min_gain):
-        return (f"saturated at level {last['level']:g}: output throughput {now:.4g} tok/s grew "
-                f"{now / best - 1:+.1%} over the best earlier level ({best:.4g}), less than {min_gain:.0%}")
+    throughputs = [p["summary"]["output_throughput"] or 0.0 for p in points]
+    best = max(throughputs[:-patience])
+    recent = throughputs[-patience:]
+    if best > 0 and all(now < best * (1 + min_gain) for now in recent):
+        levels = ", ".join(f"{p['level']:g}" for p in points[-patience:])
+        gains = ", ".join(f"{now / best - 1:+.1%}" for now in recent)
+        return (f"saturated: output throughput at levels {levels} grew {gains} over the best earlier level "
+                f"({best:.4g} tok/s), less than {min_gain:.0%}")
     return None
