@@ -94,11 +94,17 @@ class BlockPool:
             return None
         return block
 
-    def register(self, block: Block, block_hash: bytes, token_ids: Sequence[int], parent) -> None:
-        if block.block_hash is not None or block_hash in self.cached:
-            return  # already cached, or the same content lives in another block: keep that one
-        block.block_hash, block.token_ids, block.parent = block_hash, tuple(token_ids), parent
-        self.cached[block_hash] = block
+    def register(self, block: Block, block_hash: bytes, token_ids: Sequence[int], parent) -> Block:
+        """Caches `block` under its hash and returns the block that now stands for this content: `block`
+        itself, or an equal block cached earlier (the same tokens after the same chain), which later
+        blocks then name as their parent so that one chain serves every lookup."""
+        existing = self.lookup(block_hash, token_ids, parent)
+        if existing is not None:
+            return existing
+        if block.block_hash is None and block_hash not in self.cached:
+            block.block_hash, block.token_ids, block.parent = block_hash, tuple(token_ids), parent
+            self.cached[block_hash] = block
+        return block
 
     def reset_cache(self) -> int:
         """Forgets every cached hash of free blocks (blocks in use keep theirs). Returns how many."""
@@ -119,6 +125,8 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks)
         self._blocks: dict[str, list[Block]] = {}
         self._block_hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full blocks
+        # per request: for each registered full block, the cached block standing for its content
+        self._chains: dict[str, list[Block]] = {}
 
     # --- prefix hits -------------------------------------------------------------------------------
 
@@ -173,9 +181,10 @@ class KVCacheManager:
         blocks = self._blocks.get(request.request_id, [])
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         hashes = self._hashes_for(request, num_full)
-        for index in range(num_full):
-            parent = blocks[index - 1].identity if index else _root(request)
-            self.pool.register(blocks[index], hashes[index], self._block_tokens(request, index), parent)
+        chain = self._chains.setdefault(request.request_id, [])
+        for index in range(len(chain), num_full):
+            parent = chain[-1].identity if chain else _root(request)
+            chain.append(self.pool.register(blocks[index], hashes[index], self._block_tokens(request, index), parent))
 
     def free(self, request: Request) -> None:
         """Returns a finished, aborted or preempted request's blocks to the pool.
@@ -184,6 +193,7 @@ class KVCacheManager:
         a later request is more likely to share).
         """
         blocks = self._blocks.pop(request.request_id, [])
+        self._chains.pop(request.request_id, None)
         self.pool.release(list(reversed(blocks)))
         request.block_ids = []
         if request.is_finished:

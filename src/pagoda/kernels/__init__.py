@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -69,8 +70,15 @@ def cpu_kernels():
         from torch.utils.cpp_extension import load
 
         name, directory, sources = _build_directory()
-        if not any(directory.glob("*.so")):
-            logger.info("compiling pagoda's CPU kernels into %s (once)", directory)
+        built = directory / f"{name}.so"
+        if built.exists():  # import it directly: torch's loader would take the build lock even to check
+            import torch  # noqa: F401  (the extension links against torch's libraries)
+
+            spec = importlib.util.spec_from_file_location(name, built)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            return module
+        logger.info("compiling pagoda's CPU kernels into %s (once)", directory)
         return load(name=name, sources=sources, extra_cflags=_FLAGS, build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler, missing headers, ...: the torch path still works
         logger.warning("native CPU kernels unavailable (%s); using torch", error)
