@@ -155,7 +155,7 @@ def test_bursts_past_the_queue_bound_get_429s_and_the_rest_is_served(server):
     async def open_stream(aclient, seed: int):
         try:
             return await aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, seed=seed,
-                                                    temperature=1.0, stream=True)
+                                                    temperature=1.0, stream=True, extra_body={"ignore_eos": True})
         except openai.RateLimitError as error:
             return error
 
@@ -195,7 +195,7 @@ def test_bursts_past_the_queue_bound_get_429s_and_the_rest_is_served(server):
                 for _ in range(500):
                     try:
                         return await aclient.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, seed=seed,
-                                                                temperature=1.0)
+                                                                temperature=1.0, extra_body={"ignore_eos": True})
                     except openai.RateLimitError:
                         retries += 1
                         await asyncio.sleep(0.02)
