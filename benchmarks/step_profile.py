@@ -12,8 +12,9 @@ steps are measured three ways, one after the other on the same running batch:
   profiler      torch.profiler over a few steps: top aten ops by self time (the kernels are invisible)
 
 Verdict per row: matmuls (linears + LM head) against the memory floor (weight + KV bytes / measured
-read bandwidth) and the compute floor (FLOPs / measured matmul rate): memory- or compute-bound when
-the matmuls dominate the step, overhead-bound when the rest does.
+read bandwidth) and the compute floor (FLOPs / the fastest measured matmul rate for the config at the
+model's gate_up shape with 256 rows; int8: the faster of torch._weight_int8pack_mm and bf16): memory-
+or compute-bound when the matmuls dominate the step, overhead-bound when the rest does.
 
     python benchmarks/step_profile.py [--threads 2] [--steps 32] [--quick]
 """
@@ -99,9 +100,11 @@ class StepTimers:
         return {name: statistics.median(step.get(name, 0.0) for step in self.steps) for name in sorted(names)}
 
 
-def timed_steps(engine, count: int, timers: StepTimers | None = None) -> list[float]:
+def timed_steps(engine, count: int, timers: StepTimers | None = None, before=None) -> list[float]:
     samples = []
     for _ in range(count):
+        if before is not None:
+            before()  # untimed: adds the next prefill's request
         started = time.perf_counter()
         engine.step()
         samples.append(time.perf_counter() - started)
@@ -129,11 +132,11 @@ def instrument(engine) -> StepTimers:
     return timers
 
 
-def profiler_table(engine, steps: int) -> dict:
+def profiler_table(engine, steps: int, before=None) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        wall = sum(timed_steps(engine, steps))
+        wall = sum(timed_steps(engine, steps, before=before))
     events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
     total_self = sum(e.self_cpu_time_total for e in events) / 1e6
     top = [{"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps}
@@ -144,53 +147,80 @@ def profiler_table(engine, steps: int) -> dict:
             "top_level_aten_ops_per_step": top_level / steps, "top": top}
 
 
-def peak_matmul_rate(config_name: str, model_config) -> float:
-    """FLOP/s of the model's gate_up GEMM at 256 rows, the path the engine takes for big batches."""
-    kind = "int8" if config_name == "int8" else config_name
+def matmul_rates(config_name: str, model_config, rows: int) -> dict[str, float]:
+    """FLOP/s of the model's gate_up GEMM at `rows` rows, for each kind a config's matmuls could run as:
+    its own (int8: torch._weight_int8pack_mm, what the engine runs above 8 rows), and for int8 also bf16
+    (dequantized weights). The compute floor uses the fastest: the machine's rate, not one op's."""
     gemm = next(g for g in model_gemms(model_config) if g.name == "gate_up_proj")
-    seconds = statistics.median(gemm_seconds(kind, 256, Gemm(gemm.name, gemm.k, gemm.n, 1), 3))
-    return 2 * 256 * gemm.k * gemm.n / seconds
+    rates = {}
+    for kind in {"int8": ["int8", "bf16"]}.get(config_name, [config_name]):
+        seconds = statistics.median(gemm_seconds(kind, rows, Gemm(gemm.name, gemm.k, gemm.n, 1), 3))
+        rates[kind] = 2 * rows * gemm.k * gemm.n / seconds
+    return rates
 
 
 def verdict(p: dict) -> str:
-    matmul, step = p["matmul_ms"], p["instrumented_step_ms"]
-    rest = step - matmul
-    biggest = max(p["breakdown_ms"].items(), key=lambda item: item[1] if item[0] != "matmuls" else -1)
-    if matmul < rest:
-        return (f"overhead-bound: matmuls {matmul:.1f} of {step:.1f} ms; the rest {rest:.1f} ms, most of it "
-                f"{biggest[0]} ({biggest[1]:.1f} ms)")
+    """The biggest of matmuls / attention / everything else names the bound."""
+    step, matmul, attention = p["instrumented_step_ms"], p["matmul_ms"], p["breakdown_ms"]["attention"]
+    overhead = step - matmul - attention
+    others = {k: v for k, v in p["breakdown_ms"].items() if k not in ("matmuls", "attention")}
+    biggest = max(others.items(), key=lambda item: item[1])
+    if overhead >= max(matmul, attention):
+        return (f"overhead-bound: matmuls {matmul:.1f} + attention {attention:.1f} of {step:.1f} ms; the rest "
+                f"{overhead:.1f} ms, most of it {biggest[0]} ({biggest[1]:.1f} ms)")
+    if attention > matmul:
+        rate = p["kv_bytes"] / (attention / 1e3) / 1e9
+        return (f"attention-bound: attention {attention:.1f} of {step:.1f} ms, reading {p['kv_bytes'] / 1e6:.0f} MB "
+                f"of KV at {rate:.1f} GB/s; matmuls {matmul:.1f} ms")
     kind = "memory" if p["memory_floor_ms"] >= p["compute_floor_ms"] else "compute"
     floor = max(p["memory_floor_ms"], p["compute_floor_ms"])
     return (f"{kind}-bound: matmuls {matmul:.1f} of {step:.1f} ms, at {floor / matmul:.2f} of the {kind} floor "
-            f"({floor:.1f} ms); the rest {rest:.1f} ms")
+            f"({floor:.1f} ms); attention {attention:.1f} ms, the rest {overhead:.1f} ms")
 
 
-def profile_one(model_dir: str, name: str, config: str, batch: int, args) -> dict:
-    steps = args.steps
-    llm = make_llm(model_dir, config, batch, args.prompt_len + 4 * steps + 16, enable_prefix_caching=False)
-    engine, model_config = llm.engine, llm.engine.model_config
+def profile_one(model_dir: str, name: str, config: str, spec: str, args) -> dict:
+    """spec: a decode batch size ("1", "32"), or "prefill1024" for one prompt of that many tokens."""
     from pagoda import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=4 * steps + 12, ignore_eos=True)
-    for index, prompt in enumerate(make_prompts(batch, args.prompt_len, model_config.vocab_size, seed=7)):
-        engine.add_request(f"profile-{index}", prompt, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
-        engine.step()  # prefill, untimed
-    timed_steps(engine, 4)  # warm-up decodes
-    plain = timed_steps(engine, steps)
+    prefill_tokens = int(spec.removeprefix("prefill")) if spec.startswith("prefill") else 0
+    batch, steps = (1, args.prefill_steps) if prefill_tokens else (int(spec), args.steps)
+    max_len = prefill_tokens + 8 if prefill_tokens else args.prompt_len + 4 * steps + 16
+    llm = make_llm(model_dir, config, batch, max_len, max_batched_tokens=max(4096, prefill_tokens),
+                   enable_prefix_caching=False)
+    engine, model_config = llm.engine, llm.engine.model_config
+    before, counter, add_request = None, iter(range(1 << 30)), engine.add_request
+    if prefill_tokens:
+        def before():
+            index = next(counter)
+            prompt = make_prompts(1, prefill_tokens, model_config.vocab_size, seed=index)[0]
+            add_request(f"prefill-{index}", prompt, SamplingParams(temperature=0, max_tokens=1))
+
+        timed_steps(engine, 1, before=before)  # warm-up
+        context = [prefill_tokens]
+    else:
+        params = SamplingParams(temperature=0, max_tokens=4 * steps + 12, ignore_eos=True)
+        for index, prompt in enumerate(make_prompts(batch, args.prompt_len, model_config.vocab_size, seed=7)):
+            engine.add_request(f"profile-{index}", prompt, params)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.requests.values()):
+            engine.step()  # prefill, untimed
+        timed_steps(engine, 4)  # warm-up decodes
+    plain = timed_steps(engine, steps, before=before)
     timers = instrument(engine)
-    timed_steps(engine, steps, timers)
+    timed_steps(engine, steps, timers, before=before)
     timers.remove()
-    profiled = profiler_table(engine, max(2, steps // 4))
-    context = [r.num_computed_tokens + 1 for r in engine.scheduler.running]
-    engine.abort_request([f"profile-{i}" for i in range(batch)])
+    profiled = profiler_table(engine, 1 if prefill_tokens else max(2, steps // 4), before=before)
+    if not prefill_tokens:
+        context = [r.num_computed_tokens + 1 for r in engine.scheduler.running]
+        engine.abort_request([f"profile-{i}" for i in range(batch)])
 
     dtype = TORCH_DTYPES[CONFIGS[config][0]]
     wbytes, kvbytes = weight_bytes(engine.model), kv_read_bytes(model_config, dtype, context)
     del llm, engine
     gc.collect()
     bandwidth = statistics.median(read_bandwidth(wbytes, 3))
-    rate = peak_matmul_rate(config, model_config)
+    rows = prefill_tokens or batch
+    rates = matmul_rates(config, model_config, prefill_tokens or 256)
+    rate = max(rates.values())
     ms = {name: seconds * 1e3 for name, seconds in timers.medians().items()}
     linears = sum(v for k, v in ms.items() if k.startswith("linear."))
     attention = ms["attention"] + ms["write_kv"]
@@ -206,21 +236,22 @@ def profile_one(model_dir: str, name: str, config: str, batch: int, args) -> dic
         "step other": ms["step"] - ms["schedule"] - ms["execute"] - ms["update"] - ms["outputs"],
     }
     result = {
-        "model": name, "config": config, "batch": batch, "steps": steps,
+        "model": name, "config": config, "batch": spec, "steps": steps,
         "step_ms": statistics.median(plain) * 1e3, "plain_step_s": plain, "instrumented_step_ms": ms["step"],
         "timer_medians_ms": ms, "instrumented_steps_s": timers.steps, "breakdown_ms": breakdown,
         "matmul_ms": breakdown["matmuls"], "profiler": profiled,
         "weight_bytes": wbytes, "kv_bytes": kvbytes, "bandwidth_bytes_per_s": bandwidth,
-        "matmul_flop_per_s": rate, "memory_floor_ms": (wbytes + kvbytes) / bandwidth * 1e3,
-        "compute_floor_ms": linear_flops(model_config, batch, batch) / rate * 1e3,
+        "matmul_flop_per_s": rate, "matmul_flop_per_s_by_kind": rates,
+        "memory_floor_ms": (wbytes + kvbytes) / bandwidth * 1e3,
+        "compute_floor_ms": linear_flops(model_config, rows, batch) / rate * 1e3,
     }
     result["verdict"] = verdict(result)
     return result
 
 
 def print_row(p: dict) -> None:
-    print(f"\n{p['model']} {p['config']} batch {p['batch']}: step {p['step_ms']:.1f} ms "
-          f"({p['batch'] / p['step_ms'] * 1e3:.1f} tok/s); memory floor {p['memory_floor_ms']:.1f} ms "
+    print(f"\n{p['model']} {p['config']} batch {p['batch']}: step {p['step_ms']:.1f} ms; "
+          f"memory floor {p['memory_floor_ms']:.1f} ms "
           f"({p['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s), compute floor {p['compute_floor_ms']:.1f} ms "
           f"({p['matmul_flop_per_s'] / 1e9:.0f} GFLOP/s)")
     print(f"    instrumented step {p['instrumented_step_ms']:.1f} ms (timer overhead included), of which:")
@@ -238,12 +269,14 @@ def main() -> None:
     parser.add_argument("--models-dir", default="models")
     parser.add_argument("--runs", default="bench-125m:fp32:1,bench-125m:bf16:1,bench-125m:int8:1,"
                         "bench-125m:fp32:32,bench-125m:bf16:32,bench-125m:int8:32,"
-                        "bench-1b:fp32:1,bench-1b:bf16:1,bench-1b:int8:1", help="model:config:batch, ...")
+                        "bench-1b:fp32:1,bench-1b:bf16:1,bench-1b:int8:1,bench-125m:bf16:prefill1024,bench-1b:bf16:prefill1024",
+                        help="model:config:batch, ... (batch 'prefillN': one N-token prompt)")
     parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
+    parser.add_argument("--prefill-steps", type=int, default=3, help="prefills per measurement")
     parser.add_argument("--prompt-len", type=int, default=128)
     args = parser.parse_args()
     if args.quick:
-        args.steps = 6
+        args.steps, args.prefill_steps = 6, 1
         args.runs = ",".join(r for r in args.runs.split(",") if not r.startswith("bench-1b"))
     set_threads(args.threads)
     load_start = load_average()
@@ -252,11 +285,11 @@ def main() -> None:
     runs = [r.split(":") for r in args.runs.split(",")]
     for index, (model, config, batch) in enumerate(runs):
         log(f"[{index + 1}/{len(runs)}] {model} {config} batch {batch}")
-        results.append(profile_one(f"{args.models_dir}/{model}", model, config, int(batch), args))
+        results.append(profile_one(f"{args.models_dir}/{model}", model, config, batch, args))
         print_row(results[-1])
-    print(f"\n{'model':<12}{'config':<7}{'batch':>6}{'step ms':>10}{'matmul %':>10}  verdict")
+    print(f"\n{'model':<12}{'config':<7}{'batch':>12}{'step ms':>10}{'matmul %':>10}  verdict")
     for p in results:
-        print(f"{p['model']:<12}{p['config']:<7}{p['batch']:>6}{p['step_ms']:>10.1f}"
+        print(f"{p['model']:<12}{p['config']:<7}{p['batch']:>12}{p['step_ms']:>10.1f}"
               f"{p['matmul_ms'] / p['instrumented_step_ms'] * 100:>9.0f}%  {p['verdict'].split(':')[0]}")
     write_json(args.out, {"config": vars(args), "environment": environment(load_start), "results": results})
 
