@@ -50,7 +50,7 @@ from common import (
 
 import pagoda.engine.runner as runner_module
 
-LINEAR_CLASSES = ("Linear", "Bf16Linear", "Int8Linear")
+LINEAR_CLASSES = ("Linear", "DenseLinear", "Int8Linear")
 
 
 class StepTimers:
@@ -170,8 +170,9 @@ def verdict(p: dict) -> str:
                 f"{overhead:.1f} ms, most of it {biggest[0]} ({biggest[1]:.1f} ms)")
     if attention > matmul:
         rate = p["kv_bytes"] / (attention / 1e3) / 1e9
-        return (f"attention-bound: attention {attention:.1f} of {step:.1f} ms, reading {p['kv_bytes'] / 1e6:.0f} MB "
-                f"of KV at {rate:.1f} GB/s; matmuls {matmul:.1f} ms")
+        reads = "" if str(p["batch"]).startswith("prefill") else (
+            f", reading {p['kv_bytes'] / 1e6:.0f} MB of KV at {rate:.1f} GB/s")
+        return f"attention-bound: attention {attention:.1f} of {step:.1f} ms{reads}; matmuls {matmul:.1f} ms"
     kind = "memory" if p["memory_floor_ms"] >= p["compute_floor_ms"] else "compute"
     floor = max(p["memory_floor_ms"], p["compute_floor_ms"])
     return (f"{kind}-bound: matmuls {matmul:.1f} of {step:.1f} ms, at {floor / matmul:.2f} of the {kind} floor "

@@ -16,7 +16,7 @@ from torch import nn
 
 from pagoda import SamplingParams
 from pagoda.kernels import _cpu_flags, cpu_kernels
-from pagoda.model.quantization import Bf16Linear, Int8Linear
+from pagoda.model.quantization import DenseLinear, Int8Linear
 
 HAS_AVX512_BF16 = {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags()
 needs_kernels = pytest.mark.skipif(not HAS_AVX512_BF16, reason="this CPU lacks AVX-512 BF16: kernels do not apply")
@@ -57,18 +57,32 @@ def test_kernels_reject_shapes_they_do_not_handle(kernels):
         kernels.gemv_bf16(torch.randn(9, 64), torch.randn(8, 64).bfloat16())
 
 
-@pytest.mark.parametrize("layer_type", [Bf16Linear, Int8Linear])
+@pytest.mark.parametrize(("layer_type", "dtype", "tolerance"), [
+    (DenseLinear, torch.float32, 1e-5), (DenseLinear, torch.bfloat16, 2e-2), (Int8Linear, torch.bfloat16, 2e-2),
+])
 @pytest.mark.parametrize("rows", [1, 8, 20])  # 20 rows: the torch path even when kernels are on
-def test_fast_linear_layers_agree_with_and_without_kernels(layer_type, rows):
+def test_fast_linear_layers_agree_with_and_without_kernels(layer_type, dtype, tolerance, rows):
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True)
-    x = torch.randn(rows, 128).bfloat16()
-    reference = layer_type(linear, kernels=None)
-    fast = layer_type(linear, kernels=cpu_kernels() if HAS_AVX512_BF16 else None)
-    torch.testing.assert_close(fast(x).float(), reference(x).float(), rtol=2e-2, atol=2e-2)
+    x = torch.randn(rows, 128).to(dtype)
+    layer = linear if layer_type is Int8Linear else nn.Linear(128, 96).to(dtype)
+    if layer is not linear:
+        layer.load_state_dict({k: v.to(dtype) for k, v in linear.state_dict().items()})
+    reference = layer_type(layer, kernels=None)
+    fast = layer_type(layer, kernels=cpu_kernels() if HAS_AVX512_BF16 else None)
+    if HAS_AVX512_BF16 and rows <= 8:
+        assert (fast.gemv if layer_type is DenseLinear else fast.kernels) is not None
+    torch.testing.assert_close(fast(x).float(), reference(x).float(), rtol=tolerance, atol=tolerance)
     # And both stay close to the fp32 layer they replace.
     error = (fast(x).float() - linear(x.float())).abs().max().item()
     assert error < 0.05 * linear(x.float()).abs().max().item()
+
+
+def test_kernels_skip_layers_whose_width_they_do_not_take():
+    """An input width that is not a multiple of 32 goes to torch instead of failing in the kernel."""
+    linear = nn.Linear(48, 16)
+    for layer in (DenseLinear(linear, cpu_kernels()), Int8Linear(linear, cpu_kernels())):
+        torch.testing.assert_close(layer(torch.ones(2, 48)), linear(torch.ones(2, 48)), atol=0.05, rtol=0.05)
 
 
 def test_int8_quantization_is_per_channel_symmetric():
@@ -150,3 +164,30 @@ def test_paged_attention_kernel_matches_reference_backend(make_llm, checkpoint, 
     reference_ids = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
     assert fast_ids == reference_ids
     assert fast.engine.scheduler.num_preemptions > 0
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (16, 2, 128), (8, 1, 32)])
+@pytest.mark.parametrize("window", [None, 13])
+def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_heads, head_dim, window):
+    """The kernel against the reference decode on scattered slots, lengths on and off 16-key blocks."""
+    from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
+
+    gen = torch.Generator().manual_seed(heads * head_dim)
+    block_size, seq_lens = 4, [1, 15, 16, 17, 40, 75]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for n in seq_lens:
+        tables.append(order[: -(-n // block_size)])
+        order = order[len(tables[-1]) :]
+    meta = build_metadata([1] * len(seq_lens), seq_lens, tables, block_size, {window})
+    k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
+                        for _ in range(2))
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=gen).to(dtype)
+    args = (q, k_cache, v_cache, meta, head_dim**-0.5, window)
+    fast = CpuAttentionBackend(kernels).forward(*args).float()
+    reference = TorchAttentionBackend().forward(*args).float()
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(fast, reference, atol=tolerance, rtol=tolerance)

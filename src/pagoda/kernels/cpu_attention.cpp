@@ -3,17 +3,21 @@
 //
 // q: [B, H, D]; k_cache, v_cache: [num_slots, KVH, D] (fp32 or bf16); slots: [B, L] int64 (padded);
 // seq_lens: [B] int64; window: 0 for none, else keys at positions >= seq_len - window.
-// Work is split over (sequence, kv head); each task handles the H / KVH query heads sharing that kv head,
-// so every key and value row is read once. Scores and the softmax are in fp32.
+// Work is split over (sequence, kv head); each task handles the G = H / KVH query heads sharing that
+// kv head, so every key and value row is read from memory once and used G times from registers.
+// Three passes per task, each vectorised: scores (q.k, 16 keys at a time, one horizontal sum per 16
+// keys), exp (a polynomial over 16 scores at a time), then the weighted sum of values. Scores, the
+// softmax and the accumulation are in fp32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <cmath>
 #include <limits>
 #include <vector>
 
 namespace {
+
+constexpr int kMaxGroup = 16;  // query heads per kv head handled in registers
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::BFloat16* p) {
@@ -21,57 +25,146 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-template <typename T>
-float dot(const float* q, const T* k, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(k + d), acc);
-  return _mm512_reduce_add_ps(acc);
+// Sums each of 16 vectors: lane j of the result is the sum of v[j]'s lanes. 15 adds instead of 16
+// separate horizontal reductions.
+inline __m512 transpose_sum16(__m512 v[16]) {
+  // Round 1: pairs (2i, 2i+1) -> lanes interleaved, each lane a sum of 2 of the original 16 lanes.
+  __m512 a[8];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  // Round 2: 64-bit interleave of pairs of the above.
+  __m512 b[4];
+  for (int i = 0; i < 4; ++i) {
+    __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // Rounds 3-4: 128-bit lanes. After round 2, b[i] holds, in each 128-bit lane l, partial sums of
+  // vectors 4i..4i+3 over lane l; fold lanes together with shuffles across the 128-bit lanes.
+  __m512 c[2];
+  for (int i = 0; i < 2; ++i) {
+    __m512 lo = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0));
+    __m512 hi = _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1));
+    c[i] = _mm512_add_ps(lo, hi);
+  }
+  __m512 lo = _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0));
+  __m512 hi = _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1));
+  return _mm512_add_ps(lo, hi);
 }
 
-template <typename T>
-void axpy(float a, const T* v, float* out, int64_t D) {
-  __m512 av = _mm512_set1_ps(a);
-  for (int64_t d = 0; d < D; d += 16) {
-    _mm512_storeu_ps(out + d, _mm512_fmadd_ps(av, load16(v + d), _mm512_loadu_ps(out + d)));
+// exp(x) for x <= 0 (scores minus their max): 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a
+// degree-6 polynomial (relative error ~2e-7); below -87 the result flushes to 0.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One (sequence, kv head) task; C = D / 16 vector chunks per head.
+template <typename T, int C>
+void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t first,
+                 int64_t len, T* out, int64_t G, int64_t KVH, int64_t kvh, float scale, float* scores) {
+  constexpr int64_t D = 16 * C;
+  const int64_t n = len - first;
+  const int64_t stride = KVH * D;  // elements between consecutive slots
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 query[C];
+    for (int c = 0; c < C; ++c) query[c] = _mm512_mul_ps(load16(q + g * D + c * 16), _mm512_set1_ps(scale));
+    float* row = scores + g * n;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      __m512 partial[16];
+      for (int j = 0; j < 16; ++j) {
+        const T* key = k_cache + slots[first + i + j] * stride + kvh * D;
+        __m512 acc = _mm512_mul_ps(query[0], load16(key));
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], load16(key + c * 16), acc);
+        partial[j] = acc;
+      }
+      _mm512_storeu_ps(row + i, transpose_sum16(partial));
+    }
+    for (; i < n; ++i) {
+      const T* key = k_cache + slots[first + i] * stride + kvh * D;
+      __m512 acc = _mm512_mul_ps(query[0], load16(key));
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], load16(key + c * 16), acc);
+      row[i] = _mm512_reduce_add_ps(acc);
+    }
+    // Softmax weights in place: exp(score - max), and their sum.
+    __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (i = 0; i + 16 <= n; i += 16) maxv = _mm512_max_ps(maxv, _mm512_loadu_ps(row + i));
+    float max_score = _mm512_reduce_max_ps(maxv);
+    for (; i < n; ++i) max_score = std::max(max_score, row[i]);
+    __m512 total = _mm512_setzero_ps();
+    for (i = 0; i < n; i += 16) {
+      const __mmask16 live = i + 16 <= n ? 0xFFFF : static_cast<__mmask16>((1u << (n - i)) - 1);
+      __m512 w = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, row + i), _mm512_set1_ps(max_score)));
+      w = _mm512_maskz_mov_ps(live, w);
+      total = _mm512_add_ps(total, w);
+      _mm512_mask_storeu_ps(row + i, live, w);
+    }
+    const float inv_total = 1.0f / _mm512_reduce_add_ps(total);
+    for (i = 0; i < n; ++i) row[i] *= inv_total;
+  }
+  // Weighted sum of values: each value row is loaded once and used by all G heads.
+  __m512 acc[kMaxGroup][C];
+  for (int64_t g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    const T* value = v_cache + slots[first + i] * stride + kvh * D;
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = load16(value + c * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 w = _mm512_set1_ps(scores[g * n + i]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    alignas(64) float buffer[D];
+    for (int c = 0; c < C; ++c) _mm512_store_ps(buffer + c * 16, acc[g][c]);
+    for (int64_t d = 0; d < D; ++d) out[g * D + d] = static_cast<T>(buffer[d]);
   }
 }
 
-template <typename T>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, const int64_t* seq_lens,
-            T* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t L, int64_t window, float scale) {
-  const int64_t group = H / KVH;
+template <typename T, int C>
+void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, const int64_t* seq_lens, T* out,
+            int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
+  constexpr int64_t D = 16 * C;
+  const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> query(group * D), acc(group * D), scores(group * L);
+    std::vector<float> scores(G * L + 16);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH;
       const int64_t len = seq_lens[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < D; ++d) query[g * D + d] = static_cast<float>(q[(b * H + kvh * group + g) * D + d]);
-      std::vector<float> max_score(group, -std::numeric_limits<float>::infinity());
-      for (int64_t p = first; p < len; ++p) {
-        const T* key = k_cache + (slots[b * L + p] * KVH + kvh) * D;
-        for (int64_t g = 0; g < group; ++g) {
-          float s = dot(query.data() + g * D, key, D) * scale;
-          scores[g * L + p] = s;
-          max_score[g] = std::max(max_score[g], s);
-        }
-      }
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::vector<float> total(group, 0.0f);
-      for (int64_t p = first; p < len; ++p) {
-        const T* value = v_cache + (slots[b * L + p] * KVH + kvh) * D;
-        for (int64_t g = 0; g < group; ++g) {
-          float weight = std::exp(scores[g * L + p] - max_score[g]);
-          total[g] += weight;
-          axpy(weight, value, acc.data() + g * D, D);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          out[(b * H + kvh * group + g) * D + d] = static_cast<T>(acc[g * D + d] / total[g]);
+      const int64_t head = b * H + kvh * G;
+      attend_task<T, C>(q + head * D, k_cache, v_cache, slots + b * L, first, len, out + head * D, G, KVH, kvh,
+                        scale, scores.data());
     }
   });
+}
+
+template <typename T>
+void dispatch_head_dim(int64_t D, const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens,
+                       T* out, int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
+  switch (D / 16) {
+    case 1: return attend<T, 1>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
+    case 2: return attend<T, 2>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
+    case 3: return attend<T, 3>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
+    case 4: return attend<T, 4>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
+    case 5: return attend<T, 5>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
+    case 6: return attend<T, 6>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
+    case 7: return attend<T, 7>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
+    case 8: return attend<T, 8>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
+    default: TORCH_CHECK(false, "head_dim must be 16..128, a multiple of 16");
+  }
 }
 
 }  // namespace
@@ -85,7 +178,8 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 slots and lens");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
-  TORCH_CHECK(H % KVH == 0 && D % 16 == 0 && k_cache.size(2) == D, "head shapes");
+  TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "query heads per kv head: a divisor, at most 16");
+  TORCH_CHECK(D % 16 == 0 && D <= 128 && k_cache.size(2) == D, "head_dim must be 16..128, a multiple of 16");
   TORCH_CHECK(slots.size(0) == B && seq_lens.size(0) == B, "one slot row and length per sequence");
   auto qc = q.contiguous();
   auto slot_rows = slots.contiguous();
@@ -93,14 +187,15 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto out = torch::empty_like(qc);
   const int64_t L = slot_rows.size(1);
   if (q.scalar_type() == at::kFloat) {
-    attend<float>(qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                  slot_rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, D, L,
-                  window, static_cast<float>(scale));
+    dispatch_head_dim<float>(D, qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                             slot_rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H,
+                             KVH, L, window, static_cast<float>(scale));
   } else {
     TORCH_CHECK(q.scalar_type() == at::kBFloat16, "fp32 or bf16 only");
-    attend<at::BFloat16>(qc.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                         v_cache.data_ptr<at::BFloat16>(), slot_rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                         out.data_ptr<at::BFloat16>(), B, H, KVH, D, L, window, static_cast<float>(scale));
+    dispatch_head_dim<at::BFloat16>(D, qc.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
+                                    v_cache.data_ptr<at::BFloat16>(), slot_rows.data_ptr<int64_t>(),
+                                    lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, L, window,
+                                    static_cast<float>(scale));
   }
   return out;
 }

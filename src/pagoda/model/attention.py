@@ -117,14 +117,19 @@ class TorchAttentionBackend:
         if meta.num_decodes:
             rows = meta.decode_token_index
             out[rows] = self._decode(q[rows], k_cache, v_cache, meta, scale, window)
+        group = q.shape[1] // k_cache.shape[1]
         for seq in meta.prefills:
-            query = q[seq.query_start : seq.query_end].transpose(0, 1)  # [heads, q_len, D]
-            keys = k_cache[seq.key_slots].transpose(0, 1)  # [kv_heads, seq_len, D]
-            values = v_cache[seq.key_slots].transpose(0, 1)
+            query = q[seq.query_start : seq.query_end].transpose(0, 1)[None]  # [1, heads, q_len, D]
+            # Key/value heads repeated to the query heads: on CPU, SDPA's fused (flash) kernel takes only
+            # 4-D inputs of equal head counts; `enable_gqa` falls back to the math path, 4x slower.
+            keys = k_cache[seq.key_slots].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+            values = v_cache[seq.key_slots].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+            # A whole prompt under a plain causal mask needs no mask tensor (the kernel skips masked tiles).
+            causal = window is None and query.shape[2] == keys.shape[2]
             attended = F.scaled_dot_product_attention(
-                query, keys, values, attn_mask=seq.masks[window], scale=scale, enable_gqa=True
+                query, keys, values, attn_mask=None if causal else seq.masks[window], is_causal=causal, scale=scale
             )
-            out[seq.query_start : seq.query_end] = attended.transpose(0, 1)
+            out[seq.query_start : seq.query_end] = attended[0].transpose(0, 1)
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:

@@ -183,11 +183,13 @@ def load_model(
 
 
 def select_attention_backend(config: ModelConfig, dtype: torch.dtype, device: str):
-    """The native CPU backend where it applies (fp32/bf16, head_dim a multiple of 16), else the reference."""
+    """The native CPU backend where it applies (fp32/bf16, head_dim 16..128 in steps of 16, at most 16 query
+    heads per kv head), else the reference."""
     from pagoda.kernels import cpu_kernels
     from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend
 
-    if device == "cpu" and dtype in (torch.float32, torch.bfloat16) and config.head_dim % 16 == 0:
+    shapes_fit = config.head_dim % 16 == 0 and config.head_dim <= 128 and config.num_heads // config.num_kv_heads <= 16
+    if device == "cpu" and dtype in (torch.float32, torch.bfloat16) and shapes_fit:
         kernels = cpu_kernels()
         if kernels is not None:
             return CpuAttentionBackend(kernels)
