@@ -36,17 +36,6 @@ import httpx
 
 HOST = "127.0.0.1"
 
-# Workaround, until it is fixed: launcher.load_engine starts the AsyncEngine thread and then runs its
-# warm-up generation on the loading thread, so both threads can step the engine at once; on bench-125m
-# that kills the engine at start-up about two times in three (tests/test_prefix_cache_server.py::
-# test_start_up_warm_up_does_not_race_the_engine_thread). This runs the real `pagoda serve` without that
-# warm-up; the benchmark sends its own warm-up request through HTTP instead.
-SERVE_WITHOUT_LAUNCHER_WARM_UP = (
-    "import sys; import pagoda.server.launcher as launcher; launcher._warm_up = lambda engine: None; "
-    "from pagoda.cli import main; sys.exit(main())"
-)
-
-
 @dataclass
 class RequestResult:
     ttft_s: float
@@ -75,8 +64,7 @@ def free_port() -> int:
 
 def start_server(args, caching: bool, log_dir: Path) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
-    entry = ["-m", "pagoda"] if args.launcher_warm_up else ["-c", SERVE_WITHOUT_LAUNCHER_WARM_UP]
-    command = [sys.executable, *entry, "serve", "--model", args.model, "--host", HOST, "--port", str(port),
+    command = [sys.executable, "-m", "pagoda", "serve", "--model", args.model, "--host", HOST, "--port", str(port),
                "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
                "--kv-cache-memory-bytes", args.kv_cache_memory_bytes,
                "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--uvicorn-log-level", "warning",
@@ -212,8 +200,6 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the servers")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
-    parser.add_argument("--launcher-warm-up", action="store_true",
-                        help="plain `python -m pagoda serve`, with its start-up warm-up (races: see above)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/prefix_cache.json")
     parser.add_argument("--log-dir", default=None, help="keep the servers' logs here (default: a temporary directory)")

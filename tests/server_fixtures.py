@@ -162,7 +162,7 @@ class ServerProcess:
 
 
 def launch_server(
-    model_dir: Path,
+    model_dir: Path | None,
     log_dir: Path,
     *args: str,
     served_model_name: str | None = None,
@@ -170,10 +170,12 @@ def launch_server(
     wrapper: str | None = None,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """Starts `python -m pagoda serve` (or `python -c wrapper serve ...`) without waiting for it."""
+    """Starts `python -m pagoda serve` (or `python -c wrapper serve ...`) without waiting for it. No model_dir:
+    the built-in demo model, as the README's `make serve` does."""
     port = free_port()
-    serve_args = ["serve", "--model", str(model_dir), "--host", LOOPBACK, "--port", str(port),
-                  "--uvicorn-log-level", "warning", *args]
+    model_args = [] if model_dir is None else ["--model", str(model_dir)]
+    serve_args = ["serve", *model_args, "--host", LOOPBACK, "--port", str(port), "--uvicorn-log-level", "warning",
+                  *args]
     if served_model_name:
         serve_args += ["--served-model-name", served_model_name]
     if api_key:
