@@ -30,37 +30,37 @@ def kernels():
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 2, 5, 8])
-def test_bf16_gemv_matches_torch(kernels, rows):
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64])  # 13: a group of 8 rows, then 5
+def test_gemv_kernels_match_torch(kernels, kind, rows):
+    """K = 1,056: several K chunks (the slice of x kept in L1) and a 32-wide tail; N not a multiple of the
+    per-thread tile."""
     torch.manual_seed(rows)
-    x, w = torch.randn(rows, 320), torch.randn(96, 320).bfloat16()
-    expected = x.bfloat16().float() @ w.float().T
-    torch.testing.assert_close(kernels.gemv_bf16(x, w), expected, rtol=1e-4, atol=1e-4)
-
-
-@needs_kernels
-@pytest.mark.parametrize("rows", [1, 3, 8])
-def test_int8_gemv_matches_dequantized_matmul(kernels, rows):
-    torch.manual_seed(rows)
-    x = torch.randn(rows, 256)
-    q = torch.randint(-127, 128, (160, 256), dtype=torch.int8)
-    scale = torch.rand(160) / 50
-    expected = (x @ q.float().T) * scale
-    torch.testing.assert_close(kernels.gemv_int8(x, q, scale), expected, rtol=1e-4, atol=1e-4)
+    x = torch.randn(rows, 1056)
+    if kind == "int8":
+        q, scale = torch.randint(-127, 128, (200, 1056), dtype=torch.int8), torch.rand(200) / 50
+        actual, expected = kernels.gemv_int8(x, q, scale), (x @ q.float().T) * scale
+    elif kind == "bf16":
+        w = torch.randn(200, 1056).bfloat16()
+        actual, expected = kernels.gemv_bf16(x, w), x.bfloat16().float() @ w.float().T
+    else:
+        w = torch.randn(200, 1056)
+        actual, expected = kernels.gemv_fp32(x, w), x @ w.T
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3)
 
 
 @needs_kernels
 def test_kernels_reject_shapes_they_do_not_handle(kernels):
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.gemv_bf16(torch.randn(1, 48), torch.randn(8, 48).bfloat16())
-    with pytest.raises(RuntimeError, match="1..8 rows"):
-        kernels.gemv_bf16(torch.randn(9, 64), torch.randn(8, 64).bfloat16())
+    with pytest.raises(RuntimeError, match="1..64 rows"):
+        kernels.gemv_bf16(torch.randn(65, 64), torch.randn(8, 64).bfloat16())
 
 
 @pytest.mark.parametrize(("layer_type", "dtype", "tolerance"), [
     (DenseLinear, torch.float32, 1e-5), (DenseLinear, torch.bfloat16, 2e-2), (Int8Linear, torch.bfloat16, 2e-2),
 ])
-@pytest.mark.parametrize("rows", [1, 8, 20])  # 20 rows: the torch path even when kernels are on
+@pytest.mark.parametrize("rows", [1, 8, 20, 70])  # above 8 (dense) / 64 (int8) rows: torch even with kernels
 def test_fast_linear_layers_agree_with_and_without_kernels(layer_type, dtype, tolerance, rows):
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True)
@@ -70,7 +70,7 @@ def test_fast_linear_layers_agree_with_and_without_kernels(layer_type, dtype, to
         layer.load_state_dict({k: v.to(dtype) for k, v in linear.state_dict().items()})
     reference = layer_type(layer, kernels=None)
     fast = layer_type(layer, kernels=cpu_kernels() if HAS_AVX512_BF16 else None)
-    if HAS_AVX512_BF16 and rows <= 8:
+    if HAS_AVX512_BF16:
         assert (fast.gemv if layer_type is DenseLinear else fast.kernels) is not None
     torch.testing.assert_close(fast(x).float(), reference(x).float(), rtol=tolerance, atol=tolerance)
     # And both stay close to the fp32 layer they replace.

@@ -16,7 +16,11 @@ from torch import nn
 from pagoda.kernels import cpu_kernels
 
 QUANTIZATIONS = (None, "int8")
-KERNEL_MAX_ROWS = 8
+# Up to this many rows, the GEMV kernels beat torch: for fp32/bf16, oneDNN's GEMM (AMX for bf16) takes
+# over beyond 8; for int8, torch has no fast path (`_weight_int8pack_mm` is 30x slower with fp32 inputs),
+# so the kernel keeps decode batches up to 64 and prefill-sized inputs dequantize into a GEMM.
+DENSE_KERNEL_MAX_ROWS = 8
+INT8_KERNEL_MAX_ROWS = 64
 
 
 def _usable(kernels, linear: nn.Linear):
@@ -38,7 +42,7 @@ class DenseLinear(nn.Module):
         self.gemv = None if kernels is None else getattr(kernels, self.GEMV[self.weight.dtype])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is None or x.dim() != 2 or x.shape[0] > KERNEL_MAX_ROWS:
+        if self.gemv is None or x.shape[0] > DENSE_KERNEL_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         y = self.gemv(x, self.weight).to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -57,10 +61,12 @@ class Int8Linear(nn.Module):
         self.kernels = _usable(kernels, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.dim() == 2 and x.shape[0] <= KERNEL_MAX_ROWS:
+        if self.kernels is not None and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
             y = self.kernels.gemv_int8(x, self.qweight, self.scale).to(x.dtype)
-        else:
+        elif x.dtype == torch.bfloat16 and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
             y = torch._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
+        else:  # a matrix multiplication: dequantizing once costs little next to it
+            y = F.linear(x, self.qweight.to(x.dtype) * self.scale[:, None].to(x.dtype))
         return y if self.bias is None else y + self.bias
 
 
