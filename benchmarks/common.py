@@ -180,7 +180,7 @@ def _gemm_op(kind: str, m: int, g: Gemm):
     x, w = torch.randn(m, g.k, dtype=torch.bfloat16), torch.randn(g.n, g.k, dtype=torch.bfloat16)
     if kind == "bf16":
         return lambda: F.linear(x, w)
-    if kind == "int8":  # what Int8Linear runs for > 8 rows
+    if kind == "int8":  # torch's weight-only int8 GEMM (Int8Linear uses pagoda's kernel up to 64 rows instead)
         q, scale = torch.randint(-127, 128, (g.n, g.k), dtype=torch.int8), torch.rand(g.n, dtype=torch.bfloat16)
         return lambda: torch._weight_int8pack_mm(x, q, scale)
     if kind == "int8_dequant":  # the alternative: dequantize to bf16 each call, then a bf16 GEMM

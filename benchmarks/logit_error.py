@@ -1,0 +1,79 @@
+"""Logit error of the fast numeric paths (bf16, int8 W8A16) against fp32, on the bench models.
+
+The bench models have random weights: their logits are nearly tied, so greedy agreement says little
+about them (the demo model's task accuracy is the quality gate: benchmarks/quality.py). What this
+reports is the size of the numeric error itself: the same prompts through pagoda in fp32, bf16 and
+int8 (kernels on, as served), and max / mean |logit - fp32 logit| over every vocabulary entry at each
+prompt's last position, beside the fp32 logits' own spread (their standard deviation) for scale.
+
+    python benchmarks/logit_error.py [--models bench-125m,bench-1b] [--prompts 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+from pathlib import Path
+
+import torch
+from common import add_common_args, environment, load_average, log, make_llm, make_prompts, set_threads, write_json
+
+from pagoda import SamplingParams
+
+
+def last_position_logits(model_dir: str, config: str, prompts: list[list[int]]) -> torch.Tensor:
+    """[num_prompts, vocab] fp32 logits at each prompt's last position, as the engine computes them."""
+    llm = make_llm(model_dir, config, num_seqs=len(prompts), max_len=max(map(len, prompts)) + 1,
+                   enable_prefix_caching=False)
+    model, captured = llm.engine.model, []
+    compute_logits = model.compute_logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(hidden)
+        captured.append(logits.float().clone())
+        return logits
+
+    model.compute_logits = capture
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 1 for o in outputs)
+    logits = torch.cat(captured)
+    assert logits.shape[0] == len(prompts), "one sampling row per prompt: the prompts must prefill in one step"
+    del llm, model
+    gc.collect()
+    return logits
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser, "benchmarks/results/logit_error.json")
+    parser.add_argument("--models-dir", default="models")
+    parser.add_argument("--models", default="bench-125m,bench-1b")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    args = parser.parse_args()
+    set_threads(args.threads)
+    load_at_start = load_average()
+    results = []
+    for name in args.models.split(","):
+        model_dir = f"{args.models_dir}/{name}"
+        vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
+        prompts = make_prompts(args.prompts, args.prompt_len, vocab, seed=7)
+        log(f"{name}: fp32 reference")
+        reference = last_position_logits(model_dir, "fp32", prompts)
+        for config in ("bf16", "int8"):
+            log(f"{name}: {config}")
+            error = (last_position_logits(model_dir, config, prompts) - reference).abs()
+            results.append({"model": name, "config": config, "positions": len(prompts), "vocab": vocab,
+                            "max_abs_error": error.max().item(), "mean_abs_error": error.mean().item(),
+                            "fp32_logit_std": reference.std().item(),
+                            "fp32_logit_max_abs": reference.abs().max().item()})
+    print(f"\n{'model':12s} {'path':6s} {'max |err|':>10s} {'mean |err|':>11s} {'fp32 std':>9s}")
+    for r in results:
+        print(f"{r['model']:12s} {r['config']:6s} {r['max_abs_error']:10.4f} {r['mean_abs_error']:11.4f} "
+              f"{r['fp32_logit_std']:9.3f}")
+    write_json(args.out, {"config": vars(args), "environment": environment(load_at_start), "results": results})
+
+
+if __name__ == "__main__":
+    main()
