@@ -526,6 +526,20 @@ def test_streamed_text_equals_non_streamed_text(client):
             assert [c.finish_reason for c in mine if c.finish_reason] == [choice.finish_reason], kwargs
 
 
+
+def test_stream_sends_no_empty_text_chunks_and_loses_no_logprobs(client):
+    """Random sampling over a byte-level vocabulary emits partial UTF-8 characters, which the detokenizer
+    holds back: no chunk may then go out empty, and the held tokens' logprobs arrive with the next one."""
+    kwargs = {"max_tokens": 60, "temperature": 2.0, "seed": 11, "logprobs": 1, "extra_body": {"ignore_eos": True}}
+    full = complete(client, PROMPTS[1], **kwargs)
+    chunks = [c.choices[0] for c in complete(client, PROMPTS[1], stream=True, **kwargs) if c.choices]
+    assert all(c.text or c.finish_reason for c in chunks)
+    assert "".join(c.text for c in chunks) == full.choices[0].text
+    streamed_tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    assert streamed_tokens == full.choices[0].logprobs.tokens
+    assert len(streamed_tokens) == full.usage.completion_tokens == 60
+    assert len(chunks) < 60, "some tokens completed no character on their own (else this test shows nothing)"
+
 CONCURRENT_REQUESTS = [
     ("completion", {"prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0.8, "seed": 1}),
     ("completion", {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 1.0, "seed": 2, "extra_body": {"top_k": 5}}),

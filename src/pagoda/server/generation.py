@@ -185,12 +185,12 @@ class Generation:
         if state.finished:
             return None
         text = completion.text[state.text_length :]
-        new_tokens = len(completion.token_ids) - state.num_tokens
         finish = completion.finish_reason
-        if not text and finish is None and new_tokens == 0:
+        if not text and finish is None:
+            # Nothing to show yet (no token, or a character still incomplete): no empty chunk, and no
+            # role-only chat chunk before there is content (clients time TTFT from the first chunk).
+            # The held tokens' logprobs go out with the next chunk, which starts at state.num_tokens.
             return None
-        if not text and finish is None and self.kind == "chat":
-            return None  # no role-only chunk before there is content: clients time TTFT from it
         logprobs = self._logprobs(completion, state.num_tokens) if completion.logprobs is not None else None
         if self.kind == "completion" and not state.started and self.echo_texts:
             text = self.echo_texts[prompt_index] + text
