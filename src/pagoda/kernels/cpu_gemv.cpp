@@ -142,38 +142,30 @@ void check_shapes(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
-// x: [M, K] (any float dtype), w: [N, K] float32 -> [M, N] float32.
+// y = x @ w.T in float32, for x of any float dtype (converted to X) and w of dtype W.
+template <template <int> class Block, typename X, typename W>
+torch::Tensor run_gemv(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType x_type, at::ScalarType w_type) {
+  check_shapes(x, w);
+  TORCH_CHECK(w.scalar_type() == w_type, "w must be ", w_type);
+  auto xc = x.to(x_type).contiguous();
+  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  gemv<Block>(xc.data_ptr<X>(), w.data_ptr<W>(), y.data_ptr<float>(), M, K, N);
+  return y;
+}
+
 torch::Tensor gemv_fp32(const torch::Tensor& x, const torch::Tensor& w) {
-  check_shapes(x, w);
-  TORCH_CHECK(w.scalar_type() == at::kFloat, "w must be float32");
-  auto xf = x.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  gemv<Fp32>(xf.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>(), M, K, N);
-  return y;
+  return run_gemv<Fp32, float, float>(x, w, at::kFloat, at::kFloat);
 }
 
-// x: [M, K] (any float dtype), w: [N, K] bf16 -> [M, N] float32.
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
-  check_shapes(x, w);
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "w must be bfloat16");
-  auto xb = x.to(at::kBFloat16).contiguous();
-  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  gemv<Bf16>(xb.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), y.data_ptr<float>(), M, K, N);
-  return y;
+  return run_gemv<Bf16, at::BFloat16, at::BFloat16>(x, w, at::kBFloat16, at::kBFloat16);
 }
 
-// x: [M, K] (any float dtype), w: [N, K] int8, scale: [N] float32 -> [M, N] float32.
+// scale: [N] float32, per output channel: applied once per output, not per weight.
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale) {
-  check_shapes(x, w);
-  TORCH_CHECK(w.scalar_type() == at::kChar, "w must be int8");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), "scale must be float32 [N]");
-  auto xf = x.to(at::kFloat).contiguous();
-  const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
-  auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  gemv<Int8>(xf.data_ptr<float>(), w.data_ptr<int8_t>(), y.data_ptr<float>(), M, K, N);
-  return y.mul_(scale.contiguous());  // per output channel: one multiply per output, not per weight
+  return run_gemv<Int8, float, int8_t>(x, w, at::kFloat, at::kChar).mul_(scale.contiguous());
 }
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
