@@ -1,6 +1,6 @@
 """Train pagoda-demo: a few-million-parameter Llama that solves small, checkable tasks, on CPU, from scratch.
 
-    .venv/bin/python scripts/train_demo_model.py    # ~25 min on 2 idle cores
+    .venv/bin/python scripts/train_demo_model.py    # ~26 min on 2 idle cores
     .venv/bin/python scripts/train_demo_model.py --steps 300 --out /tmp/demo  # a quick trial
 
 Everything follows from --seed: the corpus (pagoda.demo.tasks), the tokenizer, the init, the batch order.
