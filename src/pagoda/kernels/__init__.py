@@ -22,7 +22,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp")]
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma"]
+# -fopenmp: at::parallel_for is an inline OpenMP region; compiled without it, every kernel runs on one
+# thread. -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+_LINK_FLAGS = ["-lgomp"]
 _CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda")) / "kernels"
 _STALE_LOCK_SECONDS = 900  # a build lock this old belongs to a killed build: torch would wait on it forever
 
@@ -42,7 +45,7 @@ def _build_directory() -> tuple[str, Path, list[str]]:
     digest = hashlib.sha256()
     for source in _SOURCES:
         digest.update(source.read_bytes())
-    digest.update(" ".join(_FLAGS).encode())
+    digest.update(" ".join(_FLAGS + _LINK_FLAGS).encode())
     version = digest.hexdigest()[:12]
     directory = _CACHE / version
     (directory / "src").mkdir(parents=True, exist_ok=True)
@@ -79,7 +82,8 @@ def cpu_kernels():
             spec.loader.exec_module(module)
             return module
         logger.info("compiling pagoda's CPU kernels into %s (once)", directory)
-        return load(name=name, sources=sources, extra_cflags=_FLAGS, build_directory=str(directory), verbose=False)
+        return load(name=name, sources=sources, extra_cflags=_FLAGS, extra_ldflags=_LINK_FLAGS,
+                    build_directory=str(directory), verbose=False)
     except Exception as error:  # no compiler, missing headers, ...: the torch path still works
         logger.warning("native CPU kernels unavailable (%s); using torch", error)
         return None
