@@ -2,7 +2,7 @@
 //
 // At decode time each weight is read once per step and used for only a few rows, so the step is
 // bound by memory bandwidth. Stock torch streams bf16 and int8 weights at a fraction of the fp32
-// rate; these kernels read them at full speed: one pass over W, up to 8 rows of x at once, rows of W
+// rate; these kernels read them at full speed: one pass over W, 8 rows of x at a time, rows of W
 // split across threads with at::parallel_for.
 //   fp32 W: fp32 FMAs (torch's fp32 GEMV streams at ~0.4-0.6 of the bandwidth floor on these shapes).
 //   bf16 W: x rounded to bf16, _mm512_dpbf16_ps (32 products per instruction, fp32 accumulation).
@@ -21,7 +21,7 @@ namespace {
 constexpr int64_t kRowGroup = 8;             // rows of x per pass (accumulators held in registers)
 constexpr int64_t kMaxRows = 64;             // larger inputs are matrix multiplications: use a GEMM
 constexpr int64_t kGrain = 64;               // output channels per parallel task
-constexpr int64_t kChunkBytesOfX = 32 << 10;  // the slice of x one pass reads: fits in L1 (48 KB) beside W
+constexpr int64_t kChunkBytesOfX = 32 << 10;  // the slice of x one pass reads: about L1 (32-48 KB)
 
 // The same columns of the next weight row, a whole row's compute ahead of their use: with several rows
 // of x the loop is busy with FMAs and issues its loads late; the hardware prefetcher alone then leaves

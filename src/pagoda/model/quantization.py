@@ -1,9 +1,9 @@
 """Linear layers for the fast paths: fp32/bf16 weights and int8 weight-only (W8A16) quantization.
 
 After loading, `prepare_linears` swaps the model's nn.Linear layers for these. Decode-sized inputs
-(<= 8 rows) go to pagoda's AVX-512 GEMV kernels (kernels/cpu_gemv.cpp), which stream weights faster
-than stock torch (bf16/int8 at about twice its rate, fp32 ~20% faster); larger inputs (prefill, big
-batches) are matrix multiplications and go to torch (oneDNN). Without the kernels (or for an input
+(<= 32 rows; int8: 64) go to pagoda's AVX-512 GEMV kernels (kernels/cpu_gemv.cpp), which stream
+weights faster than stock torch (bf16/int8 at about twice its rate, fp32 ~1.5x); larger inputs
+(prefill, big batches) are matrix multiplications and go to torch (oneDNN). Without the kernels (or for an input
 width the kernels do not take, not a multiple of 32), everything goes to torch: same results, slower.
 """
 
@@ -16,10 +16,11 @@ from torch import nn
 from pagoda.kernels import cpu_kernels
 
 QUANTIZATIONS = (None, "int8")
-# Up to this many rows, the GEMV kernels beat torch: for fp32/bf16, oneDNN's GEMM (AMX for bf16) takes
-# over beyond 8; for int8, torch has no fast path (`_weight_int8pack_mm` is 30x slower with fp32 inputs),
-# so the kernel keeps decode batches up to 64 and prefill-sized inputs dequantize into a GEMM.
-DENSE_KERNEL_MAX_ROWS = 8
+# Up to this many rows, the GEMV kernels beat torch (measured on the bench models' shapes, weights
+# streamed from memory: 2x at 8 rows, 1.3x at 16, 1.1x at 32); beyond, oneDNN's GEMM takes over for
+# fp32/bf16. For int8, torch has no fast path (`_weight_int8pack_mm` is 30x slower with fp32 inputs), so
+# the kernel keeps decode batches up to 64 and prefill-sized inputs dequantize into a GEMM.
+DENSE_KERNEL_MAX_ROWS = 32
 INT8_KERNEL_MAX_ROWS = 64
 
 
