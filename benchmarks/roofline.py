@@ -128,8 +128,7 @@ def prefill_workload(model_dir: str, name: str, config: str, args) -> dict:
             "engine_flop_per_s": flops / step_s, "matmul_floors": floors, "floor_kind": best["kind"],
             "floor_s": best["seconds"], "limit": f"{best['flop_per_s'] / 1e9:.0f} GFLOP/s",
             "fraction": statistics.median(fractions), "fraction_per_repeat": fractions,
-            "target": target_for("prefill", name, config),
-            "fraction_of_engine_gemm": statistics.median(r[config]["seconds"] / s for r, s in zip(repeats, samples))}
+            "target": target_for("prefill", name, config)}
 
 
 def offline_workload(model_dir: str, name: str, config: str, args) -> dict:
@@ -185,12 +184,6 @@ def print_table(results: list[dict], bw_big: dict) -> None:
         ok = "" if r["target"] is None else ("yes" if r["fraction"] >= r["target"] else "NO")
         print(f"{r['kind']:<10}{r['model']:<12}{r['config']:<7}{measured:>14}{r['floor_s'] * 1e3:>9.1f}ms"
               f"{r['limit']:>18}{r['fraction']:>10.2f}{target:>8}  {ok}")
-    for r in results:
-        if r["kind"] == "prefill" and r["floor_kind"] != r["config"]:
-            own = r["matmul_floors"][r["config"]]
-            print(f"note: prefill {r['model']} {r['config']}: the engine's GEMM (torch._weight_int8pack_mm) runs at "
-                  f"{own['flop_per_s'] / 1e9:.0f} GFLOP/s, dequantize + bf16 GEMM at {r['limit']}; against its own "
-                  f"GEMM the prefill reaches {r['fraction_of_engine_gemm']:.2f}")
 
 
 def main() -> None:

@@ -168,8 +168,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server):
     with server.client() as client:
         stream = client.completions.create(model=MODEL, prompt=[0, HOLD_TOKEN, 70, 71], max_tokens=12, stream=True,
                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        chunks = iter(stream)
-        first = next(chunks)  # running, and held before its second token
+        # Running, and held before its second token. (Its first token may be half a character, which
+        # streams no chunk: wait on the server's gauge, not on a first chunk.)
+        wait_until(lambda: server.metrics().gauge("vllm:num_requests_running") == 1, 20, "the request running")
         server.process.send_signal(signal.SIGTERM)
 
         wait_until(lambda: server.health() == 503, 10, "/health 503 while draining")
@@ -180,9 +181,9 @@ def test_sigterm_drains_in_flight_requests_then_exits_0(server):
         assert server.process.poll() is None, "the server must wait for its in-flight request"
 
         hold.unlink()
-        rest = list(chunks)
+        chunks = list(stream)
 
-    assert rest[-1].usage.completion_tokens == 12
-    finishes = [c.choices[0].finish_reason for c in [first, *rest] if c.choices and c.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == 12
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finishes == ["length"]
     assert server.process.wait(timeout=30) == 0, server.log_tail()
