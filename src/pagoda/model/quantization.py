@@ -45,7 +45,7 @@ class DenseLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is None or x.shape[0] > DENSE_KERNEL_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
-        y = self.gemv(x, self.weight).to(x.dtype)
+        y = self.gemv(x, self.weight)
         return y if self.bias is None else y + self.bias
 
 
@@ -63,7 +63,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
-            y = self.kernels.gemv_int8(x, self.qweight, self.scale).to(x.dtype)
+            y = self.kernels.gemv_int8(x, self.qweight, self.scale)
         elif x.dtype == torch.bfloat16 and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
             y = torch._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
         else:  # a matrix multiplication: dequantizing once costs little next to it
