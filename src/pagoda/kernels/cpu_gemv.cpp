@@ -85,9 +85,10 @@ void block_int8(const float* x, const int8_t* w, float* y, int64_t K, int64_t N,
     for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; k += 32) {
       if constexpr (M > 1) prefetch_next_row(row + K + k, 32);
-      __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
-      __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(packed)));
-      __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(packed, 1)));
+      // Two 16-byte loads widened straight from memory (no 256-bit load and lane extract).
+      __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
+      __m512 w1 = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16))));
       for (int m = 0; m < M; ++m) {
         acc0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), acc0[m]);
         acc1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16), acc1[m]);
