@@ -128,7 +128,7 @@ def instrument(engine) -> StepTimers:
         if type(module).__name__ in LINEAR_CLASSES:
             timers.hook(module, f"linear.{name.rsplit('.', 1)[-1]}")
     timers.wrap(engine.model.backend, "forward", "attention")
-    timers.wrap(engine.model.backend, "write_kv", "write_kv")
+    timers.wrap(engine.model.backend, "rotate_and_write_kv", "rotary_kv_write")
     return timers
 
 
@@ -224,12 +224,12 @@ def profile_one(model_dir: str, name: str, config: str, spec: str, args) -> dict
     rate = max(rates.values())
     ms = {name: seconds * 1e3 for name, seconds in timers.medians().items()}
     linears = sum(v for k, v in ms.items() if k.startswith("linear."))
-    attention = ms["attention"] + ms["write_kv"]
+    attention = ms["attention"] + ms["rotary_kv_write"]
     in_execute = ("build_metadata", "forward", "lm_head", "build_sampling_metadata", "sample")
     breakdown = {  # medians over the instrumented steps; their sum is close to the instrumented step
         "matmuls": linears + ms["lm_head"],
         "attention": attention,
-        "forward other (norms, rotary, residuals, module calls)": ms["forward"] - linears - attention,
+        "forward other (norms, residual adds, gate, module calls)": ms["forward"] - linears - attention,
         "sampling (metadata + sample)": ms["build_sampling_metadata"] + ms["sample"],
         "attention metadata": ms["build_metadata"],
         "runner other (batch tensors)": ms["execute"] - sum(ms[k] for k in in_execute),

@@ -21,10 +21,12 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_fused.cpp")]
+_HEADERS = [Path(__file__).with_name("cpu_vec.h")]
 # -fopenmp: at::parallel_for is an inline OpenMP region; compiled without it, every kernel runs on one
 # thread. -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp"]
+# -ffp-contract=off: a multiply and an add that torch rounds separately stay separate (cpu_fused.cpp).
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-ffp-contract=off"]
 _LINK_FLAGS = ["-lgomp"]
 _CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda")) / "kernels"
 _STALE_LOCK_SECONDS = 900  # a build lock this old belongs to a killed build: torch would wait on it forever
@@ -43,18 +45,17 @@ def _cpu_flags() -> set[str]:
 
 def _build_directory() -> tuple[str, Path, list[str]]:
     digest = hashlib.sha256()
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         digest.update(source.read_bytes())
     digest.update(" ".join(_FLAGS + _LINK_FLAGS).encode())
     version = digest.hexdigest()[:12]
     directory = _CACHE / version
     (directory / "src").mkdir(parents=True, exist_ok=True)
-    sources = []
-    for source in _SOURCES:
+    for source in _SOURCES + _HEADERS:
         target = directory / "src" / source.name
         if not target.exists():
             shutil.copyfile(source, target)
-        sources.append(str(target))
+    sources = [str(directory / "src" / source.name) for source in _SOURCES]
     lock = directory / "lock"
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
         lock.unlink(missing_ok=True)

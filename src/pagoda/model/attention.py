@@ -1,7 +1,8 @@
 """Paged attention: one interface, a backend per device.
 
 The KV cache of a layer is two tensors [num_slots, num_kv_heads, head_dim] (num_slots = blocks x
-block_size). Each step, `write_kv` stores the new tokens' K/V at their slots, and `forward` attends each
+block_size). Each step, `rotate_and_write_kv` applies rope to the new tokens' q and k and stores their
+K/V at their slots, and `forward` attends each
 sequence's queries to the keys its block table points at. Everything shape-dependent (gather indices,
 masks) is built once per step in `build_metadata`, outside the layers: no hidden global context.
 """
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from pagoda.model.layers import apply_rotary
 
 
 @dataclass
@@ -95,11 +98,16 @@ def build_metadata(
 class TorchAttentionBackend:
     """The reference backend: gathers keys through the block tables and calls SDPA."""
 
-    def write_kv(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
-    ) -> None:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+    def rotate_and_write_kv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, num_heads: int,
+    ) -> torch.Tensor:
+        """qkv: [num_tokens, heads + 2 kv_heads, head_dim]. Rotates q and k (one call for both: half the
+        small ops), stores k and v at the tokens' slots, and returns the rotated q."""
+        rotated = apply_rotary(qkv[:, : num_heads + k_cache.shape[1]], cos, sin)
+        k_cache.index_copy_(0, meta.slot_mapping, rotated[:, num_heads:])
+        v_cache.index_copy_(0, meta.slot_mapping, qkv[:, num_heads + k_cache.shape[1] :])
+        return rotated[:, :num_heads]
 
     def forward(
         self,
@@ -152,11 +160,16 @@ class TorchAttentionBackend:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """Decodes through pagoda's paged-attention kernel (keys read in place, nothing gathered);
-    prefills as the reference backend does (SDPA is efficient for long queries)."""
+    """Decodes through pagoda's paged-attention kernel (keys read in place, nothing gathered), and
+    rotates q/k and writes the cache in one kernel call; prefills as the reference backend does (SDPA
+    is efficient for long queries)."""
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
+
+    def rotate_and_write_kv(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, num_heads: int):
+        self.kernels.rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, num_heads)
+        return qkv[:, :num_heads]
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None):
         return self.kernels.paged_decode_attention(

@@ -18,8 +18,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.kernels = None  # pagoda's CPU kernels, when the loader enables them: one fused call
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """RMSNorm(x), after adding `delta` into x in place when given (x is the residual stream)."""
+        if self.kernels is not None and x.is_contiguous():
+            return self.kernels.add_rms_norm_(x, delta, self.weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
         # HF's x * rsqrt(mean(x^2) + eps) in fp32, as one fused op instead of five.
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype)
@@ -77,7 +83,11 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.kernels = None  # pagoda's CPU kernels, when the loader enables them: the gate in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None:
+            return self.down_proj(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -14,7 +14,7 @@ from torch import nn
 
 from pagoda.config import ModelConfig
 from pagoda.model.attention import AttentionMetadata, TorchAttentionBackend
-from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
@@ -38,15 +38,11 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
-        if self.q_norm is None:  # q and k heads rotated by one call: half the small ops per layer
-            qk = apply_rotary(qkv[:, : heads + kv_heads], cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
-        else:
-            q = apply_rotary(self.q_norm(qkv[:, :heads]), cos, sin)
-            k = apply_rotary(self.k_norm(qkv[:, heads : heads + kv_heads]), cos, sin)
-        v = qkv[:, heads + kv_heads :]
+        if self.q_norm is not None:  # Qwen3: per-head norms before rope, written back into qkv
+            qkv[:, :heads] = self.q_norm(qkv[:, :heads])
+            qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])
         k_cache, v_cache = kv_cache
-        backend.write_kv(k_cache, v_cache, k, v, meta)
+        q = backend.rotate_and_write_kv(qkv, cos, sin, k_cache, v_cache, meta, heads)
         out = backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -59,9 +55,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, x, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
+        """x: the residual stream, to which the previous sublayer's output `delta` is added in place (by
+        the norm, fused); returns this layer's MLP output, the next layer's delta."""
+        attended = self.self_attn(self.input_layernorm(x, delta), cos, sin, kv_cache, meta, backend)
+        return self.mlp(self.post_attention_layernorm(x, attended))
 
 
 class LlamaModel(nn.Module):
@@ -89,9 +87,10 @@ class LlamaModel(nn.Module):
         """Returns final hidden states [num_tokens, hidden]; call compute_logits on the rows to sample."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, meta, self.backend)
-        return self.norm(x)
+            delta = layer(x, delta, cos, sin, kv_cache, meta, self.backend)
+        return self.norm(x, delta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

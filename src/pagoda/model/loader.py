@@ -178,19 +178,24 @@ def load_model(
     model.load_weights(iter_weights(model_dir), dtype=dtype, device=device)
     prepare_linears(model, quantization, use_kernels)
     if use_kernels:
-        model.backend = select_attention_backend(config, dtype, device)
+        enable_cpu_kernels(model, config, dtype, device)
     return model.eval(), config
 
 
-def select_attention_backend(config: ModelConfig, dtype: torch.dtype, device: str):
-    """The native CPU backend where it applies (fp32/bf16, head_dim 16..128 in steps of 16, at most 16 query
-    heads per kv head), else the reference."""
+def enable_cpu_kernels(model, config: ModelConfig, dtype: torch.dtype, device: str) -> None:
+    """pagoda's native CPU kernels (fp32/bf16 models on CPU) for the residual add + RMSNorm and the SiLU
+    gate, and the native attention backend (paged decode attention, rotary + KV write) where its shapes
+    fit: head_dim 16..128 in steps of 16, at most 16 query heads per kv head. Elsewhere the torch
+    reference stays."""
     from pagoda.kernels import cpu_kernels
-    from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend
+    from pagoda.model.attention import CpuAttentionBackend
+    from pagoda.model.layers import GatedMLP, RMSNorm
 
-    shapes_fit = config.head_dim % 16 == 0 and config.head_dim <= 128 and config.num_heads // config.num_kv_heads <= 16
-    if device == "cpu" and dtype in (torch.float32, torch.bfloat16) and shapes_fit:
-        kernels = cpu_kernels()
-        if kernels is not None:
-            return CpuAttentionBackend(kernels)
-    return TorchAttentionBackend()
+    kernels = cpu_kernels() if device == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
+    if kernels is None:
+        return
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, GatedMLP)):
+            module.kernels = kernels
+    if config.head_dim % 16 == 0 and config.head_dim <= 128 and config.num_heads // config.num_kv_heads <= 16:
+        model.backend = CpuAttentionBackend(kernels)
