@@ -127,7 +127,7 @@ def test_decode_kernel_path_agrees_with_torch_path(make_llm, checkpoint):
     """bf16 decode through the kernels and through torch pick the same tokens (or diverge at a near-tie)."""
     model_dir = checkpoint("qwen3")
     prompts = random_prompts([5, 17, 31], seed=3)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     with_kernels = make_llm(model_dir, dtype="bfloat16", use_kernels=True).generate(prompts, params)
     torch_only = make_llm(model_dir, dtype="bfloat16", use_kernels=False).generate(prompts, params)
     for fast, slow in zip(with_kernels, torch_only):
@@ -191,3 +191,4 @@ def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_head
     reference = TorchAttentionBackend().forward(*args).float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
     torch.testing.assert_close(fast, reference, atol=tolerance, rtol=tolerance)
+
