@@ -191,4 +191,3 @@ def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_head
     reference = TorchAttentionBackend().forward(*args).float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
     torch.testing.assert_close(fast, reference, atol=tolerance, rtol=tolerance)
-
