@@ -191,3 +191,42 @@ def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_head
     reference = TorchAttentionBackend().forward(*args).float()
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
     torch.testing.assert_close(fast, reference, atol=tolerance, rtol=tolerance)
+
+
+@needs_kernels
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128), (8, 1, 32), (6, 6, 96)])
+@pytest.mark.parametrize("window", [None, 13, 70])
+def test_paged_prefill_kernel_matches_fp32_attention(kernels, heads, kv_heads, head_dim, window):
+    """The bf16 prefill kernel in a mixed step (whole prompts, chunks that follow cached keys, decodes)
+    on scattered slots, against the reference backend computing in fp32 on the same bf16 values."""
+    from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
+
+    gen = torch.Generator().manual_seed(heads * head_dim + (window or 0))
+    block_size = 4
+    query_lens, seq_lens = [1, 70, 5, 33, 130, 1], [17, 70, 5, 100, 200, 64]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = []
+    for n in seq_lens:
+        tables.append(order[: -(-n // block_size)])
+        order = order[len(tables[-1]) :]
+    meta = build_metadata(query_lens, seq_lens, tables, block_size, {window})
+    k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).bfloat16()
+                        for _ in range(2))
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).bfloat16()
+    fast = CpuAttentionBackend(kernels).forward(q, k_cache, v_cache, meta, head_dim**-0.5, window).float()
+    reference = TorchAttentionBackend().forward(
+        q.float(), k_cache.float(), v_cache.float(), meta, head_dim**-0.5, window
+    )
+    # bf16: the output's own rounding, and the probabilities' (rounded to bf16 before p @ v, as torch does)
+    torch.testing.assert_close(fast, reference, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernels
+def test_paged_prefill_kernel_rejects_shapes_it_does_not_handle(kernels):
+    q = torch.zeros(4, 4, 48, dtype=torch.bfloat16)
+    cache = torch.zeros(8, 2, 48, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="head_dim 32..128"):
+        kernels.paged_prefill_attention_(q, cache, cache, torch.arange(4), 0, 1.0, torch.empty_like(q))
+    with pytest.raises(RuntimeError, match="bf16 only"):
+        kernels.paged_prefill_attention_(q.float(), cache, cache, torch.arange(4), 0, 1.0, q.float())

@@ -180,6 +180,8 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>
 void rotary_write_kv_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
                       torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t num_heads);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
+void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -190,4 +192,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta (if given) in place; returns RMSNorm(x) * weight");
   m.def("rotary_write_kv_", &rotary_write_kv_, "rotates qkv's q and k heads in place; writes k, v to the cache");
   m.def("silu_mul", &silu_mul, "[gate | up] -> silu(gate) * up");
+  m.def("paged_prefill_attention_", &paged_prefill_attention_,
+        "one sequence's bf16 queries attending causally to its keys in the paged KV cache, into out");
 }

@@ -1,0 +1,243 @@
+// Paged prefill attention on the CPU for bf16 models: one sequence's queries (a prompt or a chunk of
+// one) attending causally to its keys in the paged cache, flash-attention style, on vdpbf16ps.
+//
+// Torch's SDPA needs the keys gathered out of the cache and repeated to the query heads, and its bf16
+// path runs at a quarter of the bf16 GEMMs' rate on a CPU without AMX. Here:
+//  - each kv head's keys and values are packed once from their slots into the layouts vdpbf16ps reads
+//    (pairs of bf16 along the reduction: head dims for q.k, keys for p.v), zero past the sequence;
+//  - a task is one kv head and a block of query positions, its rows the G query heads sharing that kv
+//    head times the block's positions, so every packed key block serves G heads from L1;
+//  - per key block of 64 and tile of R rows: scores in registers, an online softmax in fp32, the
+//    probabilities rounded to bf16 (as torch's flash kernel rounds them) and accumulated into fp32
+//    outputs; key blocks wholly outside a block's causal window are skipped.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "cpu_vec.h"
+
+namespace {
+
+using bf16 = at::BFloat16;
+using pagoda::exp16;
+
+constexpr int64_t kKeys = 64;  // keys per block: 4 vectors of scores per row
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline __m512bh pair_broadcast(const uint32_t* pairs, int64_t p) {
+  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[p])));
+}
+inline __m512bh load_pairs(const uint32_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+
+// One kv head's keys as [key / 16][D / 2][key % 16] words (a word: dims 2p, 2p+1 of one key), and its
+// values as [key / 2][D] words (a word: dim d of keys 2j, 2j+1). Keys in [len, padded) are zero.
+void pack_kv(const bf16* k_cache, const bf16* v_cache, const int64_t* slots, int64_t len, int64_t padded,
+             int64_t KVH, int64_t kvh, int64_t D, uint32_t* keys, uint16_t* values) {
+  const int64_t pairs = D / 2;
+  for (int64_t key = 0; key < padded; ++key) {
+    const int64_t offset = (slots[std::min(key, len - 1)] * KVH + kvh) * D;
+    const uint32_t* k = reinterpret_cast<const uint32_t*>(k_cache + offset);
+    const uint16_t* v = reinterpret_cast<const uint16_t*>(v_cache + offset);
+    const bool live = key < len;
+    uint32_t* kdst = keys + (key / 16) * pairs * 16 + key % 16;
+    for (int64_t p = 0; p < pairs; ++p) kdst[p * 16] = live ? k[p] : 0;
+    uint16_t* vdst = values + (key / 2) * D * 2 + key % 2;
+    for (int64_t d = 0; d < D; ++d) vdst[d * 2] = live ? v[d] : 0;
+  }
+}
+
+// Raw scores of R query rows against one block of 64 packed keys.
+template <int R>
+inline void score_tile(const uint32_t* const* q, const uint32_t* keys, int64_t pairs, __m512 s[R][4]) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) s[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh k[4];
+    for (int v = 0; v < 4; ++v) k[v] = load_pairs(keys + (v * pairs + p) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh qr = pair_broadcast(q[r], p);
+      for (int v = 0; v < 4; ++v) s[r][v] = _mm512_dpbf16_ps(s[r][v], qr, k[v]);
+    }
+  }
+}
+
+// out[r] = out[r] * alpha[r] + P[r] @ V for one key block; P rows are 64 bf16 (32 words).
+template <int R, int C>
+inline void accumulate_tile(const uint32_t* probs, const uint32_t* values, float* const* out, const float* alpha) {
+  constexpr int64_t D = 16 * C;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out[r] + c * 16), _mm512_set1_ps(alpha[r]));
+  for (int64_t j = 0; j < kKeys / 2; ++j) {
+    __m512bh v[C];
+    for (int c = 0; c < C; ++c) v[c] = load_pairs(values + j * D + c * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh p = pair_broadcast(probs + r * (kKeys / 2), j);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p, v[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[r] + c * 16, acc[r][c]);
+}
+
+struct Sequence {
+  const bf16* q;
+  bf16* out;
+  int64_t q_stride, out_stride;  // elements between consecutive query positions
+  int64_t queries, first_pos;    // query i sits at position first_pos + i; keys are positions 0..
+  int64_t H, G, window;          // window: 0 for none, else keys at positions > pos - window
+  float scale;
+};
+
+// Online-softmax state of a task's rows; rows past the task's count are scratch for the last tile.
+struct Rows {
+  std::vector<const uint32_t*> q;
+  std::vector<bf16*> out;
+  std::vector<int64_t> pos;
+  std::vector<float> max, sum, acc;  // acc: [rows][D] fp32
+};
+
+// The scores of one row (4 vectors) scaled and masked to the keys [lo, hi) of the block; softmax
+// state updated; probabilities rounded to bf16 into `probs`. Returns the factor for the old output.
+inline float softmax_row(__m512 s[4], int64_t lo, int64_t hi, float scale, float& max, float& sum,
+                         uint32_t* probs) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  __mmask16 live[4];
+  __m512 block_max = _mm512_set1_ps(kNegInf);
+  for (int v = 0; v < 4; ++v) {
+    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * v));
+    live[v] = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lo))) &
+              _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(hi)));
+    s[v] = _mm512_mul_ps(s[v], _mm512_set1_ps(scale));
+    block_max = _mm512_mask_max_ps(block_max, live[v], block_max, s[v]);
+  }
+  const float new_max = std::max(max, _mm512_reduce_max_ps(block_max));
+  if (new_max == kNegInf) {  // no key of this block, nor before it, is visible to the row
+    for (int64_t j = 0; j < kKeys / 2; ++j) probs[j] = 0;
+    return 1.0f;
+  }
+  const float alpha = max == kNegInf ? 0.0f : std::exp(max - new_max);
+  __m512 total = _mm512_setzero_ps();
+  for (int v = 0; v < 4; ++v) {
+    s[v] = _mm512_maskz_mov_ps(live[v], exp16(_mm512_sub_ps(s[v], _mm512_set1_ps(new_max))));
+    total = _mm512_add_ps(total, s[v]);
+  }
+  for (int v = 0; v < 4; v += 2)
+    _mm512_storeu_si512(probs + v * 8, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[v + 1], s[v])));
+  sum = sum * alpha + _mm512_reduce_add_ps(total);
+  max = new_max;
+  return alpha;
+}
+
+template <int C>
+void attend_block(const Sequence& seq, const uint32_t* keys, const uint32_t* values, int64_t first_query,
+                  int64_t count, int64_t kvh, Rows& rows) {
+  constexpr int64_t D = 16 * C;
+  constexpr int R = C <= 4 ? 6 : 24 / C;  // rows per tile: R x C output accumulators in registers
+  constexpr int64_t pairs = D / 2;
+  const int64_t n = seq.G * count, padded = (n + R - 1) / R * R;
+  for (int64_t r = 0; r < padded; ++r) {
+    const int64_t live = std::min(r, n - 1), g = live / count, i = first_query + live % count;
+    rows.q[r] = reinterpret_cast<const uint32_t*>(seq.q + i * seq.q_stride + (kvh * seq.G + g) * D);
+    rows.out[r] = seq.out + i * seq.out_stride + (kvh * seq.G + g) * D;
+    rows.pos[r] = seq.first_pos + i;
+    rows.max[r] = kNegInf;
+    rows.sum[r] = 0.0f;
+  }
+  std::fill(rows.acc.begin(), rows.acc.begin() + padded * D, 0.0f);
+  const int64_t low = seq.first_pos + first_query, high = low + count - 1;  // the block's positions
+  const int64_t first_block = seq.window > 0 ? std::max<int64_t>(0, low - seq.window + 1) / kKeys : 0;
+  for (int64_t block = first_block; block * kKeys <= high; ++block) {
+    const int64_t base = block * kKeys;
+    const uint32_t* block_keys = keys + block * kKeys * pairs;
+    const uint32_t* block_values = values + block * (kKeys / 2) * D;
+    for (int64_t r0 = 0; r0 < padded; r0 += R) {
+      __m512 s[R][4];
+      score_tile<R>(rows.q.data() + r0, block_keys, pairs, s);
+      alignas(64) uint32_t probs[R][kKeys / 2];
+      float alpha[R];
+      float* out[R];
+      for (int r = 0; r < R; ++r) {
+        const int64_t pos = rows.pos[r0 + r];
+        const int64_t lo = seq.window > 0 ? pos - seq.window + 1 - base : 0, hi = pos + 1 - base;
+        alpha[r] = softmax_row(s[r], lo, hi, seq.scale, rows.max[r0 + r], rows.sum[r0 + r], probs[r]);
+        out[r] = rows.acc.data() + (r0 + r) * D;
+      }
+      accumulate_tile<R, C>(&probs[0][0], block_values, out, alpha);
+    }
+  }
+  for (int64_t r = 0; r < n; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / rows.sum[r]);
+    for (int c = 0; c < C; ++c)
+      pagoda::store16(rows.out[r] + c * 16, _mm512_mul_ps(_mm512_loadu_ps(rows.acc.data() + r * D + c * 16), inv),
+                      0xFFFF);
+  }
+}
+
+template <int C>
+void attend(const Sequence& seq, const bf16* k_cache, const bf16* v_cache, const int64_t* slots, int64_t KVH) {
+  constexpr int64_t D = 16 * C;
+  const int64_t len = seq.first_pos + seq.queries, padded = (len + kKeys - 1) / kKeys * kKeys;
+  std::vector<uint32_t> keys(KVH * padded * D / 2);
+  std::vector<uint16_t> values(KVH * padded * D);
+  at::parallel_for(0, KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t kvh = begin; kvh < end; ++kvh)
+      pack_kv(k_cache, v_cache, slots, len, padded, KVH, kvh, D, keys.data() + kvh * padded * D / 2,
+              values.data() + kvh * padded * D);
+  });
+  // ~256 rows a task: a block's scores and outputs stay in L2 beside the packed keys and values.
+  const int64_t block = std::max<int64_t>(16, 256 / seq.G);
+  const int64_t blocks = (seq.queries + block - 1) / block, tasks = blocks * KVH;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
+  // Later query blocks see more keys: hand tasks out largest first, round robin over the threads.
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    Rows rows;
+    const int64_t capacity = seq.G * block + 8;
+    rows.q.resize(capacity), rows.out.resize(capacity), rows.pos.resize(capacity);
+    rows.max.resize(capacity), rows.sum.resize(capacity), rows.acc.resize(capacity * D);
+    for (int64_t thread = begin; thread < end; ++thread)
+      for (int64_t task = thread; task < tasks; task += threads) {
+        const int64_t b = blocks - 1 - task / KVH, kvh = task % KVH;
+        const int64_t first = b * block, count = std::min(block, seq.queries - first);
+        attend_block<C>(seq, reinterpret_cast<const uint32_t*>(keys.data() + kvh * padded * D / 2),
+                        reinterpret_cast<const uint32_t*>(values.data() + kvh * padded * D), first, count, kvh,
+                        rows);
+      }
+  });
+}
+
+}  // namespace
+
+// q: [T, H, D] bf16 (rows may be strided: a view into the fused qkv); out: [T, H, D] bf16, written in
+// place; caches [S, KVH, D]; key_slots: [L] int64, the slots of positions 0..L-1, the last T of which
+// are the queries' own. window: 0 for none.
+void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 3, "q, out [T,H,D]; caches [S,KVH,D]");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
+                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
+              "bf16 only");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "heads of a query row must be contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  auto slots = key_slots.contiguous();
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) >= T, "int64 slots, one a key");
+  TORCH_CHECK(H % KVH == 0 && D % 32 == 0 && D <= 128 && k_cache.size(2) == D,
+              "head_dim 32..128 in steps of 32, query heads a multiple of kv heads");
+  if (T == 0) return;
+  const Sequence seq{q.data_ptr<bf16>(), out.data_ptr<bf16>(), q.stride(0), out.stride(0), T, slots.size(0) - T,
+                     H, H / KVH, window, static_cast<float>(scale)};
+  const bf16 *k = k_cache.data_ptr<bf16>(), *v = v_cache.data_ptr<bf16>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  switch (D / 16) {
+    case 2: return attend<2>(seq, k, v, s, KVH);
+    case 4: return attend<4>(seq, k, v, s, KVH);
+    case 6: return attend<6>(seq, k, v, s, KVH);
+    case 8: return attend<8>(seq, k, v, s, KVH);
+  }
+}
