@@ -21,7 +21,10 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused.cpp")]
+_SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused.cpp")
+]
 _HEADERS = [Path(__file__).with_name("cpu_vec.h")]
 # -fopenmp: at::parallel_for is an inline OpenMP region; compiled without it, every kernel runs on one
 # thread. -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
