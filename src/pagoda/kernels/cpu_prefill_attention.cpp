@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -23,7 +24,6 @@
 namespace {
 
 using bf16 = at::BFloat16;
-using pagoda::exp16;
 
 constexpr int64_t kKeys = 64;  // keys per block: 4 vectors of scores per row
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -98,37 +98,58 @@ struct Rows {
   std::vector<const uint32_t*> q;
   std::vector<bf16*> out;
   std::vector<int64_t> pos;
-  std::vector<float> max, sum, acc;  // acc: [rows][D] fp32
+  std::vector<float> max, acc;  // acc: [rows][D] fp32
+  std::vector<__m512> sum;      // per lane, reduced at the end
 };
 
-// The scores of one row (4 vectors) scaled and masked to the keys [lo, hi) of the block; softmax
-// state updated; probabilities rounded to bf16 into `probs`. Returns the factor for the old output.
-inline float softmax_row(__m512 s[4], int64_t lo, int64_t hi, float scale, float& max, float& sum,
+// 2^x for x <= 0: 2^n * p(r) with n = round(x), |r| <= 1/2, p a degree-5 polynomial fitted to 2^r
+// (relative error 2e-7 in fp32); x below -200 (-inf included) gives 0.
+inline __m512 exp2_16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.32187e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.67171e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550893e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022238f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69314686f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// One row's raw scores (4 vectors) against a block, masked to the keys [lo, hi): the online softmax
+// state (max of the raw scores, per-lane sums) updated and the probabilities exp(scale (s - max))
+// rounded to bf16 into `probs`. Returns the factor for the row's earlier output.
+inline float softmax_row(__m512 s[4], int64_t lo, int64_t hi, float scale, float& max, __m512& sum,
                          uint32_t* probs) {
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  __mmask16 live[4];
-  __m512 block_max = _mm512_set1_ps(kNegInf);
-  for (int v = 0; v < 4; ++v) {
-    const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * v));
-    live[v] = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lo))) &
-              _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(hi)));
-    s[v] = _mm512_mul_ps(s[v], _mm512_set1_ps(scale));
-    block_max = _mm512_mask_max_ps(block_max, live[v], block_max, s[v]);
+  __mmask16 live[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
+  if (lo > 0 || hi < kKeys) {  // a block on the diagonal or the window's edge
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int v = 0; v < 4; ++v) {
+      const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(16 * v));
+      live[v] = _mm512_cmpge_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(lo))) &
+                _mm512_cmplt_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(hi)));
+      s[v] = _mm512_mask_mov_ps(_mm512_set1_ps(kNegInf), live[v], s[v]);
+    }
   }
+  const __m512 block_max = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
   const float new_max = std::max(max, _mm512_reduce_max_ps(block_max));
   if (new_max == kNegInf) {  // no key of this block, nor before it, is visible to the row
     for (int64_t j = 0; j < kKeys / 2; ++j) probs[j] = 0;
     return 1.0f;
   }
-  const float alpha = max == kNegInf ? 0.0f : std::exp(max - new_max);
+  // exp(scale (s - max)) as 2^(s c - max c): one fused multiply-subtract before exp2.
+  const float c = scale * 1.44269504088896341f;
+  const float alpha = _mm512_cvtss_f32(exp2_16(_mm512_set1_ps((max - new_max) * c)));  // 0 for max = -inf
+  const __m512 vc = _mm512_set1_ps(c), shift = _mm512_set1_ps(new_max * c);
   __m512 total = _mm512_setzero_ps();
   for (int v = 0; v < 4; ++v) {
-    s[v] = _mm512_maskz_mov_ps(live[v], exp16(_mm512_sub_ps(s[v], _mm512_set1_ps(new_max))));
+    s[v] = exp2_16(_mm512_fmsub_ps(s[v], vc, shift));  // masked keys: exp2(-inf) = 0
     total = _mm512_add_ps(total, s[v]);
   }
   for (int v = 0; v < 4; v += 2)
     _mm512_storeu_si512(probs + v * 8, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[v + 1], s[v])));
-  sum = sum * alpha + _mm512_reduce_add_ps(total);
+  sum = _mm512_fmadd_ps(sum, _mm512_set1_ps(alpha), total);
   max = new_max;
   return alpha;
 }
@@ -146,7 +167,7 @@ void attend_block(const Sequence& seq, const uint32_t* keys, const uint32_t* val
     rows.out[r] = seq.out + i * seq.out_stride + (kvh * seq.G + g) * D;
     rows.pos[r] = seq.first_pos + i;
     rows.max[r] = kNegInf;
-    rows.sum[r] = 0.0f;
+    rows.sum[r] = _mm512_setzero_ps();
   }
   std::fill(rows.acc.begin(), rows.acc.begin() + padded * D, 0.0f);
   const int64_t low = seq.first_pos + first_query, high = low + count - 1;  // the block's positions
@@ -171,7 +192,7 @@ void attend_block(const Sequence& seq, const uint32_t* keys, const uint32_t* val
     }
   }
   for (int64_t r = 0; r < n; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / rows.sum[r]);
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(rows.sum[r]));
     for (int c = 0; c < C; ++c)
       pagoda::store16(rows.out[r] + c * 16, _mm512_mul_ps(_mm512_loadu_ps(rows.acc.data() + r * D + c * 16), inv),
                       0xFFFF);
@@ -193,20 +214,19 @@ void attend(const Sequence& seq, const bf16* k_cache, const bf16* v_cache, const
   const int64_t block = std::max<int64_t>(16, 256 / seq.G);
   const int64_t blocks = (seq.queries + block - 1) / block, tasks = blocks * KVH;
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
-  // Later query blocks see more keys: hand tasks out largest first, round robin over the threads.
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  // Later query blocks see more keys: tasks go largest first to whichever thread is free.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Rows rows;
     const int64_t capacity = seq.G * block + 8;
     rows.q.resize(capacity), rows.out.resize(capacity), rows.pos.resize(capacity);
     rows.max.resize(capacity), rows.sum.resize(capacity), rows.acc.resize(capacity * D);
-    for (int64_t thread = begin; thread < end; ++thread)
-      for (int64_t task = thread; task < tasks; task += threads) {
-        const int64_t b = blocks - 1 - task / KVH, kvh = task % KVH;
-        const int64_t first = b * block, count = std::min(block, seq.queries - first);
-        attend_block<C>(seq, reinterpret_cast<const uint32_t*>(keys.data() + kvh * padded * D / 2),
-                        reinterpret_cast<const uint32_t*>(values.data() + kvh * padded * D), first, count, kvh,
-                        rows);
-      }
+    for (int64_t task = next++; task < tasks; task = next++) {
+      const int64_t b = blocks - 1 - task / KVH, kvh = task % KVH;
+      const int64_t first = b * block, count = std::min(block, seq.queries - first);
+      attend_block<C>(seq, reinterpret_cast<const uint32_t*>(keys.data() + kvh * padded * D / 2),
+                      reinterpret_cast<const uint32_t*>(values.data() + kvh * padded * D), first, count, kvh, rows);
+    }
   });
 }
 
