@@ -194,11 +194,12 @@ def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_head
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128), (8, 1, 32), (6, 6, 96)])
 @pytest.mark.parametrize("window", [None, 13, 70])
-def test_paged_prefill_kernel_matches_fp32_attention(kernels, heads, kv_heads, head_dim, window):
-    """The bf16 prefill kernel in a mixed step (whole prompts, chunks that follow cached keys, decodes)
-    on scattered slots, against the reference backend computing in fp32 on the same bf16 values."""
+def test_paged_prefill_kernel_matches_fp32_attention(kernels, dtype, heads, kv_heads, head_dim, window):
+    """The prefill kernel in a mixed step (whole prompts, chunks that follow cached keys, decodes) on
+    scattered slots, against the reference backend computing in fp32 on the same values."""
     from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
 
     gen = torch.Generator().manual_seed(heads * head_dim + (window or 0))
@@ -211,15 +212,16 @@ def test_paged_prefill_kernel_matches_fp32_attention(kernels, heads, kv_heads, h
         tables.append(order[: -(-n // block_size)])
         order = order[len(tables[-1]) :]
     meta = build_metadata(query_lens, seq_lens, tables, block_size, {window})
-    k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
                         for _ in range(2))
-    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).bfloat16()
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
     fast = CpuAttentionBackend(kernels).forward(q, k_cache, v_cache, meta, head_dim**-0.5, window).float()
     reference = TorchAttentionBackend().forward(
         q.float(), k_cache.float(), v_cache.float(), meta, head_dim**-0.5, window
     )
     # bf16: the output's own rounding, and the probabilities' (rounded to bf16 before p @ v, as torch does)
-    torch.testing.assert_close(fast, reference, atol=2e-2, rtol=2e-2)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(fast, reference, atol=tolerance, rtol=tolerance)
 
 
 @needs_kernels
@@ -228,5 +230,6 @@ def test_paged_prefill_kernel_rejects_shapes_it_does_not_handle(kernels):
     cache = torch.zeros(8, 2, 48, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="head_dim 32..128"):
         kernels.paged_prefill_attention_(q, cache, cache, torch.arange(4), 0, 1.0, torch.empty_like(q))
-    with pytest.raises(RuntimeError, match="bf16 only"):
-        kernels.paged_prefill_attention_(q.float(), cache, cache, torch.arange(4), 0, 1.0, q.float())
+    q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        kernels.paged_prefill_attention_(q, cache.float(), cache.float(), torch.arange(4), 0, 1.0, q)

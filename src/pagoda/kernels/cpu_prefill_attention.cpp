@@ -1,15 +1,16 @@
-// Paged prefill attention on the CPU for bf16 models: one sequence's queries (a prompt or a chunk of
-// one) attending causally to its keys in the paged cache, flash-attention style, on vdpbf16ps.
+// Paged prefill attention on the CPU: one sequence's queries (a prompt or a chunk of one) attending
+// causally to its keys in the paged cache, flash-attention style; bf16 on vdpbf16ps, fp32 on FMAs.
 //
-// Torch's SDPA needs the keys gathered out of the cache and repeated to the query heads, and its bf16
-// path runs at a quarter of the bf16 GEMMs' rate on a CPU without AMX. Here:
-//  - each kv head's keys and values are packed once from their slots into the layouts vdpbf16ps reads
-//    (pairs of bf16 along the reduction: head dims for q.k, keys for p.v), zero past the sequence;
+// Torch's SDPA needs the keys gathered out of the cache and repeated to the query heads, and runs at
+// about 100 GFLOP/s here in either dtype (a quarter of the bf16 GEMMs' rate without AMX). Here:
+//  - each kv head's keys and values are packed once from their slots into the layouts the dot
+//    products read (32-bit words along the reduction: head dims for q.k, keys for p.v; a bf16 word is
+//    a pair, for vdpbf16ps), zero past the sequence;
 //  - a task is one kv head and a block of query positions, its rows the G query heads sharing that kv
 //    head times the block's positions, so every packed key block serves G heads from L1;
 //  - per key block of 64 and tile of R rows: scores in registers, an online softmax in fp32, the
-//    probabilities rounded to bf16 (as torch's flash kernel rounds them) and accumulated into fp32
-//    outputs; key blocks wholly outside a block's causal window are skipped.
+//    probabilities in the model dtype (bf16 rounds them, as torch's flash kernel does) accumulated into
+//    fp32 outputs; key blocks wholly outside a block's causal window are skipped.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -28,65 +29,92 @@ using bf16 = at::BFloat16;
 constexpr int64_t kKeys = 64;  // keys per block: 4 vectors of scores per row
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-inline __m512bh pair_broadcast(const uint32_t* pairs, int64_t p) {
-  return reinterpret_cast<__m512bh>(_mm512_set1_epi32(static_cast<int>(pairs[p])));
-}
-inline __m512bh load_pairs(const uint32_t* p) { return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p)); }
+// An element type's 32-bit words: bf16 packs two elements a word, and `dot` adds both products of a
+// word pair to each fp32 lane (vdpbf16ps); fp32 is one element a word and an FMA.
+template <typename T> struct Words;
+template <> struct Words<bf16> {
+  using Bits = uint16_t;
+  static constexpr int64_t kPer = 2;
+  static __m512 dot(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
+  }
+  static void store(uint32_t* words, const __m512 p[4]) {  // 64 probabilities, rounded to bf16
+    for (int v = 0; v < 4; v += 2)
+      _mm512_storeu_si512(words + v * 8, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p[v + 1], p[v])));
+  }
+};
+template <> struct Words<float> {
+  using Bits = uint32_t;
+  static constexpr int64_t kPer = 1;
+  static __m512 dot(__m512 acc, __m512i a, __m512i b) {
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(a), _mm512_castsi512_ps(b), acc);
+  }
+  static void store(uint32_t* words, const __m512 p[4]) {
+    for (int v = 0; v < 4; ++v) _mm512_storeu_ps(reinterpret_cast<float*>(words) + v * 16, p[v]);
+  }
+};
 
-// One kv head's keys as [key / 16][D / 2][key % 16] words (a word: dims 2p, 2p+1 of one key), and its
-// values as [key / 2][D] words (a word: dim d of keys 2j, 2j+1). Keys in [len, padded) are zero.
-void pack_kv(const bf16* k_cache, const bf16* v_cache, const int64_t* slots, int64_t len, int64_t padded,
-             int64_t KVH, int64_t kvh, int64_t D, uint32_t* keys, uint16_t* values) {
-  const int64_t pairs = D / 2;
+inline __m512i broadcast(const uint32_t* words, int64_t w) { return _mm512_set1_epi32(static_cast<int>(words[w])); }
+inline __m512i load(const uint32_t* words) { return _mm512_loadu_si512(words); }
+
+// One kv head's keys as [key / 16][word][key % 16] (W = D / kPer words a key), and its values as
+// [key / kPer][D][key % kPer] elements (a word: dim d of kPer consecutive keys). Keys past len are zero.
+template <typename T>
+void pack_kv(const T* k_cache, const T* v_cache, const int64_t* slots, int64_t len, int64_t padded, int64_t KVH,
+             int64_t kvh, int64_t D, uint32_t* keys, uint32_t* values) {
+  using Bits = typename Words<T>::Bits;
+  constexpr int64_t per = Words<T>::kPer;
+  const int64_t W = D / per;
   for (int64_t key = 0; key < padded; ++key) {
     const int64_t offset = (slots[std::min(key, len - 1)] * KVH + kvh) * D;
     const uint32_t* k = reinterpret_cast<const uint32_t*>(k_cache + offset);
-    const uint16_t* v = reinterpret_cast<const uint16_t*>(v_cache + offset);
+    const Bits* v = reinterpret_cast<const Bits*>(v_cache + offset);
     const bool live = key < len;
-    uint32_t* kdst = keys + (key / 16) * pairs * 16 + key % 16;
-    for (int64_t p = 0; p < pairs; ++p) kdst[p * 16] = live ? k[p] : 0;
-    uint16_t* vdst = values + (key / 2) * D * 2 + key % 2;
-    for (int64_t d = 0; d < D; ++d) vdst[d * 2] = live ? v[d] : 0;
+    uint32_t* kdst = keys + (key / 16) * W * 16 + key % 16;
+    for (int64_t w = 0; w < W; ++w) kdst[w * 16] = live ? k[w] : 0;
+    Bits* vdst = reinterpret_cast<Bits*>(values) + (key / per) * D * per + key % per;
+    for (int64_t d = 0; d < D; ++d) vdst[d * per] = live ? v[d] : 0;
   }
 }
 
-// Raw scores of R query rows against one block of 64 packed keys.
-template <int R>
-inline void score_tile(const uint32_t* const* q, const uint32_t* keys, int64_t pairs, __m512 s[R][4]) {
+// Raw scores of R query rows against one block of 64 packed keys (W words a key).
+template <typename T, int R>
+inline void score_tile(const uint32_t* const* q, const uint32_t* keys, int64_t W, __m512 s[R][4]) {
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < 4; ++v) s[r][v] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < pairs; ++p) {
-    __m512bh k[4];
-    for (int v = 0; v < 4; ++v) k[v] = load_pairs(keys + (v * pairs + p) * 16);
+  for (int64_t w = 0; w < W; ++w) {
+    __m512i k[4];
+    for (int v = 0; v < 4; ++v) k[v] = load(keys + (v * W + w) * 16);
     for (int r = 0; r < R; ++r) {
-      const __m512bh qr = pair_broadcast(q[r], p);
-      for (int v = 0; v < 4; ++v) s[r][v] = _mm512_dpbf16_ps(s[r][v], qr, k[v]);
+      const __m512i qr = broadcast(q[r], w);
+      for (int v = 0; v < 4; ++v) s[r][v] = Words<T>::dot(s[r][v], qr, k[v]);
     }
   }
 }
 
-// out[r] = out[r] * alpha[r] + P[r] @ V for one key block; P rows are 64 bf16 (32 words).
-template <int R, int C>
+// out[r] = out[r] * alpha[r] + P[r] @ V for one key block; a row of P is 64 / kPer words.
+template <typename T, int R, int C>
 inline void accumulate_tile(const uint32_t* probs, const uint32_t* values, float* const* out, const float* alpha) {
-  constexpr int64_t D = 16 * C;
+  constexpr int64_t D = 16 * C, words = kKeys / Words<T>::kPer;
   __m512 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out[r] + c * 16), _mm512_set1_ps(alpha[r]));
-  for (int64_t j = 0; j < kKeys / 2; ++j) {
-    __m512bh v[C];
-    for (int c = 0; c < C; ++c) v[c] = load_pairs(values + j * D + c * 16);
+  for (int64_t j = 0; j < words; ++j) {
+    __m512i v[C];
+    for (int c = 0; c < C; ++c) v[c] = load(values + j * D + c * 16);
     for (int r = 0; r < R; ++r) {
-      const __m512bh p = pair_broadcast(probs + r * (kKeys / 2), j);
-      for (int c = 0; c < C; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], p, v[c]);
+      const __m512i p = broadcast(probs + r * kKeys, j);
+      for (int c = 0; c < C; ++c) acc[r][c] = Words<T>::dot(acc[r][c], p, v[c]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[r] + c * 16, acc[r][c]);
 }
 
+template <typename T>
 struct Sequence {
-  const bf16* q;
-  bf16* out;
+  const T* q;
+  T* out;
   int64_t q_stride, out_stride;  // elements between consecutive query positions
   int64_t queries, first_pos;    // query i sits at position first_pos + i; keys are positions 0..
   int64_t H, G, window;          // window: 0 for none, else keys at positions > pos - window
@@ -94,9 +122,10 @@ struct Sequence {
 };
 
 // Online-softmax state of a task's rows; rows past the task's count are scratch for the last tile.
+template <typename T>
 struct Rows {
   std::vector<const uint32_t*> q;
-  std::vector<bf16*> out;
+  std::vector<T*> out;
   std::vector<int64_t> pos;
   std::vector<float> max, acc;  // acc: [rows][D] fp32
   std::vector<__m512> sum;      // per lane, reduced at the end
@@ -119,7 +148,8 @@ inline __m512 exp2_16(__m512 x) {
 
 // One row's raw scores (4 vectors) against a block, masked to the keys [lo, hi): the online softmax
 // state (max of the raw scores, per-lane sums) updated and the probabilities exp(scale (s - max))
-// rounded to bf16 into `probs`. Returns the factor for the row's earlier output.
+// stored as T into `probs`. Returns the factor for the row's earlier output.
+template <typename T>
 inline float softmax_row(__m512 s[4], int64_t lo, int64_t hi, float scale, float& max, __m512& sum,
                          uint32_t* probs) {
   __mmask16 live[4] = {0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF};
@@ -135,7 +165,7 @@ inline float softmax_row(__m512 s[4], int64_t lo, int64_t hi, float scale, float
   const __m512 block_max = _mm512_max_ps(_mm512_max_ps(s[0], s[1]), _mm512_max_ps(s[2], s[3]));
   const float new_max = std::max(max, _mm512_reduce_max_ps(block_max));
   if (new_max == kNegInf) {  // no key of this block, nor before it, is visible to the row
-    for (int64_t j = 0; j < kKeys / 2; ++j) probs[j] = 0;
+    std::fill(probs, probs + kKeys, 0u);
     return 1.0f;
   }
   // exp(scale (s - max)) as 2^(s c - max c): one fused multiply-subtract before exp2.
@@ -147,19 +177,17 @@ inline float softmax_row(__m512 s[4], int64_t lo, int64_t hi, float scale, float
     s[v] = exp2_16(_mm512_fmsub_ps(s[v], vc, shift));  // masked keys: exp2(-inf) = 0
     total = _mm512_add_ps(total, s[v]);
   }
-  for (int v = 0; v < 4; v += 2)
-    _mm512_storeu_si512(probs + v * 8, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(s[v + 1], s[v])));
+  Words<T>::store(probs, s);
   sum = _mm512_fmadd_ps(sum, _mm512_set1_ps(alpha), total);
   max = new_max;
   return alpha;
 }
 
-template <int C>
-void attend_block(const Sequence& seq, const uint32_t* keys, const uint32_t* values, int64_t first_query,
-                  int64_t count, int64_t kvh, Rows& rows) {
-  constexpr int64_t D = 16 * C;
+template <typename T, int C>
+void attend_block(const Sequence<T>& seq, const uint32_t* keys, const uint32_t* values, int64_t first_query,
+                  int64_t count, int64_t kvh, Rows<T>& rows) {
+  constexpr int64_t D = 16 * C, per = Words<T>::kPer, W = D / per;  // W: words a key
   constexpr int R = C <= 4 ? 6 : 24 / C;  // rows per tile: R x C output accumulators in registers
-  constexpr int64_t pairs = D / 2;
   const int64_t n = seq.G * count, padded = (n + R - 1) / R * R;
   for (int64_t r = 0; r < padded; ++r) {
     const int64_t live = std::min(r, n - 1), g = live / count, i = first_query + live % count;
@@ -174,21 +202,21 @@ void attend_block(const Sequence& seq, const uint32_t* keys, const uint32_t* val
   const int64_t first_block = seq.window > 0 ? std::max<int64_t>(0, low - seq.window + 1) / kKeys : 0;
   for (int64_t block = first_block; block * kKeys <= high; ++block) {
     const int64_t base = block * kKeys;
-    const uint32_t* block_keys = keys + block * kKeys * pairs;
-    const uint32_t* block_values = values + block * (kKeys / 2) * D;
+    const uint32_t* block_keys = keys + block * kKeys * W;
+    const uint32_t* block_values = values + block * (kKeys / per) * D;
     for (int64_t r0 = 0; r0 < padded; r0 += R) {
       __m512 s[R][4];
-      score_tile<R>(rows.q.data() + r0, block_keys, pairs, s);
-      alignas(64) uint32_t probs[R][kKeys / 2];
+      score_tile<T, R>(rows.q.data() + r0, block_keys, W, s);
+      alignas(64) uint32_t probs[R][kKeys];
       float alpha[R];
       float* out[R];
       for (int r = 0; r < R; ++r) {
         const int64_t pos = rows.pos[r0 + r];
         const int64_t lo = seq.window > 0 ? pos - seq.window + 1 - base : 0, hi = pos + 1 - base;
-        alpha[r] = softmax_row(s[r], lo, hi, seq.scale, rows.max[r0 + r], rows.sum[r0 + r], probs[r]);
+        alpha[r] = softmax_row<T>(s[r], lo, hi, seq.scale, rows.max[r0 + r], rows.sum[r0 + r], probs[r]);
         out[r] = rows.acc.data() + (r0 + r) * D;
       }
-      accumulate_tile<R, C>(&probs[0][0], block_values, out, alpha);
+      accumulate_tile<T, R, C>(&probs[0][0], block_values, out, alpha);
     }
   }
   for (int64_t r = 0; r < n; ++r) {
@@ -199,16 +227,16 @@ void attend_block(const Sequence& seq, const uint32_t* keys, const uint32_t* val
   }
 }
 
-template <int C>
-void attend(const Sequence& seq, const bf16* k_cache, const bf16* v_cache, const int64_t* slots, int64_t KVH) {
+template <typename T, int C>
+void attend(const Sequence<T>& seq, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t KVH) {
   constexpr int64_t D = 16 * C;
   const int64_t len = seq.first_pos + seq.queries, padded = (len + kKeys - 1) / kKeys * kKeys;
-  std::vector<uint32_t> keys(KVH * padded * D / 2);
-  std::vector<uint16_t> values(KVH * padded * D);
+  const int64_t head_words = padded * D / Words<T>::kPer;  // one kv head's keys (or values)
+  std::vector<uint32_t> keys(KVH * head_words), values(KVH * head_words);
   at::parallel_for(0, KVH, 1, [&](int64_t begin, int64_t end) {
     for (int64_t kvh = begin; kvh < end; ++kvh)
-      pack_kv(k_cache, v_cache, slots, len, padded, KVH, kvh, D, keys.data() + kvh * padded * D / 2,
-              values.data() + kvh * padded * D);
+      pack_kv(k_cache, v_cache, slots, len, padded, KVH, kvh, D, keys.data() + kvh * head_words,
+              values.data() + kvh * head_words);
   });
   // ~256 rows a task: a block's scores and outputs stay in L2 beside the packed keys and values.
   const int64_t block = std::max<int64_t>(16, 256 / seq.G);
@@ -217,30 +245,47 @@ void attend(const Sequence& seq, const bf16* k_cache, const bf16* v_cache, const
   // Later query blocks see more keys: tasks go largest first to whichever thread is free.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Rows rows;
+    Rows<T> rows;
     const int64_t capacity = seq.G * block + 8;
     rows.q.resize(capacity), rows.out.resize(capacity), rows.pos.resize(capacity);
     rows.max.resize(capacity), rows.sum.resize(capacity), rows.acc.resize(capacity * D);
     for (int64_t task = next++; task < tasks; task = next++) {
       const int64_t b = blocks - 1 - task / KVH, kvh = task % KVH;
       const int64_t first = b * block, count = std::min(block, seq.queries - first);
-      attend_block<C>(seq, reinterpret_cast<const uint32_t*>(keys.data() + kvh * padded * D / 2),
-                      reinterpret_cast<const uint32_t*>(values.data() + kvh * padded * D), first, count, kvh, rows);
+      attend_block<T, C>(seq, keys.data() + kvh * head_words, values.data() + kvh * head_words, first, count, kvh,
+                         rows);
     }
   });
 }
 
+template <typename T>
+void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                       const torch::Tensor& slots, int64_t window, double scale, torch::Tensor& out) {
+  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
+  const Sequence<T> seq{q.data_ptr<T>(), out.data_ptr<T>(), q.stride(0), out.stride(0), T_, slots.size(0) - T_,
+                        H, H / KVH, window, static_cast<float>(scale)};
+  const T *k = k_cache.data_ptr<T>(), *v = v_cache.data_ptr<T>();
+  const int64_t* s = slots.data_ptr<int64_t>();
+  switch (D / 16) {
+    case 2: return attend<T, 2>(seq, k, v, s, KVH);
+    case 4: return attend<T, 4>(seq, k, v, s, KVH);
+    case 6: return attend<T, 6>(seq, k, v, s, KVH);
+    case 8: return attend<T, 8>(seq, k, v, s, KVH);
+  }
+}
+
 }  // namespace
 
-// q: [T, H, D] bf16 (rows may be strided: a view into the fused qkv); out: [T, H, D] bf16, written in
-// place; caches [S, KVH, D]; key_slots: [L] int64, the slots of positions 0..L-1, the last T of which
-// are the queries' own. window: 0 for none.
+// q: [T, H, D] fp32 or bf16 (rows may be strided: a view into the fused qkv); out: [T, H, D], written
+// in place; caches [S, KVH, D], all of one dtype; key_slots: [L] int64, the slots of positions
+// 0..L-1, the last T of which are the queries' own. window: 0 for none.
 void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 3, "q, out [T,H,D]; caches [S,KVH,D]");
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-                  k_cache.scalar_type() == at::kBFloat16 && v_cache.scalar_type() == at::kBFloat16,
-              "bf16 only");
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fp32 or bf16 only");
+  TORCH_CHECK(out.scalar_type() == dtype && k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+              "q, out and the caches must share a dtype");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && out.stride(2) == 1 && out.stride(1) == out.size(2),
               "heads of a query row must be contiguous");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
@@ -250,14 +295,6 @@ void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cac
   TORCH_CHECK(H % KVH == 0 && D % 32 == 0 && D <= 128 && k_cache.size(2) == D,
               "head_dim 32..128 in steps of 32, query heads a multiple of kv heads");
   if (T == 0) return;
-  const Sequence seq{q.data_ptr<bf16>(), out.data_ptr<bf16>(), q.stride(0), out.stride(0), T, slots.size(0) - T,
-                     H, H / KVH, window, static_cast<float>(scale)};
-  const bf16 *k = k_cache.data_ptr<bf16>(), *v = v_cache.data_ptr<bf16>();
-  const int64_t* s = slots.data_ptr<int64_t>();
-  switch (D / 16) {
-    case 2: return attend<2>(seq, k, v, s, KVH);
-    case 4: return attend<4>(seq, k, v, s, KVH);
-    case 6: return attend<6>(seq, k, v, s, KVH);
-    case 8: return attend<8>(seq, k, v, s, KVH);
-  }
+  if (dtype == at::kFloat) return dispatch_head_dim<float>(q, k_cache, v_cache, slots, window, scale, out);
+  dispatch_head_dim<bf16>(q, k_cache, v_cache, slots, window, scale, out);
 }

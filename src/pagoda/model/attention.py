@@ -165,10 +165,10 @@ class TorchAttentionBackend:
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
-    """Decodes through pagoda's paged-attention kernel (keys read in place, nothing gathered), rotates
-    q/k and writes the cache in one kernel call, and prefills bf16 models through a flash-attention
-    kernel on vdpbf16ps (torch's bf16 SDPA runs at a quarter of the bf16 GEMMs' rate without AMX).
-    fp32 prefills stay on SDPA, whose fp32 GEMMs are near this CPU's fp32 peak."""
+    """Attends through pagoda's paged-attention kernels, which read keys in place (nothing gathered or
+    repeated to the query heads): decodes one query a sequence, prefills flash-attention style (bf16 on
+    vdpbf16ps: torch's SDPA runs at a quarter of the bf16 GEMMs' rate without AMX). Rotates q/k and
+    writes the cache in one kernel call."""
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
@@ -178,7 +178,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return qkv[:, :num_heads]
 
     def _prefill(self, q, k_cache, v_cache, seq: PrefillSeq, scale: float, window: int | None, out) -> None:
-        if q.dtype != torch.bfloat16 or q.shape[-1] % 32:
+        if q.shape[-1] % 32:
             return super()._prefill(q, k_cache, v_cache, seq, scale, window, out)
         self.kernels.paged_prefill_attention_(q, k_cache, v_cache, seq.key_slots, window or 0, scale, out)
 
