@@ -4,7 +4,8 @@ The KV cache of a layer is two tensors [num_slots, num_kv_heads, head_dim] (num_
 block_size). Each step, `rotate_and_write_kv` applies rope to the new tokens' q and k and stores their
 K/V at their slots, and `forward` attends each
 sequence's queries to the keys its block table points at. Everything shape-dependent (gather indices,
-masks) is built once per step in `build_metadata`, outside the layers: no hidden global context.
+masks) is built once per step in `build_metadata`, outside the layers (a prefill's mask at the first
+layer that needs one): no hidden global context.
 """
 
 from __future__ import annotations
@@ -24,7 +25,18 @@ class PrefillSeq:
     query_start: int
     query_end: int
     key_slots: torch.Tensor  # [seq_len] cache slots of all its keys, in position order
-    masks: dict[int | None, torch.Tensor]  # per sliding window: [q_len, seq_len] bool, True = attend
+    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[q_len, seq_len] bool, True = attend; built at the first layer that asks, once a step. Not
+        before: the kernels take positions instead, and a long prompt's mask is large (a 2,048-token
+        chunk of a 32K-token prompt: 64 MB a window)."""
+        if window not in self._masks:
+            seq_len = self.key_slots.numel()
+            key_pos = torch.arange(seq_len)
+            query_pos = key_pos[seq_len - (self.query_end - self.query_start) :, None]
+            self._masks[window] = _window_mask(query_pos, key_pos[None], window)
+        return self._masks[window]
 
 
 @dataclass
@@ -80,10 +92,8 @@ def build_metadata(
 
     prefills = []
     for seq in (~is_decode).nonzero()[:, 0].tolist():
-        seq_len, start = seq_lens[seq], int(query_starts[seq])
-        query_pos = key_pos[seq_len - query_lens[seq] : seq_len, None]
-        masks = {w: _window_mask(query_pos, key_pos[None, :seq_len], w) for w in windows}
-        prefills.append(PrefillSeq(start, start + query_lens[seq], all_slots[seq, :seq_len], masks))
+        start = int(query_starts[seq])
+        prefills.append(PrefillSeq(start, start + query_lens[seq], all_slots[seq, : seq_lens[seq]]))
     return AttentionMetadata(
         positions=positions,
         slot_mapping=slot_mapping,
@@ -141,7 +151,7 @@ class TorchAttentionBackend:
         # A whole prompt under a plain causal mask needs no mask tensor (the kernel skips masked tiles).
         causal = window is None and query.shape[2] == keys.shape[2]
         attended = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=None if causal else seq.masks[window], is_causal=causal, scale=scale
+            query, keys, values, attn_mask=None if causal else seq.mask(window), is_causal=causal, scale=scale
         )
         out.copy_(attended[0].transpose(0, 1))
 
