@@ -11,6 +11,7 @@ from conftest import Reference, compare_with_reference, random_prompts
 
 from pagoda import SamplingParams
 from pagoda.engine.scheduler import Scheduler
+from pagoda.kernels import cpu_kernels
 from pagoda.testing import ARCHITECTURES
 
 MAX_NEW_TOKENS = 20
@@ -131,3 +132,15 @@ def test_near_tie_rule_rejects_real_divergence():
         compare_with_reference([5, 2], reference)
     with pytest.raises(AssertionError, match="1 tokens"):
         compare_with_reference([3], reference)
+
+
+@pytest.mark.parametrize("mode", ["all-at-once", "chunked"])
+def test_prefill_kernel_with_sliding_window_matches_transformers(mode, checkpoint, hf_reference, make_llm):
+    """The test models' head_dim of 16 prefills through SDPA; at head_dim 32 prefills go through pagoda's
+    own prefill kernel (where the CPU has it), here with a sliding window shorter than most prompts."""
+    model_dir = checkpoint("mistral", head_dim=32)
+    llm = make_llm(model_dir, **MODES[mode])
+    if cpu_kernels() is not None:
+        assert type(llm.engine.model.backend).__name__ == "CpuAttentionBackend"
+    for index, (tokens, prompt) in enumerate(zip(run_greedy(llm, PROMPTS), PROMPTS)):
+        compare_with_reference(tokens, hf_reference(model_dir, prompt, MAX_NEW_TOKENS), f"mistral hd32/{mode}/{index}")
