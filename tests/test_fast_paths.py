@@ -33,18 +33,18 @@ def kernels():
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 64])  # 13: a group of 8 rows, then 5
 def test_gemv_kernels_match_torch(kernels, kind, rows):
-    """K = 1,056: several K chunks (the slice of x kept in L1) and a 32-wide tail; N not a multiple of the
-    per-thread tile."""
+    """K = 1,056: several K chunks (the slice of x kept in L1) and a 32-wide tail; N = 203: not a multiple
+    of the per-thread tile, nor of the runs one row of x walks side by side (a remainder on every thread)."""
     torch.manual_seed(rows)
     x = torch.randn(rows, 1056)
     if kind == "int8":
-        q, scale = torch.randint(-127, 128, (200, 1056), dtype=torch.int8), torch.rand(200) / 50
+        q, scale = torch.randint(-127, 128, (203, 1056), dtype=torch.int8), torch.rand(203) / 50
         actual, expected = kernels.gemv_int8(x, q, scale), (x @ q.float().T) * scale
     elif kind == "bf16":
-        w = torch.randn(200, 1056).bfloat16()
+        w = torch.randn(203, 1056).bfloat16()
         actual, expected = kernels.gemv_bf16(x, w), x.bfloat16().float() @ w.float().T
     else:
-        w = torch.randn(200, 1056)
+        w = torch.randn(203, 1056)
         actual, expected = kernels.gemv_fp32(x, w), x @ w.T
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3)
 

@@ -2,8 +2,8 @@
 //
 // At decode time each weight is read once per step and used for only a few rows, so the step is
 // bound by memory bandwidth. Stock torch streams bf16 and int8 weights at a fraction of the fp32
-// rate; these kernels read them at full speed: one pass over W, 8 rows of x at a time, rows of W
-// split across threads with at::parallel_for.
+// rate; these kernels read them at full speed: one pass over W, rows of W split across threads with
+// at::parallel_for; one row of x walks several runs of W at once (gemv_one_row), more rows go 8 at a time.
 //   fp32 W: fp32 FMAs (torch's fp32 GEMV streams at ~0.4-0.6 of the bandwidth floor on these shapes).
 //   bf16 W: x rounded to bf16, _mm512_dpbf16_ps (32 products per instruction, fp32 accumulation).
 //   int8 W: per-output-channel scales; int8 -> fp32 in registers, fp32 FMAs, scaled at the end.
@@ -26,8 +26,7 @@ constexpr int64_t kChunkBytesOfX = 32 << 10;  // the slice of x one pass reads: 
 
 // The same columns of the next weight row, a whole row's compute ahead of their use: with several rows
 // of x the loop is busy with FMAs and issues its loads late; the hardware prefetcher alone then leaves
-// the core waiting on memory (at 8 rows, 4x below the in-cache rate). One row of fp32 or bf16 streams
-// well without it; int8 does not (block_int8).
+// the core waiting on memory (at 8 rows, 4x below the in-cache rate).
 inline void prefetch_next_row(const void* p, int bytes) {
   for (int offset = 0; offset < bytes; offset += 64) _mm_prefetch(static_cast<const char*>(p) + offset, _MM_HINT_T0);
 }
@@ -101,8 +100,8 @@ void block_int8(const float* x, const int8_t* w, float* y, int64_t K, int64_t N,
     __m512 acc0[M], acc1[M];
     for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; k += 32) {
-      // Even at one row: widening makes 32 bytes of int8 as much work as 128 of fp32, and the hardware
-      // prefetcher alone then streams int8 at ~0.6 of the fp32 rate (with this, ~0.9-1.0).
+      // Even where M is 1 (the last row of 9, 17, ...): widening makes 32 bytes of int8 as much work as
+      // 128 of fp32, and the hardware prefetcher alone then streams one row of int8 at ~0.6 of fp32's rate.
       prefetch_next_row(row + K + k, 32);
       // Two 16-byte loads widened straight from memory (no 256-bit load and lane extract).
       __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
@@ -116,6 +115,62 @@ void block_int8(const float* x, const int8_t* w, float* y, int64_t K, int64_t N,
     for (int m = 0; m < M; ++m) y[m * N + n] += _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
   }
 }
+
+// One row of x (batch-1 decode): pure streaming, where memory-level parallelism is the whole game. The
+// thread's channels are split into kStreams contiguous runs walked side by side, so one load of x
+// serves kStreams weight rows and the core keeps kStreams long sequential streams in flight. Walking the
+// rows one at a time, bench-1b's fp32 linears streamed at ~0.8 of the reader's rate when the host gave
+// ~55 GB/s (0.68 for the 22 KB rows of down_proj, where x no longer stays in L1); this way, ~0.97.
+constexpr int kStreams = 4;
+
+template <typename Dot>
+void gemv_one_row(const typename Dot::X* x, const typename Dot::W* w, float* y, int64_t K, int64_t begin,
+                  int64_t end) {
+  const int64_t run = (end - begin) / kStreams;
+  for (int64_t n = begin; n < begin + run; ++n) {
+    __m512 acc[kStreams];
+    for (int s = 0; s < kStreams; ++s) acc[s] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += Dot::kStep) {
+      const auto xv = Dot::load_x(x + k);
+      for (int s = 0; s < kStreams; ++s) acc[s] = Dot::dot(acc[s], w + (n + s * run) * K + k, xv);
+    }
+    for (int s = 0; s < kStreams; ++s) y[n + s * run] = _mm512_reduce_add_ps(acc[s]);
+  }
+  for (int64_t n = begin + kStreams * run; n < end; ++n) {  // the remainder, one row at a time
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += Dot::kStep) acc = Dot::dot(acc, w + n * K + k, Dot::load_x(x + k));
+    y[n] = _mm512_reduce_add_ps(acc);
+  }
+}
+
+struct Fp32Dot {
+  using X = float;
+  using W = float;
+  static constexpr int kStep = 16;
+  static __m512 load_x(const float* x) { return _mm512_loadu_ps(x); }
+  static __m512 dot(__m512 acc, const float* w, __m512 x) { return _mm512_fmadd_ps(_mm512_loadu_ps(w), x, acc); }
+};
+
+struct Bf16Dot {
+  using X = at::BFloat16;
+  using W = at::BFloat16;
+  static constexpr int kStep = 32;
+  static __m512bh load_x(const at::BFloat16* x) { return (__m512bh)_mm512_loadu_si512(x); }
+  static __m512 dot(__m512 acc, const at::BFloat16* w, __m512bh x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), x);
+  }
+};
+
+struct Int8Dot {
+  using X = float;
+  using W = int8_t;
+  static constexpr int kStep = 16;
+  static __m512 load_x(const float* x) { return _mm512_loadu_ps(x); }
+  static __m512 dot(__m512 acc, const int8_t* w, __m512 x) {
+    const __m512 widened = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+    return _mm512_fmadd_ps(widened, x, acc);
+  }
+};
 
 // Calls block<rows>(...) with rows (1..8) as a compile-time constant.
 template <template <int> class Block, typename... Args>
@@ -132,13 +187,28 @@ void dispatch_rows(int64_t rows, Args... args) {
   }
 }
 
-template <int M> struct Fp32 { template <typename... A> static void run(A... a) { block_fp32<M>(a...); } };
-template <int M> struct Bf16 { template <typename... A> static void run(A... a) { block_bf16<M>(a...); } };
-template <int M> struct Int8 { template <typename... A> static void run(A... a) { block_int8<M>(a...); } };
+template <int M> struct Fp32 {
+  using OneRow = Fp32Dot;
+  template <typename... A> static void run(A... a) { block_fp32<M>(a...); }
+};
+template <int M> struct Bf16 {
+  using OneRow = Bf16Dot;
+  template <typename... A> static void run(A... a) { block_bf16<M>(a...); }
+};
+template <int M> struct Int8 {
+  using OneRow = Int8Dot;
+  template <typename... A> static void run(A... a) { block_int8<M>(a...); }
+};
 
-// y[M, N] (zeroed here) += x[M, K] . W[N, K]^T, blocked as the header says.
+// y[M, N] = x[M, K] . W[N, K]^T, blocked as the header says.
 template <template <int> class Block, typename X, typename W>
 void gemv(const X* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
+  if (M == 1) {
+    at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
+      gemv_one_row<typename Block<1>::OneRow>(x, w, y, K, begin, end);
+    });
+    return;
+  }
   const int64_t group = std::min(M, kRowGroup);
   const int64_t chunk = std::max<int64_t>(64, kChunkBytesOfX / (group * sizeof(X)) / 64 * 64);
   std::fill(y, y + M * N, 0.0f);
