@@ -118,20 +118,28 @@ void block_int8(const float* x, const int8_t* w, float* y, int64_t K, int64_t N,
 
 // One row of x (batch-1 decode): pure streaming, where memory-level parallelism is the whole game. The
 // thread's channels are split into kStreams contiguous runs walked side by side, so one load of x
-// serves kStreams weight rows and the core keeps kStreams long sequential streams in flight. Walking the
-// rows one at a time, bench-1b's fp32 linears streamed at ~0.8 of the reader's rate when the host gave
-// ~55 GB/s (0.68 for the 22 KB rows of down_proj, where x no longer stays in L1); this way, ~0.97.
+// serves kStreams weight rows and the core keeps kStreams long sequential streams in flight, each also
+// prefetched kPrefetchBytes ahead into L2. Walking the rows one at a time, bench-1b's fp32 linears
+// streamed at ~0.8 of the best streaming read when the host gave ~55 GB/s (0.68 for the 22 KB rows of
+// down_proj, where x no longer stays in L1); 4 runs: ~0.95; with the prefetch: ~1.0. (6 or 8 runs, and
+// prefetching 4 KB ahead, measured slower; int8 skips the prefetch, Int8Dot.)
 constexpr int kStreams = 4;
+constexpr int64_t kPrefetchBytes = 2048;
 
 template <typename Dot>
 void gemv_one_row(const typename Dot::X* x, const typename Dot::W* w, float* y, int64_t K, int64_t begin,
                   int64_t end) {
+  using W = typename Dot::W;
+  constexpr int64_t kElementsPerLine = 64 / sizeof(W), kPrefetchElements = kPrefetchBytes / sizeof(W);
   const int64_t run = (end - begin) / kStreams;
   for (int64_t n = begin; n < begin + run; ++n) {
     __m512 acc[kStreams];
     for (int s = 0; s < kStreams; ++s) acc[s] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += Dot::kStep) {
       const auto xv = Dot::load_x(x + k);
+      if (Dot::kPrefetch && k % kElementsPerLine == 0) {
+        for (int s = 0; s < kStreams; ++s) prefetch_into_l2(w + (n + s * run) * K + k + kPrefetchElements, 64);
+      }
       for (int s = 0; s < kStreams; ++s) acc[s] = Dot::dot(acc[s], w + (n + s * run) * K + k, xv);
     }
     for (int s = 0; s < kStreams; ++s) y[n + s * run] = _mm512_reduce_add_ps(acc[s]);
@@ -147,6 +155,7 @@ struct Fp32Dot {
   using X = float;
   using W = float;
   static constexpr int kStep = 16;
+  static constexpr bool kPrefetch = true;
   static __m512 load_x(const float* x) { return _mm512_loadu_ps(x); }
   static __m512 dot(__m512 acc, const float* w, __m512 x) { return _mm512_fmadd_ps(_mm512_loadu_ps(w), x, acc); }
 };
@@ -155,6 +164,7 @@ struct Bf16Dot {
   using X = at::BFloat16;
   using W = at::BFloat16;
   static constexpr int kStep = 32;
+  static constexpr bool kPrefetch = true;
   static __m512bh load_x(const at::BFloat16* x) { return (__m512bh)_mm512_loadu_si512(x); }
   static __m512 dot(__m512 acc, const at::BFloat16* w, __m512bh x) {
     return _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w), x);
@@ -165,6 +175,7 @@ struct Int8Dot {
   using X = float;
   using W = int8_t;
   static constexpr int kStep = 16;
+  static constexpr bool kPrefetch = false;  // widening keeps the core busy enough: measured slower with it
   static __m512 load_x(const float* x) { return _mm512_loadu_ps(x); }
   static __m512 dot(__m512 acc, const int8_t* w, __m512 x) {
     const __m512 widened = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
