@@ -8,6 +8,11 @@
 // Three passes per task, each vectorised: scores (q.k, 16 keys at a time, one horizontal sum per 16
 // keys), exp (a polynomial over 16 scores at a time), then the weighted sum of values. Scores, the
 // softmax and the accumulation are in fp32.
+// A task's rows are scattered (one kv head's 64-256 bytes in every slot row, blocks anywhere), too short
+// for the hardware prefetcher to run ahead, so the kernel asks for them itself: while it scores a block
+// of 16 keys it prefetches those keys' value rows and the next task's key and value rows at the same
+// positions into L2. At bench-125m's batch 32 this read the KV cache 1.55x (fp32) and 1.6x (bf16) faster
+// (14 -> 22 GB/s of KV; prefetching only this task's values: 1.05x and 1.3x).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -50,19 +55,43 @@ inline __m512 transpose_sum16(__m512 v[16]) {
   return _mm512_add_ps(lo, hi);
 }
 
-// One (sequence, kv head) task; C = D / 16 vector chunks per head.
+// Where a task's key and value rows are: row i at slots[i] * stride + offset of either cache.
+struct TaskRows {
+  const int64_t* slots = nullptr;  // nullptr: no task
+  int64_t count = 0;
+  int64_t offset = 0;
+};
+
+// Rows [from, to) of a task, keys and/or values, into L2.
+template <typename T>
+inline void prefetch_rows(const T* cache, const TaskRows& rows, int64_t from, int64_t to, int64_t stride, int64_t D) {
+  for (int64_t i = from; i < std::min(to, rows.count); ++i) {
+    const char* row = reinterpret_cast<const char*>(cache + rows.slots[i] * stride + rows.offset);
+    for (int64_t byte = 0; byte < D * int64_t(sizeof(T)); byte += 64) pagoda::prefetch_line_into_l2(row + byte);
+  }
+}
+
+// One (sequence, kv head) task; C = D / 16 vector chunks per head. `next`: the rows this thread reads next.
 template <typename T, int C>
 void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t first,
-                 int64_t len, T* out, int64_t G, int64_t KVH, int64_t kvh, float scale, float* scores) {
+                 int64_t len, T* out, int64_t G, int64_t KVH, int64_t kvh, float scale, float* scores,
+                 const TaskRows& next) {
   constexpr int64_t D = 16 * C;
   const int64_t n = len - first;
   const int64_t stride = KVH * D;  // elements between consecutive slots
+  const TaskRows own{slots + first, n, kvh * D};
+  auto prefetch_block = [&](int64_t from, int64_t to) {  // as the first head scores keys [from, to)
+    prefetch_rows(v_cache, own, from, to, stride, D);
+    prefetch_rows(k_cache, next, from, to, stride, D);
+    prefetch_rows(v_cache, next, from, to, stride, D);
+  };
   for (int64_t g = 0; g < G; ++g) {
     __m512 query[C];
     for (int c = 0; c < C; ++c) query[c] = _mm512_mul_ps(load16(q + g * D + c * 16), _mm512_set1_ps(scale));
     float* row = scores + g * n;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
+      if (g == 0) prefetch_block(i, i + 16);
       __m512 partial[16];
       for (int j = 0; j < 16; ++j) {
         const T* key = k_cache + slots[first + i + j] * stride + kvh * D;
@@ -72,6 +101,7 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
       }
       _mm512_storeu_ps(row + i, transpose_sum16(partial));
     }
+    if (g == 0) prefetch_block(i, std::max(n, next.count));  // the tail, and the rest of a longer next task
     for (; i < n; ++i) {
       const T* key = k_cache + slots[first + i] * stride + kvh * D;
       __m512 acc = _mm512_mul_ps(query[0], load16(key));
@@ -121,13 +151,17 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L + 16);
+    auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0; };
+    auto rows_of = [&](int64_t task) {
+      if (task >= end) return TaskRows{};
+      const int64_t b = task / KVH, first = first_key(b);
+      return TaskRows{slots + b * L + first, seq_lens[b] - first, (task % KVH) * D};
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH;
-      const int64_t len = seq_lens[b];
-      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       const int64_t head = b * H + kvh * G;
-      attend_task<T, C>(q + head * D, k_cache, v_cache, slots + b * L, first, len, out + head * D, G, KVH, kvh,
-                        scale, scores.data());
+      attend_task<T, C>(q + head * D, k_cache, v_cache, slots + b * L, first_key(b), seq_lens[b], out + head * D, G,
+                        KVH, kvh, scale, scores.data(), rows_of(task + 1));
     }
   });
 }

@@ -13,6 +13,10 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+// One cache line into L2. As inline asm, not _mm_prefetch: GCC deletes a loop whose body is only
+// _mm_prefetch calls (it has no side effects), and the attention kernel's prefetch loops are such loops.
+inline void prefetch_line_into_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
+
 // The first `count` lanes (all 16 when count >= 16): the mask for a row's tail.
 inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
