@@ -169,8 +169,7 @@ def _native_reader():
 def read_bandwidth(num_bytes: int, repeats: int) -> list[float]:
     """Streaming-read bandwidth (bytes/s) over a buffer of num_bytes: the best of the readers (the native
     AVX-512 read at 1, 4, 8 and 16 runs a thread and at 4 prefetched runs, torch's fp32 sum and bf16 amax),
-    each the median of
-    `repeats` passes. Every pass reads the whole buffer once."""
+    each the median of `repeats` passes. Every pass reads the whole buffer once."""
     chunk = 1 << 18  # floats: the native reader's unit of work (the buffer is 64-byte aligned by torch)
     data = torch.ones(max(num_bytes // 4 // chunk, 4) * chunk, dtype=torch.float32)
     nbytes = data.numel() * 4
