@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <optional>
 
+#include "cpu_vec.h"
+
 namespace {
 
 constexpr int64_t kRowGroup = 8;             // rows of x per pass (accumulators held in registers)
@@ -28,7 +30,7 @@ constexpr int64_t kChunkBytesOfX = 32 << 10;  // the slice of x one pass reads: 
 // of x the loop is busy with FMAs and issues its loads late; the hardware prefetcher alone then leaves
 // the core waiting on memory (at 8 rows, 4x below the in-cache rate).
 inline void prefetch_next_row(const void* p, int bytes) {
-  for (int offset = 0; offset < bytes; offset += 64) _mm_prefetch(static_cast<const char*>(p) + offset, _MM_HINT_T0);
+  for (int offset = 0; offset < bytes; offset += 64) pagoda::prefetch_line_into_l1(static_cast<const char*>(p) + offset);
 }
 
 // With several rows of x, also the row kFarRows ahead into L2: a row of FMAs is shorter than DRAM's
@@ -37,7 +39,7 @@ inline void prefetch_next_row(const void* p, int bytes) {
 // widening makes it compute-bound at several rows, where this measured no different.
 constexpr int64_t kFarRows = 8;
 inline void prefetch_into_l2(const void* p, int bytes) {
-  for (int offset = 0; offset < bytes; offset += 64) _mm_prefetch(static_cast<const char*>(p) + offset, _MM_HINT_T1);
+  for (int offset = 0; offset < bytes; offset += 64) pagoda::prefetch_line_into_l2(static_cast<const char*>(p) + offset);
 }
 
 // One pass: rows [0, M) of x (row stride K) against channels [begin, end) of W over k in [k0, k1).
