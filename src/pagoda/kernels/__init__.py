@@ -23,9 +23,10 @@ logger = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused.cpp")
+    for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused.cpp",
+                 "cpu_decode.cpp", "cpu_module.cpp")
 ]
-_HEADERS = [Path(__file__).with_name("cpu_vec.h")]
+_HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_ops.h")]
 # -fopenmp: at::parallel_for is an inline OpenMP region; compiled without it, every kernel runs on one
 # thread. -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
 # -ffp-contract=off: a multiply and an add that torch rounds separately stay separate (cpu_fused.cpp).

@@ -20,6 +20,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 
 namespace {

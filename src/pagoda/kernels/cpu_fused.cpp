@@ -14,6 +14,7 @@
 #include <cstring>
 #include <optional>
 
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 
 namespace {

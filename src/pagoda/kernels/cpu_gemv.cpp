@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <optional>
 
+#include "cpu_ops.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -270,29 +271,4 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale) {
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), "scale must be float32 [N]");
   return run_gemv<Int8, float, int8_t>(x, w, at::kFloat, at::kChar).mul_(scale.contiguous()).to(x.scalar_type());
-}
-
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache, const torch::Tensor& slots,
-                                     const torch::Tensor& seq_lens, int64_t window, double scale);
-
-torch::Tensor add_rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& delta, const torch::Tensor& weight,
-                            double eps);
-void rotary_write_kv_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                      torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t num_heads);
-torch::Tensor silu_mul(const torch::Tensor& gate_up);
-void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "one query per sequence attending to its keys in the paged KV cache (window 0: none)");
-  m.def("gemv_fp32", &gemv_fp32, "y = x @ w.T for fp32 w and 1..64 rows of x (x's dtype out)");
-  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for bf16 w and 1..64 rows of x (x's dtype out)");
-  m.def("gemv_int8", &gemv_int8, "y = (x @ w.T) * scale for int8 w and 1..64 rows of x (x's dtype out)");
-  m.def("add_rms_norm_", &add_rms_norm_, "x += delta (if given) in place; returns RMSNorm(x) * weight");
-  m.def("rotary_write_kv_", &rotary_write_kv_, "rotates qkv's q and k heads in place; writes k, v to the cache");
-  m.def("silu_mul", &silu_mul, "[gate | up] -> silu(gate) * up");
-  m.def("paged_prefill_attention_", &paged_prefill_attention_,
-        "one sequence's bf16 queries attending causally to its keys in the paged KV cache, into out");
 }

@@ -72,6 +72,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_positions = max_positions or config.max_position_embeddings
         self.backend = TorchAttentionBackend()
+        self.native_decode = None  # a NativeDecode, when the loader enables the CPU kernels and they cover the model
 
     @property
     def dtype(self) -> torch.dtype:
@@ -87,6 +88,8 @@ class LlamaModel(nn.Module):
         """Returns final hidden states [num_tokens, hidden]; call compute_logits on the rows to sample."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.native_decode is not None and self.native_decode.takes(meta, x.shape[0]):
+            return self.native_decode(x, cos, sin, kv_caches, meta)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             delta = layer(x, delta, cos, sin, kv_cache, meta, self.backend)

@@ -185,11 +185,12 @@ def load_model(
 def enable_cpu_kernels(model, config: ModelConfig, dtype: torch.dtype, device: str) -> None:
     """pagoda's native CPU kernels (fp32/bf16 models on CPU) for the residual add + RMSNorm and the SiLU
     gate, and the native attention backend (paged decode attention, rotary + KV write) where its shapes
-    fit: head_dim 16..128 in steps of 16, at most 16 query heads per kv head. Elsewhere the torch
-    reference stays."""
+    fit: head_dim 16..128 in steps of 16, at most 16 query heads per kv head; and, where they cover
+    every layer, the native decode stack. Elsewhere the torch reference stays."""
     from pagoda.kernels import cpu_kernels
     from pagoda.model.attention import CpuAttentionBackend
     from pagoda.model.layers import GatedMLP, RMSNorm
+    from pagoda.model.native_decode import NativeDecode
 
     kernels = cpu_kernels() if device == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
     if kernels is None:
@@ -199,3 +200,5 @@ def enable_cpu_kernels(model, config: ModelConfig, dtype: torch.dtype, device: s
             module.kernels = kernels
     if config.head_dim % 16 == 0 and config.head_dim <= 128 and config.num_heads // config.num_kv_heads <= 16:
         model.backend = CpuAttentionBackend(kernels)
+    if NativeDecode.covers(model):
+        model.native_decode = NativeDecode(model, kernels)

@@ -1,0 +1,101 @@
+// A decode step's whole layer stack in one native call.
+//
+// At batch-1 decode a layer is 4 GEMVs and 5 small fused ops; driven from Python, each costs a module
+// call and an op dispatch (10-20 us with the interpreter's state cold: every step streams the weights
+// through L3 and flushes it), about 2-6 ms a step on bench-1b, during which the memory bus idles. Here
+// the same operations (cpu_ops.h, the very functions the Python path calls, in the same order: the
+// results are bit for bit those of the module path) run from C++, with the GIL released, so that the
+// server's event loop runs beside the step instead of between its ops.
+//
+// It takes decode-only steps whose every linear is a GEMV (model/native_decode.py decides); anything
+// else runs through the modules.
+#include <c10/core/InferenceMode.h>
+
+#include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "cpu_ops.h"
+
+namespace {
+
+using OptionalTensor = std::optional<torch::Tensor>;
+// A linear layer as Python hands it over: (weight [N, K] fp32/bf16/int8, int8's per-channel scale, bias).
+using LinearSpec = std::tuple<torch::Tensor, OptionalTensor, OptionalTensor>;
+
+struct Linear {
+  torch::Tensor weight;
+  OptionalTensor scale, bias;
+
+  explicit Linear(const LinearSpec& spec)
+      : weight(std::get<0>(spec)), scale(std::get<1>(spec)), bias(std::get<2>(spec)) {}
+
+  // As DenseLinear / Int8Linear.forward take a decode-sized input.
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    torch::Tensor y = scale                                     ? gemv_int8(x, weight, *scale)
+                      : weight.scalar_type() == at::kBFloat16 ? gemv_bf16(x, weight)
+                                                              : gemv_fp32(x, weight);
+    return bias ? y + *bias : y;
+  }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+  int64_t window;  // 0: full attention
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, torch::Tensor final_norm)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+        final_norm_(std::move(final_norm)) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const LinearSpec& qkv, const LinearSpec& o,
+                 const LinearSpec& gate_up, const LinearSpec& down, int64_t window) {
+    layers_.push_back({std::move(input_norm), std::move(post_norm), Linear(qkv), Linear(o), Linear(gate_up),
+                       Linear(down), window});
+  }
+
+  // x: the embedded tokens [B, hidden] (the residual stream, updated in place); kv_caches: one (k, v) a
+  // layer; the rest as AttentionMetadata has them. Returns the final norm's output [B, hidden].
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
+                        const torch::Tensor& slot_mapping, const torch::Tensor& key_slots,
+                        const torch::Tensor& seq_lens) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k, v) cache pair per layer");
+    c10::InferenceMode inference;
+    OptionalTensor delta;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& layer = layers_[i];
+      auto [k_cache, v_cache] = kv_caches[i];
+      torch::Tensor qkv = layer.qkv(add_rms_norm_(x, delta, layer.input_norm, eps_));
+      qkv = qkv.view({-1, heads_ + 2 * kv_heads_, head_dim_});
+      rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
+      torch::Tensor attended = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, key_slots,
+                                                      seq_lens, layer.window, scale_);
+      attended = layer.o(attended.reshape({-1, heads_ * head_dim_}));
+      delta = layer.down(silu_mul(layer.gate_up(add_rms_norm_(x, attended, layer.post_norm, eps_))));
+    }
+    return add_rms_norm_(x, delta, final_norm_, eps_);
+  }
+
+ private:
+  int64_t heads_, kv_heads_, head_dim_;
+  double eps_, scale_;  // RMSNorm's epsilon; attention's score scale
+  torch::Tensor final_norm_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void define_decode_stack(pybind11::module& m) {
+  pybind11::class_<DecodeStack>(m, "DecodeStack")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>(),
+           "heads, kv_heads, head_dim, eps, attention scale, final_norm")
+      .def("add_layer", &DecodeStack::add_layer,
+           "input_norm, post_norm, then qkv, o, gate_up, down as (weight, int8 scale or None, bias or None), window")
+      .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "x, cos, sin, kv_caches, slot_mapping, key_slots, seq_lens -> final-normed hidden states");
+}

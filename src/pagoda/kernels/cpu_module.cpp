@@ -1,0 +1,16 @@
+// The Python module: every operation in cpu_ops.h, and the native decode stack.
+#include "cpu_ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query per sequence attending to its keys in the paged KV cache (window 0: none)");
+  m.def("gemv_fp32", &gemv_fp32, "y = x @ w.T for fp32 w and 1..64 rows of x (x's dtype out)");
+  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for bf16 w and 1..64 rows of x (x's dtype out)");
+  m.def("gemv_int8", &gemv_int8, "y = (x @ w.T) * scale for int8 w and 1..64 rows of x (x's dtype out)");
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta (if given) in place; returns RMSNorm(x) * weight");
+  m.def("rotary_write_kv_", &rotary_write_kv_, "rotates qkv's q and k heads in place; writes k, v to the cache");
+  m.def("silu_mul", &silu_mul, "[gate | up] -> silu(gate) * up");
+  m.def("paged_prefill_attention_", &paged_prefill_attention_,
+        "one sequence's bf16 queries attending causally to its keys in the paged KV cache, into out");
+  define_decode_stack(m);
+}

@@ -1,0 +1,29 @@
+// The torch-level operations of pagoda's CPU kernels, as bound into Python (cpu_module.cpp) and as the
+// native decode stack (cpu_decode.cpp) calls them: one definition each, whichever side calls it.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <optional>
+
+// cpu_gemv.cpp: y = x @ w.T for 1..64 rows of x, in x's dtype (int8: times a per-output-channel scale).
+torch::Tensor gemv_fp32(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
+torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale);
+
+// cpu_attention.cpp, cpu_prefill_attention.cpp: paged attention reading the cache in place.
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& slots,
+                                     const torch::Tensor& seq_lens, int64_t window, double scale);
+void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                              const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out);
+
+// cpu_fused.cpp: the small steps between a layer's matmuls.
+torch::Tensor add_rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& delta, const torch::Tensor& weight,
+                            double eps);
+void rotary_write_kv_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
+                      torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t num_heads);
+torch::Tensor silu_mul(const torch::Tensor& gate_up);
+
+// cpu_decode.cpp: registers the DecodeStack class on the module.
+void define_decode_stack(pybind11::module& m);

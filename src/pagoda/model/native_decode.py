@@ -1,0 +1,58 @@
+"""Decode-only steps through one native call for the whole layer stack (kernels/cpu_decode.cpp).
+
+The stack runs the very kernels the module path calls, in the same order, so its output is the module
+path's bit for bit; what it removes is the interpreter between them: ~10 module calls and op
+dispatches a layer, 2-6 ms a step on bench-1b (22 layers), during which no weight streams. It takes a
+step when every token is a decode and every linear runs as a GEMV (at most DENSE_KERNEL_MAX_ROWS
+tokens; int8: INT8_KERNEL_MAX_ROWS); prefills, larger batches and models it does not cover (per-head
+q/k norms) run through the modules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagoda.model.attention import AttentionMetadata, CpuAttentionBackend
+from pagoda.model.quantization import DENSE_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS, DenseLinear, Int8Linear
+
+
+def _linear_spec(linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """(weight, int8 scale, bias) of a linear that runs decode inputs as a GEMV, else None."""
+    if isinstance(linear, DenseLinear) and linear.gemv is not None:
+        return linear.weight, None, linear.bias
+    if isinstance(linear, Int8Linear) and linear.kernels is not None:
+        return linear.qweight, linear.scale, linear.bias
+    return None
+
+
+class NativeDecode:
+    def __init__(self, model, kernels) -> None:
+        config = model.config
+        attention = model.layers[0].self_attn
+        self.stack = kernels.DecodeStack(config.num_heads, config.num_kv_heads, config.head_dim, model.norm.eps,
+                                         attention.scale, model.norm.weight)
+        for layer in model.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            self.stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                                 *map(_linear_spec, linears), attention.window or 0)
+        quantized = isinstance(model.layers[0].mlp.down_proj, Int8Linear)
+        self.max_tokens = INT8_KERNEL_MAX_ROWS if quantized else DENSE_KERNEL_MAX_ROWS
+
+    @staticmethod
+    def covers(model) -> bool:
+        """Whether every layer's operations have a kernel: the native attention backend, no per-head q/k
+        norms, every linear a GEMV."""
+        if not isinstance(model.backend, CpuAttentionBackend) or model.config.qk_norm:
+            return False
+        return all(_linear_spec(linear) is not None for layer in model.layers
+                   for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                  layer.mlp.down_proj))
+
+    def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        return not meta.prefills and num_tokens <= self.max_tokens
+
+    def __call__(self, x, cos, sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        """The final norm's output for the step's tokens; x (the embedded tokens) is updated in place."""
+        return self.stack.forward(x, cos, sin, kv_caches, meta.slot_mapping, meta.decode_key_slots,
+                                  meta.decode_seq_lens)
