@@ -166,27 +166,36 @@ def _native_reader():
         return None
 
 
+class StreamingReader:
+    """A buffer of num_bytes and the readers that stream it: the native AVX-512 read at 1, 4, 8 and 16
+    runs a thread and at 4 prefetched runs, torch's fp32 sum and bf16 amax. Every pass reads the whole
+    buffer once; a reader's rate counts as the machine's when it is the best of them."""
+
+    def __init__(self, num_bytes: int) -> None:
+        chunk = 1 << 18  # floats: the native reader's unit of work (the buffer is 64-byte aligned by torch)
+        self.data = torch.ones(max(num_bytes // 4 // chunk, 4) * chunk, dtype=torch.float32)
+        self.readers = [torch.Tensor.sum, lambda t: t.view(torch.bfloat16).amax()]
+        if (native := _native_reader()) is not None:
+            self.readers += [lambda t, count=count: native(t, count) for count in _STREAM_COUNTS]
+        for reader in self.readers:
+            reader(self.data)  # touch the pages
+
+    def rate(self, reader) -> float:
+        started = time.perf_counter()
+        reader(self.data)
+        return self.data.numel() * 4 / (time.perf_counter() - started)
+
+    def best_rate(self) -> float:
+        """One pass of each reader, the fastest: the bandwidth at this moment."""
+        return max(self.rate(reader) for reader in self.readers)
+
+
 def read_bandwidth(num_bytes: int, repeats: int) -> list[float]:
-    """Streaming-read bandwidth (bytes/s) over a buffer of num_bytes: the best of the readers (the native
-    AVX-512 read at 1, 4, 8 and 16 runs a thread and at 4 prefetched runs, torch's fp32 sum and bf16 amax),
-    each the median of `repeats` passes. Every pass reads the whole buffer once."""
-    chunk = 1 << 18  # floats: the native reader's unit of work (the buffer is 64-byte aligned by torch)
-    data = torch.ones(max(num_bytes // 4 // chunk, 4) * chunk, dtype=torch.float32)
-    nbytes = data.numel() * 4
-    best: list[float] = []
-    readers = [torch.Tensor.sum, lambda t: t.view(torch.bfloat16).amax()]
-    if (native := _native_reader()) is not None:
-        readers += [lambda t, count=count: native(t, count) for count in _STREAM_COUNTS]
-    for reader in readers:
-        reader(data)  # touch the pages
-        samples = []
-        for _ in range(repeats):
-            started = time.perf_counter()
-            reader(data)
-            samples.append(nbytes / (time.perf_counter() - started))
-        if not best or statistics.median(samples) > statistics.median(best):
-            best = samples
-    return best
+    """Streaming-read bandwidth (bytes/s) over a buffer of num_bytes: the samples of the reader whose
+    median of `repeats` passes is the best."""
+    reader = StreamingReader(num_bytes)
+    by_reader = [[reader.rate(r) for _ in range(repeats)] for r in reader.readers]
+    return max(by_reader, key=statistics.median)
 
 
 @dataclass(frozen=True)
@@ -313,8 +322,9 @@ class StepRecord:
     context_lens: list[int]  # per scheduled request, including this step's tokens
 
 
-def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> list[StepRecord]:
-    """Adds the prompts (greedy, ignore_eos) and steps to completion, timing every step()."""
+def run_engine(engine, prompts: list[list[int]], max_tokens: int, after_step=None) -> list[StepRecord]:
+    """Adds the prompts (greedy, ignore_eos) and steps to completion, timing every step() (and calling
+    after_step(), untimed, after each)."""
     from pagoda import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -339,6 +349,8 @@ def run_engine(engine, prompts: list[list[int]], max_tokens: int) -> list[StepRe
             items = scheduled.pop()
             records.append(StepRecord(elapsed, sum(n for n, _ in items), sum(n == 1 for n, _ in items),
                                       [c for _, c in items]))
+            if after_step is not None:
+                after_step()
     finally:
         del engine.scheduler.schedule  # back to the class method
     return records

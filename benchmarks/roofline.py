@@ -1,6 +1,7 @@
 """Roofline: pagoda's speed as a fraction of this machine's own limits, measured in the same run.
 
-Limits: streaming-read bandwidth (a >= 1 GiB buffer, and a buffer the size of the step's own bytes)
+Limits: streaming-read bandwidth (a >= 1 GiB buffer, a buffer the size of the step's own bytes, and for
+decode a read right after every step, up to 1 GiB: the host's bandwidth drifts within seconds)
 and matmul rate at the model's own GEMM shapes (fp32 / bf16 F.linear, int8 weight-only
 torch._weight_int8pack_mm or dequantize+bf16, whichever is faster). Workloads, greedy, ignore_eos:
 
@@ -26,6 +27,7 @@ from common import (
     CONFIGS,
     TORCH_DTYPES,
     GiB,
+    StreamingReader,
     add_common_args,
     attention_flops,
     environment,
@@ -67,32 +69,38 @@ def decode_workload(model_dir: str, name: str, config: str, args) -> dict:
     dtype = TORCH_DTYPES[CONFIGS[config][0]]
     run_engine(engine, make_prompts(1, 16, model_config.vocab_size, seed=99), 4)  # warm-up
     step_bytes = weight_bytes(engine.model)
-    # The bandwidth is measured around every repeat (a shared host's bandwidth drifts): each repeat's
-    # fraction uses the reads next to it; the figure is the median of the repeats' fractions.
-    runs, per_run_medians, per_run_bw, fractions, bw_samples = [], [], [], [], []
+    # A shared host's bandwidth drifts within seconds, so every decode step is paired with a read right
+    # after it (one pass of each reader over min(step bytes, --step-read-gib), the fastest): a step's
+    # fraction is its bytes over that read, and a repeat's is the median of its steps'.
+    reader = StreamingReader(int(min(step_bytes, args.step_read_gib * GiB)))
+    runs, fractions, bw_samples = [], [], []
     for repeat in range(args.repeats):
-        before = bandwidth(step_bytes, args, 2)
-        records = run_engine(engine, make_prompts(1, prompt_len, model_config.vocab_size, seed=repeat), new_tokens)
-        after = bandwidth(step_bytes, args, 2)
-        decode_steps = [r.seconds for r in records[1:]]
-        mean_kv = statistics.mean(kv_read_bytes(model_config, dtype, r.context_lens) for r in records[1:])
-        per_run_medians.append(statistics.median(decode_steps))
-        per_run_bw.append((before["median"] + after["median"]) / 2)
-        bw_samples += before["samples"] + after["samples"]
-        fractions.append((step_bytes + mean_kv) / per_run_bw[-1] / per_run_medians[-1])
-        runs.append({"prefill_s": records[0].seconds, "decode_step_s": decode_steps, "kv_bytes_mean": mean_kv,
-                     "bandwidth": per_run_bw[-1], "fraction": fractions[-1]})
-        log(f"  {name} {config} decode repeat {repeat + 1}/{args.repeats}: {1 / per_run_medians[-1]:.1f} tok/s "
-            f"(median step {per_run_medians[-1] * 1e3:.1f} ms), read {per_run_bw[-1] / 1e9:.1f} GB/s, "
-            f"fraction {fractions[-1]:.2f}")
+        reads: list[float] = []
+        records = run_engine(engine, make_prompts(1, prompt_len, model_config.vocab_size, seed=repeat), new_tokens,
+                             after_step=lambda reads=reads: reads.append(reader.best_rate()))
+        steps, step_reads = records[1:], reads[1:]  # records[0] is the prefill
+        kv_bytes = [kv_read_bytes(model_config, dtype, r.context_lens) for r in steps]
+        floors = [(step_bytes + kv) / bw for kv, bw in zip(kv_bytes, step_reads)]
+        step_fractions = [floor / r.seconds for floor, r in zip(floors, steps)]
+        fractions.append(statistics.median(step_fractions))
+        bw_samples += step_reads
+        runs.append({"prefill_s": records[0].seconds, "decode_step_s": [r.seconds for r in steps],
+                     "kv_bytes_mean": statistics.mean(kv_bytes),
+                     "step_read_bytes_per_s": step_reads, "step_floor_s": floors, "step_fraction": step_fractions,
+                     "fraction": fractions[-1]})
+        log(f"  {name} {config} decode repeat {repeat + 1}/{args.repeats}: "
+            f"{1 / statistics.median(runs[-1]['decode_step_s']):.1f} tok/s, reads next to the steps "
+            f"{min(step_reads) / 1e9:.1f}-{max(step_reads) / 1e9:.1f} GB/s (median "
+            f"{statistics.median(step_reads) / 1e9:.1f}), fraction {fractions[-1]:.2f}")
     del llm, engine
     gc.collect()
-    step_s, bw = statistics.median(per_run_medians), statistics.median(per_run_bw)
+    step_s = statistics.median(statistics.median(r["decode_step_s"]) for r in runs)
+    bw = statistics.median(bw_samples)
     return {"kind": "decode", "model": name, "config": config, "prompt_len": prompt_len, "new_tokens": new_tokens,
             "weight_bytes": step_bytes, "kv_bytes_mean": statistics.mean(r["kv_bytes_mean"] for r in runs),
-            "bandwidth": {"buffer_bytes": min(step_bytes, args.max_buffer_gib * GiB), **summary(bw_samples)},
-            "runs": runs, "step_s_per_run_median": per_run_medians, "step_s": step_s, "tokens_per_s": 1 / step_s,
-            "floor_s": statistics.median(r["fraction"] * s for r, s in zip(runs, per_run_medians)),
+            "bandwidth": {"buffer_bytes": min(step_bytes, args.step_read_gib * GiB), **summary(bw_samples)},
+            "runs": runs, "step_s": step_s, "tokens_per_s": 1 / step_s,
+            "floor_s": statistics.median(f for r in runs for f in r["step_floor_s"]),
             "limit": f"{bw / 1e9:.1f} GB/s", "fraction": statistics.median(fractions),
             "target": target_for("decode", name, config)}
 
@@ -200,6 +208,8 @@ def main() -> None:
     parser.add_argument("--offline-prompts", type=int, default=32)
     parser.add_argument("--offline-tokens", type=int, default=64)
     parser.add_argument("--max-buffer-gib", type=float, default=8.0, help="cap on the step-sized read buffer")
+    parser.add_argument("--step-read-gib", type=float, default=1.0,
+                        help="cap on the buffer read after every decode step (the step's own bytes below it)")
     args = parser.parse_args()
     if args.quick:
         args.decode_tokens, args.prefill_tokens, args.offline_prompts, args.offline_tokens = 16, 256, 8, 8
