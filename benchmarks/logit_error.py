@@ -4,7 +4,9 @@ The bench models have random weights: their logits are nearly tied, so greedy ag
 about them (the demo model's task accuracy is the quality gate: benchmarks/quality.py). What this
 reports is the size of the numeric error itself: the same prompts through pagoda in fp32, bf16 and
 int8 (kernels on, as served), and max / mean |logit - fp32 logit| over every vocabulary entry at each
-prompt's last position, beside the fp32 logits' own spread (their standard deviation) for scale.
+prompt's last position, beside the fp32 logits' own spread (their standard deviation) for scale. The
+last position is computed twice: inside one prefill of all prompts (matrix multiplications), and
+alone after its cached prefix, as a batch-1 decode step computes a token (the GEMV kernels).
 
     python benchmarks/logit_error.py [--models bench-125m,bench-1b] [--prompts 32]
 """
@@ -22,26 +24,41 @@ from common import add_common_args, environment, load_average, log, make_llm, ma
 from pagoda import SamplingParams
 
 
-def last_position_logits(model_dir: str, config: str, prompts: list[list[int]]) -> torch.Tensor:
-    """[num_prompts, vocab] fp32 logits at each prompt's last position, as the engine computes them."""
-    llm = make_llm(model_dir, config, num_seqs=len(prompts), max_len=max(map(len, prompts)) + 1,
-                   enable_prefix_caching=False)
-    model, captured = llm.engine.model, []
-    compute_logits = model.compute_logits
+def last_position_logits(model_dir: str, config: str, prompts: list[list[int]], alone: bool = False) -> torch.Tensor:
+    """[num_prompts, vocab] fp32 logits at each prompt's last position, as the engine computes them: in one
+    prefill step, or (alone) each last position computed by itself after its prompt's cached prefix, a
+    one-token step as batch-1 decode runs it (the native decode stack; int8: x quantized to int16)."""
+    llm = make_llm(model_dir, config, num_seqs=1 if alone else len(prompts), max_len=max(map(len, prompts)) + 1,
+                   enable_prefix_caching=alone)
+    model, captured, step_tokens = llm.engine.model, [], []
+    compute_logits, forward = model.compute_logits, model.forward
 
     def capture(hidden: torch.Tensor) -> torch.Tensor:
         logits = compute_logits(hidden)
         captured.append(logits.float().clone())
         return logits
 
-    model.compute_logits = capture
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
-    assert all(len(o.outputs[0].token_ids) == 1 for o in outputs)
+    def counting_forward(input_ids, *args):
+        step_tokens.append(input_ids.numel())
+        return forward(input_ids, *args)
+
+    def measured(batch: list[list[int]]) -> None:
+        model.compute_logits, model.forward = capture, counting_forward
+        outputs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+        del model.compute_logits, model.forward  # back to the class's methods
+        assert all(len(o.outputs[0].token_ids) == 1 for o in outputs)
+
+    if alone:
+        for prompt in prompts:
+            llm.generate([prompt[:-1]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # the prefix
+            measured([prompt])
+    else:
+        measured(prompts)
     logits = torch.cat(captured)
-    assert logits.shape[0] == len(prompts), "one sampling row per prompt: the prompts must prefill in one step"
-    del llm, model
-    gc.collect()
-    return logits
+    assert logits.shape[0] == len(prompts), "one sampling row per prompt"
+    expected_steps = [1] * len(prompts) if alone else [sum(map(len, prompts))]
+    assert step_tokens == expected_steps, f"steps computed {step_tokens[:4]}..., expected {expected_steps[:4]}..."
+    return logits  # the engine goes with this frame: main() collects it before loading the next
 
 
 def main() -> None:
@@ -58,20 +75,24 @@ def main() -> None:
     for name in args.models.split(","):
         model_dir = f"{args.models_dir}/{name}"
         vocab = json.loads(Path(model_dir, "config.json").read_text())["vocab_size"]
-        prompts = make_prompts(args.prompts, args.prompt_len, vocab, seed=7)
-        log(f"{name}: fp32 reference")
-        reference = last_position_logits(model_dir, "fp32", prompts)
-        for config in ("bf16", "int8"):
-            log(f"{name}: {config}")
-            error = (last_position_logits(model_dir, config, prompts) - reference).abs()
-            results.append({"model": name, "config": config, "positions": len(prompts), "vocab": vocab,
-                            "max_abs_error": error.max().item(), "mean_abs_error": error.mean().item(),
-                            "fp32_logit_std": reference.std().item(),
-                            "fp32_logit_max_abs": reference.abs().max().item()})
-    print(f"\n{'model':12s} {'path':6s} {'max |err|':>10s} {'mean |err|':>11s} {'fp32 std':>9s}")
+        # prompt_len + 1 tokens: alone, the cached prefix is prompt_len tokens, whole blocks of 16.
+        prompts = make_prompts(args.prompts, args.prompt_len + 1, vocab, seed=7)
+        for step, alone in (("prefill", False), ("decode, batch 1", True)):
+            log(f"{name} {step}: fp32 reference")
+            reference = last_position_logits(model_dir, "fp32", prompts, alone)
+            gc.collect()
+            for config in ("bf16", "int8"):
+                log(f"{name} {step}: {config}")
+                error = (last_position_logits(model_dir, config, prompts, alone) - reference).abs()
+                gc.collect()
+                results.append({"model": name, "config": config, "step": step, "positions": len(prompts),
+                                "vocab": vocab, "max_abs_error": error.max().item(),
+                                "mean_abs_error": error.mean().item(), "fp32_logit_std": reference.std().item(),
+                                "fp32_logit_max_abs": reference.abs().max().item()})
+    print(f"\n{'model':12s} {'step':16s} {'path':6s} {'max |err|':>10s} {'mean |err|':>11s} {'fp32 std':>9s}")
     for r in results:
-        print(f"{r['model']:12s} {r['config']:6s} {r['max_abs_error']:10.4f} {r['mean_abs_error']:11.4f} "
-              f"{r['fp32_logit_std']:9.3f}")
+        print(f"{r['model']:12s} {r['step']:16s} {r['config']:6s} {r['max_abs_error']:10.4f} "
+              f"{r['mean_abs_error']:11.4f} {r['fp32_logit_std']:9.3f}")
     write_json(args.out, {"config": vars(args), "environment": environment(load_at_start), "results": results})
 
 

@@ -15,11 +15,11 @@ from conftest import random_prompts
 from torch import nn
 
 from pagoda import SamplingParams
-from pagoda.kernels import _cpu_flags, cpu_kernels
+from pagoda.kernels import cpu_has_kernel_features, cpu_kernels
 from pagoda.model.quantization import DenseLinear, Int8Linear
 
-HAS_AVX512_BF16 = {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags()
-needs_kernels = pytest.mark.skipif(not HAS_AVX512_BF16, reason="this CPU lacks AVX-512 BF16: kernels do not apply")
+KERNELS_APPLY = cpu_has_kernel_features()
+needs_kernels = pytest.mark.skipif(not KERNELS_APPLY, reason="this CPU lacks AVX-512 BF16/VNNI: no kernels")
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,9 @@ def test_gemv_kernels_match_torch(kernels, kind, rows):
     if kind == "int8":
         q, scale = torch.randint(-127, 128, (203, 1056), dtype=torch.int8), torch.rand(203) / 50
         actual, expected = kernels.gemv_int8(x, q, scale), (x @ q.float().T) * scale
+        if rows == 1:  # x quantized to int16 in blocks of 128: within half a step of each block's scale
+            torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3 + _int16_rounding_bound(x, q, scale))
+            return
     elif kind == "bf16":
         w = torch.randn(203, 1056).bfloat16()
         actual, expected = kernels.gemv_bf16(x, w), x.bfloat16().float() @ w.float().T
@@ -47,6 +50,30 @@ def test_gemv_kernels_match_torch(kernels, kind, rows):
         w = torch.randn(203, 1056)
         actual, expected = kernels.gemv_fp32(x, w), x @ w.T
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3)
+
+
+def _int16_rounding_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> float:
+    """The most one row of x quantized to int16 per 128-element block (step max|block| / 32767, rounded to
+    nearest) can move x @ (q * scale).T: half a step times |w|, summed."""
+    half_step = torch.cat([b.abs().max().expand(b.numel()) for b in x[0].float().split(128)]) / 32767 / 2
+    return ((q.float().abs() * scale[:, None]) @ half_step).max().item()
+
+
+@needs_kernels
+def test_int8_one_row_keeps_each_block_of_x_precise(kernels):
+    """An outlier in x coarsens only its own 128-element block: the weights meeting it are zero here, so
+    the rest must come out as precise as their own small values allow (one step for all of x: ~100x off)."""
+    torch.manual_seed(1)
+    x = torch.randn(1, 512) * 1e-3
+    x[0, 5] = 1000.0
+    x[0, 256:384] = 0.0  # a block of zeros
+    q, scale = torch.randint(-127, 128, (64, 512), dtype=torch.int8), torch.rand(64) / 50
+    q[:, :128] = 0
+    actual, expected = kernels.gemv_int8(x, q, scale), (x.double() @ q.double().T * scale.double()).float()
+    bound = _int16_rounding_bound(x, q, scale)
+    one_step_for_the_row = ((q.float().abs() * scale[:, None]).sum(dim=1) * 1000 / 32767 / 2).max().item()
+    assert bound < one_step_for_the_row / 1000  # so the check below tells the two apart
+    torch.testing.assert_close(actual, expected, rtol=0, atol=bound)
 
 
 @needs_kernels
@@ -69,8 +96,8 @@ def test_fast_linear_layers_agree_with_and_without_kernels(layer_type, dtype, to
     if layer is not linear:
         layer.load_state_dict({k: v.to(dtype) for k, v in linear.state_dict().items()})
     reference = layer_type(layer, kernels=None)
-    fast = layer_type(layer, kernels=cpu_kernels() if HAS_AVX512_BF16 else None)
-    if HAS_AVX512_BF16:
+    fast = layer_type(layer, kernels=cpu_kernels() if KERNELS_APPLY else None)
+    if KERNELS_APPLY:
         assert (fast.gemv if layer_type is DenseLinear else fast.kernels) is not None
     torch.testing.assert_close(fast(x).float(), reference(x).float(), rtol=tolerance, atol=tolerance)
     # And both stay close to the fp32 layer they replace.
@@ -157,7 +184,7 @@ def test_paged_attention_kernel_matches_reference_backend(make_llm, checkpoint, 
     options = {"max_num_batched_tokens": 9, "num_kv_blocks": 24}
     fast = make_llm(model_dir, **options)
     reference = make_llm(model_dir, use_kernels=False, **options)
-    if HAS_AVX512_BF16:
+    if KERNELS_APPLY:
         assert type(fast.engine.model.backend).__name__ == "CpuAttentionBackend"
     assert type(reference.engine.model.backend).__name__ == "TorchAttentionBackend"
     fast_ids = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]

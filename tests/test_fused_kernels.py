@@ -10,13 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fast_paths import HAS_AVX512_BF16
+from test_fast_paths import KERNELS_APPLY
 
 from pagoda.kernels import cpu_kernels
 from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(not HAS_AVX512_BF16, reason="this CPU lacks AVX-512 BF16: kernels do not apply")
+pytestmark = pytest.mark.skipif(not KERNELS_APPLY, reason="this CPU lacks AVX-512 BF16/VNNI: no kernels")
 DTYPES = [torch.float32, torch.bfloat16]
 
 

@@ -12,12 +12,12 @@ import torch
 from conftest import random_prompts
 
 from pagoda import SamplingParams
-from pagoda.kernels import _cpu_flags
+from pagoda.kernels import cpu_has_kernel_features
 from pagoda.model.attention import build_metadata
 from pagoda.model.native_decode import NativeDecode
 
-pytestmark = pytest.mark.skipif(not {"avx512f", "avx512bw", "avx512_bf16"} <= _cpu_flags(),
-                                reason="this CPU lacks AVX-512 BF16: the kernels do not apply")
+pytestmark = pytest.mark.skipif(not cpu_has_kernel_features(),
+                                reason="this CPU lacks AVX-512 BF16/VNNI: no kernels")
 
 CONFIGS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"dtype": "bfloat16", "quantization": "int8"}}
 

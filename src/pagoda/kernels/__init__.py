@@ -30,10 +30,15 @@ _HEADERS = [Path(__file__).with_name(name) for name in ("cpu_vec.h", "cpu_ops.h"
 # -fopenmp: at::parallel_for is an inline OpenMP region; compiled without it, every kernel runs on one
 # thread. -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
 # -ffp-contract=off: a multiply and an add that torch rounds separately stay separate (cpu_fused.cpp).
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-fopenmp", "-ffp-contract=off"]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
+          "-ffp-contract=off"]
 _LINK_FLAGS = ["-lgomp"]
 _CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda")) / "kernels"
 _STALE_LOCK_SECONDS = 900  # a build lock this old belongs to a killed build: torch would wait on it forever
+
+
+# What the kernels are compiled for: AVX-512 with bf16 dot products (vdpbf16ps) and VNNI (vpdpwssd).
+REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"})
 
 
 def _cpu_flags() -> set[str]:
@@ -45,6 +50,10 @@ def _cpu_flags() -> set[str]:
         if line.startswith("flags"):
             return set(line.split(":", 1)[1].split())
     return set()
+
+
+def cpu_has_kernel_features() -> bool:
+    return not REQUIRED_CPU_FLAGS - _cpu_flags()
 
 
 def _build_directory() -> tuple[str, Path, list[str]]:
@@ -70,7 +79,7 @@ def _build_directory() -> tuple[str, Path, list[str]]:
 def cpu_kernels():
     if os.environ.get("PAGODA_DISABLE_KERNELS") == "1":
         return None
-    missing = {"avx512f", "avx512bw", "avx512_bf16"} - _cpu_flags()
+    missing = REQUIRED_CPU_FLAGS - _cpu_flags()
     if missing:
         logger.warning("native CPU kernels off: the CPU lacks %s; using torch", sorted(missing))
         return None

@@ -15,6 +15,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <optional>
 
 #include "cpu_ops.h"
@@ -119,42 +120,62 @@ void block_int8(const float* x, const int8_t* w, float* y, int64_t K, int64_t N,
   }
 }
 
+// The batch-1 GEMV's pattern (gemv_one_row): kStreams runs of rows, each prefetched this far ahead.
+constexpr int kStreams = 4;
+constexpr int64_t kPrefetchBytes = 2048;
+
+// S weight rows (the first at `rows`, then every `stride` elements) against one row of x, walked side by
+// side: sums[s] = row s . x. The row is summed block by block (Dot::block(K) elements: the whole row for
+// float weights; int8 sums integers over short blocks, each then scaled by its block of x).
+template <typename Dot, int S>
+void dot_rows(const typename Dot::X* x, const float* x_scales, const typename Dot::W* rows, int64_t stride,
+              int64_t K, float* sums, int64_t sums_stride) {
+  using W = typename Dot::W;
+  constexpr int64_t kElementsPerLine = 64 / sizeof(W), kPrefetchElements = kPrefetchBytes / sizeof(W);
+  const int64_t block = Dot::block(K);
+  __m512 total[S];
+  for (int s = 0; s < S; ++s) total[s] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += block) {
+    typename Dot::Sum partial[S];
+    for (int s = 0; s < S; ++s) partial[s] = Dot::zero();
+    for (int64_t k = k0; k < std::min(K, k0 + block); k += Dot::kStep) {
+      const auto xv = Dot::load_x(x + k);
+      if (Dot::kPrefetch && k % kElementsPerLine == 0) {
+        for (int s = 0; s < S; ++s) prefetch_into_l2(rows + s * stride + k + kPrefetchElements, 64);
+      }
+      for (int s = 0; s < S; ++s) partial[s] = Dot::dot(partial[s], rows + s * stride + k, xv);
+    }
+    for (int s = 0; s < S; ++s) total[s] = Dot::accumulate(total[s], partial[s], x_scales, k0 / block);
+  }
+  for (int s = 0; s < S; ++s) sums[s * sums_stride] = _mm512_reduce_add_ps(total[s]);
+}
+
 // One row of x (batch-1 decode): pure streaming, where memory-level parallelism is the whole game. The
 // thread's channels are split into kStreams contiguous runs walked side by side, so one load of x
 // serves kStreams weight rows and the core keeps kStreams long sequential streams in flight, each also
 // prefetched kPrefetchBytes ahead into L2. Walking the rows one at a time, bench-1b's fp32 linears
 // streamed at ~0.8 of the best streaming read when the host gave ~55 GB/s (0.68 for the 22 KB rows of
-// down_proj, where x no longer stays in L1); 4 runs: ~0.95; with the prefetch: ~1.0. (6 or 8 runs, and
-// prefetching 4 KB ahead, measured slower; int8 skips the prefetch, Int8Dot.)
-constexpr int kStreams = 4;
-constexpr int64_t kPrefetchBytes = 2048;
-
+// down_proj, where x no longer stays in L1); 4 runs: ~0.95; with the prefetch: ~1.0. (1, 2, 6 or 8
+// runs, and prefetching 4 KB ahead, measured slower.)
 template <typename Dot>
-void gemv_one_row(const typename Dot::X* x, const typename Dot::W* w, float* y, int64_t K, int64_t begin,
-                  int64_t end) {
-  using W = typename Dot::W;
-  constexpr int64_t kElementsPerLine = 64 / sizeof(W), kPrefetchElements = kPrefetchBytes / sizeof(W);
-  const int64_t run = (end - begin) / kStreams;
-  for (int64_t n = begin; n < begin + run; ++n) {
-    __m512 acc[kStreams];
-    for (int s = 0; s < kStreams; ++s) acc[s] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += Dot::kStep) {
-      const auto xv = Dot::load_x(x + k);
-      if (Dot::kPrefetch && k % kElementsPerLine == 0) {
-        for (int s = 0; s < kStreams; ++s) prefetch_into_l2(w + (n + s * run) * K + k + kPrefetchElements, 64);
-      }
-      for (int s = 0; s < kStreams; ++s) acc[s] = Dot::dot(acc[s], w + (n + s * run) * K + k, xv);
-    }
-    for (int s = 0; s < kStreams; ++s) y[n + s * run] = _mm512_reduce_add_ps(acc[s]);
-  }
-  for (int64_t n = begin + kStreams * run; n < end; ++n) {  // the remainder, one row at a time
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += Dot::kStep) acc = Dot::dot(acc, w + n * K + k, Dot::load_x(x + k));
-    y[n] = _mm512_reduce_add_ps(acc);
-  }
+void gemv_one_row(const typename Dot::X* x, const float* x_scales, const typename Dot::W* w, float* y, int64_t K,
+                  int64_t N) {
+  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
+    const int64_t run = (end - begin) / kStreams;
+    for (int64_t n = begin; n < begin + run; ++n) dot_rows<Dot, kStreams>(x, x_scales, w + n * K, run * K, K, y + n, run);
+    for (int64_t n = begin + kStreams * run; n < end; ++n) dot_rows<Dot, 1>(x, x_scales, w + n * K, 0, K, y + n, 0);
+  });
 }
 
-struct Fp32Dot {
+// A float weight row is one fp32 sum (block = K; no scales).
+struct FloatSum {
+  using Sum = __m512;
+  static int64_t block(int64_t K) { return K; }
+  static __m512 zero() { return _mm512_setzero_ps(); }
+  static __m512 accumulate(__m512 total, __m512 partial, const float*, int64_t) { return _mm512_add_ps(total, partial); }
+};
+
+struct Fp32Dot : FloatSum {
   using X = float;
   using W = float;
   static constexpr int kStep = 16;
@@ -163,7 +184,7 @@ struct Fp32Dot {
   static __m512 dot(__m512 acc, const float* w, __m512 x) { return _mm512_fmadd_ps(_mm512_loadu_ps(w), x, acc); }
 };
 
-struct Bf16Dot {
+struct Bf16Dot : FloatSum {
   using X = at::BFloat16;
   using W = at::BFloat16;
   static constexpr int kStep = 32;
@@ -174,17 +195,48 @@ struct Bf16Dot {
   }
 };
 
+// int8 weights against x quantized to int16 per block of kQuantBlock (quantize_blocks): 32 products a
+// vpdpwssd, summed exactly in int32 (a block's lane sum stays below 2^26), each block's sum then scaled
+// to float by its x scale. Widening int8 to fp32 instead (two converts and an FMA per 16 weights) bound
+// the batch-1 GEMV at ~40 GB/s; this is one widen and one dot product per 32.
+constexpr int64_t kQuantBlock = 128;
+
 struct Int8Dot {
-  using X = float;
+  using X = int16_t;
   using W = int8_t;
-  static constexpr int kStep = 16;
-  static constexpr bool kPrefetch = false;  // widening keeps the core busy enough: measured slower with it
-  static __m512 load_x(const float* x) { return _mm512_loadu_ps(x); }
-  static __m512 dot(__m512 acc, const int8_t* w, __m512 x) {
-    const __m512 widened = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
-    return _mm512_fmadd_ps(widened, x, acc);
+  using Sum = __m512i;
+  static constexpr int kStep = 32;
+  static constexpr bool kPrefetch = false;
+  static int64_t block(int64_t) { return kQuantBlock; }
+  static __m512i zero() { return _mm512_setzero_si512(); }
+  static __m512i load_x(const int16_t* x) { return _mm512_loadu_si512(x); }
+  static __m512i dot(__m512i acc, const int8_t* w, __m512i x) {
+    return _mm512_dpwssd_epi32(acc, _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), x);
+  }
+  static __m512 accumulate(__m512 total, __m512i partial, const float* x_scales, int64_t block) {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(partial), _mm512_set1_ps(x_scales[block]), total);
   }
 };
+
+// x [K] -> int16 q with one scale per kQuantBlock elements: q = round(x / scale), scale = max|x| / 32767
+// over the block, so every element keeps ~15 bits relative to its block's largest (bf16 keeps 8): an
+// outlier costs precision only in its own block. A block of zeros (or denormals) gets scale 0.
+template <typename T>
+void quantize_blocks(const T* x, int64_t K, int16_t* q, float* scales) {
+  for (int64_t k0 = 0; k0 < K; k0 += kQuantBlock) {
+    const int64_t k1 = std::min(K, k0 + kQuantBlock);
+    __m512 amax = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(pagoda::load16(x + k)));
+    const float largest = _mm512_reduce_max_ps(amax);
+    const bool tiny = largest < 1e-30f;
+    scales[k0 / kQuantBlock] = tiny ? 0.0f : largest / 32767.0f;
+    const __m512 inverse = _mm512_set1_ps(tiny ? 0.0f : 32767.0f / largest);
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __m512i rounded = _mm512_cvtps_epi32(_mm512_mul_ps(pagoda::load16(x + k), inverse));  // to nearest
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + k), _mm512_cvtsepi32_epi16(rounded));
+    }
+  }
+}
 
 // Calls block<rows>(...) with rows (1..8) as a compile-time constant.
 template <template <int> class Block, typename... Args>
@@ -202,27 +254,18 @@ void dispatch_rows(int64_t rows, Args... args) {
 }
 
 template <int M> struct Fp32 {
-  using OneRow = Fp32Dot;
   template <typename... A> static void run(A... a) { block_fp32<M>(a...); }
 };
 template <int M> struct Bf16 {
-  using OneRow = Bf16Dot;
   template <typename... A> static void run(A... a) { block_bf16<M>(a...); }
 };
 template <int M> struct Int8 {
-  using OneRow = Int8Dot;
   template <typename... A> static void run(A... a) { block_int8<M>(a...); }
 };
 
-// y[M, N] = x[M, K] . W[N, K]^T, blocked as the header says.
+// y[M, N] = x[M, K] . W[N, K]^T for M > 1, blocked as the header says.
 template <template <int> class Block, typename X, typename W>
 void gemv(const X* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
-  if (M == 1) {
-    at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
-      gemv_one_row<typename Block<1>::OneRow>(x, w, y, K, begin, end);
-    });
-    return;
-  }
   const int64_t group = std::min(M, kRowGroup);
   const int64_t chunk = std::max<int64_t>(64, kChunkBytesOfX / (group * sizeof(X)) / 64 * 64);
   std::fill(y, y + M * N, 0.0f);
@@ -246,29 +289,57 @@ void check_shapes(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
-// y = x @ w.T, accumulated in float32, for x of any float dtype (converted to X) and w of dtype W. The
-// caller casts the result to x's dtype (inside one op call: bf16 decode runs ~150 linears a step).
-template <template <int> class Block, typename X, typename W>
+// y = x @ w.T, accumulated in float32, for x of any float dtype (converted to X) and w of dtype W: one
+// row through OneRow's streaming path, more through Block's. The caller casts the result to x's dtype
+// (inside one op call: bf16 decode runs ~150 linears a step).
+template <typename OneRow, template <int> class Block, typename X, typename W>
 torch::Tensor run_gemv(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType x_type, at::ScalarType w_type) {
   check_shapes(x, w);
   TORCH_CHECK(w.scalar_type() == w_type, "w must be ", w_type);
   auto xc = x.to(x_type).contiguous();
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+  if constexpr (std::is_same_v<typename OneRow::X, X>) {  // int8's one row takes int16 x: gemv_int8_one_row
+    if (M == 1) {
+      gemv_one_row<OneRow>(xc.data_ptr<X>(), nullptr, w.data_ptr<W>(), y.data_ptr<float>(), K, N);
+      return y;
+    }
+  }
   gemv<Block>(xc.data_ptr<X>(), w.data_ptr<W>(), y.data_ptr<float>(), M, K, N);
   return y;
 }
 
 torch::Tensor gemv_fp32(const torch::Tensor& x, const torch::Tensor& w) {
-  return run_gemv<Fp32, float, float>(x, w, at::kFloat, at::kFloat).to(x.scalar_type());
+  return run_gemv<Fp32Dot, Fp32, float, float>(x, w, at::kFloat, at::kFloat).to(x.scalar_type());
 }
 
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
-  return run_gemv<Bf16, at::BFloat16, at::BFloat16>(x, w, at::kBFloat16, at::kBFloat16).to(x.scalar_type());
+  return run_gemv<Bf16Dot, Bf16, at::BFloat16, at::BFloat16>(x, w, at::kBFloat16, at::kBFloat16).to(x.scalar_type());
+}
+
+// One row of x, quantized to int16 blocks, against int8 W (Int8Dot).
+torch::Tensor gemv_int8_one_row(const torch::Tensor& x, const torch::Tensor& w) {
+  const int64_t K = w.size(1), N = w.size(0);
+  auto xc = x.contiguous();
+  auto q = torch::empty({K}, x.options().dtype(at::kShort));
+  auto x_scales = torch::empty({(K + kQuantBlock - 1) / kQuantBlock}, x.options().dtype(at::kFloat));
+  if (x.scalar_type() == at::kBFloat16) {
+    quantize_blocks(xc.data_ptr<at::BFloat16>(), K, q.data_ptr<int16_t>(), x_scales.data_ptr<float>());
+  } else {
+    quantize_blocks(xc.to(at::kFloat).data_ptr<float>(), K, q.data_ptr<int16_t>(), x_scales.data_ptr<float>());
+  }
+  auto y = torch::empty({1, N}, x.options().dtype(at::kFloat));
+  gemv_one_row<Int8Dot>(q.data_ptr<int16_t>(), x_scales.data_ptr<float>(), w.data_ptr<int8_t>(), y.data_ptr<float>(),
+                        K, N);
+  return y;
 }
 
 // scale: [N] float32, per output channel: applied once per output, not per weight.
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale) {
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), "scale must be float32 [N]");
-  return run_gemv<Int8, float, int8_t>(x, w, at::kFloat, at::kChar).mul_(scale.contiguous()).to(x.scalar_type());
+  check_shapes(x, w);
+  TORCH_CHECK(w.scalar_type() == at::kChar, "w must be int8");
+  torch::Tensor y = x.size(0) == 1 ? gemv_int8_one_row(x, w)
+                                   : run_gemv<Int8Dot, Int8, float, int8_t>(x, w, at::kFloat, at::kChar);
+  return y.mul_(scale.contiguous()).to(x.scalar_type());
 }
