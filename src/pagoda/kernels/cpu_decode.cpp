@@ -42,9 +42,19 @@ struct Linear {
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
+  OptionalTensor q_norm, k_norm;  // Qwen3's per-head norms of q and k, before rope
   Linear qkv, o, gate_up, down;
   int64_t window;  // 0: full attention
 };
+
+// As RMSNorm.forward takes a slice of heads [tokens, heads, D]: the fused kernel where the slice is
+// contiguous (one token), torch's ops where it is not; written back into qkv, as the module path does.
+void norm_heads_(torch::Tensor heads, const torch::Tensor& weight, double eps) {
+  torch::Tensor normed = heads.is_contiguous()
+      ? add_rms_norm_(heads, std::nullopt, weight, eps)
+      : weight * at::rms_norm(heads.to(at::kFloat), {weight.size(0)}, std::nullopt, eps).to(heads.scalar_type());
+  heads.copy_(normed);
+}
 
 class DecodeStack {
  public:
@@ -52,10 +62,11 @@ class DecodeStack {
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
         final_norm_(std::move(final_norm)) {}
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, const LinearSpec& qkv, const LinearSpec& o,
-                 const LinearSpec& gate_up, const LinearSpec& down, int64_t window) {
-    layers_.push_back({std::move(input_norm), std::move(post_norm), Linear(qkv), Linear(o), Linear(gate_up),
-                       Linear(down), window});
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, OptionalTensor q_norm, OptionalTensor k_norm,
+                 const LinearSpec& qkv, const LinearSpec& o, const LinearSpec& gate_up, const LinearSpec& down,
+                 int64_t window) {
+    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm), Linear(qkv),
+                       Linear(o), Linear(gate_up), Linear(down), window});
   }
 
   // x: the embedded tokens [B, hidden] (the residual stream, updated in place); kv_caches: one (k, v) a
@@ -72,6 +83,10 @@ class DecodeStack {
       auto [k_cache, v_cache] = kv_caches[i];
       torch::Tensor qkv = layer.qkv(add_rms_norm_(x, delta, layer.input_norm, eps_));
       qkv = qkv.view({-1, heads_ + 2 * kv_heads_, head_dim_});
+      if (layer.q_norm) {
+        norm_heads_(qkv.slice(1, 0, heads_), *layer.q_norm, eps_);
+        norm_heads_(qkv.slice(1, heads_, heads_ + kv_heads_), *layer.k_norm, eps_);
+      }
       rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
       torch::Tensor attended = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, key_slots,
                                                       seq_lens, layer.window, scale_);
@@ -95,7 +110,8 @@ void define_decode_stack(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>(),
            "heads, kv_heads, head_dim, eps, attention scale, final_norm")
       .def("add_layer", &DecodeStack::add_layer,
-           "input_norm, post_norm, then qkv, o, gate_up, down as (weight, int8 scale or None, bias or None), window")
+           "input_norm, post_norm, q_norm and k_norm (or None), then qkv, o, gate_up, down as (weight, int8 scale "
+           "or None, bias or None), window")
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "x, cos, sin, kv_caches, slot_mapping, key_slots, seq_lens -> final-normed hidden states");
 }

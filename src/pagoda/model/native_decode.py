@@ -4,8 +4,8 @@ The stack runs the very kernels the module path calls, in the same order, so its
 path's bit for bit; what it removes is the interpreter between them: ~10 module calls and op
 dispatches a layer, 2-6 ms a step on bench-1b (22 layers), during which no weight streams. It takes a
 step when every token is a decode and every linear runs as a GEMV (at most DENSE_KERNEL_MAX_ROWS
-tokens; int8: INT8_KERNEL_MAX_ROWS); prefills, larger batches and models it does not cover (per-head
-q/k norms) run through the modules.
+tokens; int8: INT8_KERNEL_MAX_ROWS); prefills, larger batches and models it does not cover (an input
+width the GEMVs do not take, a head size the attention kernel does not) run through the modules.
 """
 
 from __future__ import annotations
@@ -34,16 +34,17 @@ class NativeDecode:
         for layer in model.layers:
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            self.stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            q_norm, k_norm = attention.q_norm, attention.k_norm  # Qwen3's per-head norms, or None
+            head_norms = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
+            self.stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *head_norms,
                                  *map(_linear_spec, linears), attention.window or 0)
         quantized = isinstance(model.layers[0].mlp.down_proj, Int8Linear)
         self.max_tokens = INT8_KERNEL_MAX_ROWS if quantized else DENSE_KERNEL_MAX_ROWS
 
     @staticmethod
     def covers(model) -> bool:
-        """Whether every layer's operations have a kernel: the native attention backend, no per-head q/k
-        norms, every linear a GEMV."""
-        if not isinstance(model.backend, CpuAttentionBackend) or model.config.qk_norm:
+        """Whether every layer's operations have a kernel: the native attention backend, every linear a GEMV."""
+        if not isinstance(model.backend, CpuAttentionBackend):
             return False
         return all(_linear_spec(linear) is not None for layer in model.layers
                    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
