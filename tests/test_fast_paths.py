@@ -40,9 +40,9 @@ def test_gemv_kernels_match_torch(kernels, kind, rows):
     if kind == "int8":
         q, scale = torch.randint(-127, 128, (203, 1056), dtype=torch.int8), torch.rand(203) / 50
         actual, expected = kernels.gemv_int8(x, q, scale), (x @ q.float().T) * scale
-        if rows == 1:  # x quantized to int16 in blocks of 128: within half a step of each block's scale
-            torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3 + _int16_rounding_bound(x, q, scale))
-            return
+        # x quantized to int16 in blocks of 128: within half a step of each block's scale
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3 + _int16_rounding_bound(x, q, scale))
+        return
     elif kind == "bf16":
         w = torch.randn(203, 1056).bfloat16()
         actual, expected = kernels.gemv_bf16(x, w), x.bfloat16().float() @ w.float().T
@@ -53,10 +53,12 @@ def test_gemv_kernels_match_torch(kernels, kind, rows):
 
 
 def _int16_rounding_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> float:
-    """The most one row of x quantized to int16 per 128-element block (step max|block| / 32767, rounded to
-    nearest) can move x @ (q * scale).T: half a step times |w|, summed."""
-    half_step = torch.cat([b.abs().max().expand(b.numel()) for b in x[0].float().split(128)]) / 32767 / 2
-    return ((q.float().abs() * scale[:, None]) @ half_step).max().item()
+    """The most x quantized to int16 per 128-element block of a row (step max|block| / 32767, rounded to
+    nearest) can move x @ (q * scale).T: half a step times |w|, summed; the largest over rows."""
+    half_steps = torch.stack([
+        torch.cat([b.abs().max().expand(b.numel()) for b in row.float().split(128)]) / 32767 / 2 for row in x
+    ])
+    return (half_steps @ (q.float().abs() * scale[:, None]).T).max().item()
 
 
 @needs_kernels

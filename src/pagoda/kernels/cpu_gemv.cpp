@@ -6,7 +6,8 @@
 // at::parallel_for; one row of x walks several runs of W at once (gemv_one_row), more rows go 8 at a time.
 //   fp32 W: fp32 FMAs (torch's fp32 GEMV streams at ~0.4-0.6 of the bandwidth floor on these shapes).
 //   bf16 W: x rounded to bf16, _mm512_dpbf16_ps (32 products per instruction, fp32 accumulation).
-//   int8 W: per-output-channel scales; int8 -> fp32 in registers, fp32 FMAs, scaled at the end.
+//   int8 W: per-output-channel scales; x quantized to int16 per 128-element block, int8 widened to int16,
+//           vpdpwssd (32 products per instruction, exact int32 sums), each block's sum scaled into fp32.
 // Blocking, so that x never streams from L2 once per weight row: each thread's tile of output channels
 // walks K in chunks whose slice of x (all rows of a group) fits in L1, and more than 8 rows are taken
 // 8 at a time over the same chunk of weights (hot in L2), so W still comes from memory once.
@@ -15,7 +16,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <optional>
 
 #include "cpu_ops.h"
@@ -91,30 +91,6 @@ void block_bf16(const at::BFloat16* x, const at::BFloat16* w, float* y, int64_t 
     if (k < k1) {  // K is a multiple of 32, not always of 64
       __m512bh w0 = (__m512bh)_mm512_loadu_si512(row + k);
       for (int m = 0; m < M; ++m) acc0[m] = _mm512_dpbf16_ps(acc0[m], w0, (__m512bh)_mm512_loadu_si512(x + m * K + k));
-    }
-    for (int m = 0; m < M; ++m) y[m * N + n] += _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
-  }
-}
-
-template <int M>
-void block_int8(const float* x, const int8_t* w, float* y, int64_t K, int64_t N, int64_t begin, int64_t end,
-                int64_t k0, int64_t k1) {
-  for (int64_t n = begin; n < end; ++n) {
-    const int8_t* row = w + n * K;
-    __m512 acc0[M], acc1[M];
-    for (int m = 0; m < M; ++m) acc0[m] = acc1[m] = _mm512_setzero_ps();
-    for (int64_t k = k0; k < k1; k += 32) {
-      // Even where M is 1 (the last row of 9, 17, ...): widening makes 32 bytes of int8 as much work as
-      // 128 of fp32, and the hardware prefetcher alone then streams one row of int8 at ~0.6 of fp32's rate.
-      prefetch_next_row(row + K + k, 32);
-      // Two 16-byte loads widened straight from memory (no 256-bit load and lane extract).
-      __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k))));
-      __m512 w1 = _mm512_cvtepi32_ps(
-          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k + 16))));
-      for (int m = 0; m < M; ++m) {
-        acc0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + m * K + k), acc0[m]);
-        acc1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + m * K + k + 16), acc1[m]);
-      }
     }
     for (int m = 0; m < M; ++m) y[m * N + n] += _mm512_reduce_add_ps(_mm512_add_ps(acc0[m], acc1[m]));
   }
@@ -238,6 +214,33 @@ void quantize_blocks(const T* x, int64_t K, int16_t* q, float* scales) {
   }
 }
 
+// More rows of x against int8 W: each weight block of 32 widened once, then one vpdpwssd a row of x;
+// every kQuantBlock, each row's integer sums are scaled by that block of x into fp32 (as Int8Dot does).
+template <int M>
+void block_int8(const int16_t* x, const float* x_scales, int64_t blocks_per_row, const int8_t* w, float* y, int64_t K,
+                int64_t N, int64_t begin, int64_t end, int64_t k0, int64_t k1) {
+  for (int64_t n = begin; n < end; ++n) {
+    const int8_t* row = w + n * K;
+    __m512 acc[M];
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b0 = k0; b0 < k1; b0 += kQuantBlock) {
+      __m512i partial[M];
+      for (int m = 0; m < M; ++m) partial[m] = _mm512_setzero_si512();
+      for (int64_t k = b0; k < std::min(k1, b0 + kQuantBlock); k += 32) {
+        const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k)));
+        for (int m = 0; m < M; ++m) {
+          partial[m] = _mm512_dpwssd_epi32(partial[m], w16, _mm512_loadu_si512(x + m * K + k));
+        }
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m512 scale = _mm512_set1_ps(x_scales[m * blocks_per_row + b0 / kQuantBlock]);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(partial[m]), scale, acc[m]);
+      }
+    }
+    for (int m = 0; m < M; ++m) y[m * N + n] += _mm512_reduce_add_ps(acc[m]);
+  }
+}
+
 // Calls block<rows>(...) with rows (1..8) as a compile-time constant.
 template <template <int> class Block, typename... Args>
 void dispatch_rows(int64_t rows, Args... args) {
@@ -263,20 +266,28 @@ template <int M> struct Int8 {
   template <typename... A> static void run(A... a) { block_int8<M>(a...); }
 };
 
-// y[M, N] = x[M, K] . W[N, K]^T for M > 1, blocked as the header says.
-template <template <int> class Block, typename X, typename W>
-void gemv(const X* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
+// For M > 1: block(m0, rows, begin, end, k0, k1) over each thread's tile of channels, K in chunks whose
+// slice of x (a group of up to 8 rows, x_bytes an element) fits in L1, and the rows 8 at a time.
+template <typename Body>
+void for_each_block(int64_t M, int64_t K, int64_t N, int64_t x_bytes, int64_t k_align, Body block) {
   const int64_t group = std::min(M, kRowGroup);
-  const int64_t chunk = std::max<int64_t>(64, kChunkBytesOfX / (group * sizeof(X)) / 64 * 64);
-  std::fill(y, y + M * N, 0.0f);
+  const int64_t chunk = std::max<int64_t>(k_align, kChunkBytesOfX / (group * x_bytes) / k_align * k_align);
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
     for (int64_t k0 = 0; k0 < K; k0 += chunk) {
       const int64_t k1 = std::min(K, k0 + chunk);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
-        dispatch_rows<Block>(std::min(kRowGroup, M - m0), x + m0 * K, w, y + m0 * N, K, N, begin, end, k0, k1);
-      }
+      for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) block(m0, std::min(kRowGroup, M - m0), begin, end, k0, k1);
     }
   });
+}
+
+// y[M, N] = x[M, K] . W[N, K]^T for float W and M > 1, blocked as the header says.
+template <template <int> class Block, typename X, typename W>
+void gemv(const X* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
+  std::fill(y, y + M * N, 0.0f);
+  for_each_block(M, K, N, sizeof(X), 64,
+                 [&](int64_t m0, int64_t rows, int64_t begin, int64_t end, int64_t k0, int64_t k1) {
+                   dispatch_rows<Block>(rows, x + m0 * K, w, y + m0 * N, K, N, begin, end, k0, k1);
+                 });
 }
 
 void check_shapes(const torch::Tensor& x, const torch::Tensor& w) {
@@ -289,8 +300,8 @@ void check_shapes(const torch::Tensor& x, const torch::Tensor& w) {
 
 }  // namespace
 
-// y = x @ w.T, accumulated in float32, for x of any float dtype (converted to X) and w of dtype W: one
-// row through OneRow's streaming path, more through Block's. The caller casts the result to x's dtype
+// y = x @ w.T, accumulated in float32, for x of any float dtype (converted to X) and float w of dtype W:
+// one row through OneRow's streaming path, more through Block's. The caller casts the result to x's dtype
 // (inside one op call: bf16 decode runs ~150 linears a step).
 template <typename OneRow, template <int> class Block, typename X, typename W>
 torch::Tensor run_gemv(const torch::Tensor& x, const torch::Tensor& w, at::ScalarType x_type, at::ScalarType w_type) {
@@ -299,13 +310,11 @@ torch::Tensor run_gemv(const torch::Tensor& x, const torch::Tensor& w, at::Scala
   auto xc = x.to(x_type).contiguous();
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  if constexpr (std::is_same_v<typename OneRow::X, X>) {  // int8's one row takes int16 x: gemv_int8_one_row
-    if (M == 1) {
-      gemv_one_row<OneRow>(xc.data_ptr<X>(), nullptr, w.data_ptr<W>(), y.data_ptr<float>(), K, N);
-      return y;
-    }
+  if (M == 1) {
+    gemv_one_row<OneRow>(xc.data_ptr<X>(), nullptr, w.data_ptr<W>(), y.data_ptr<float>(), K, N);
+  } else {
+    gemv<Block>(xc.data_ptr<X>(), w.data_ptr<W>(), y.data_ptr<float>(), M, K, N);
   }
-  gemv<Block>(xc.data_ptr<X>(), w.data_ptr<W>(), y.data_ptr<float>(), M, K, N);
   return y;
 }
 
@@ -317,20 +326,35 @@ torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w) {
   return run_gemv<Bf16Dot, Bf16, at::BFloat16, at::BFloat16>(x, w, at::kBFloat16, at::kBFloat16).to(x.scalar_type());
 }
 
-// One row of x, quantized to int16 blocks, against int8 W (Int8Dot).
-torch::Tensor gemv_int8_one_row(const torch::Tensor& x, const torch::Tensor& w) {
-  const int64_t K = w.size(1), N = w.size(0);
+// x, each row quantized to int16 blocks (quantize_blocks), against int8 W: one row through Int8Dot's
+// streaming path, more through block_int8.
+torch::Tensor gemv_int8_rows(const torch::Tensor& x, const torch::Tensor& w) {
+  const int64_t M = x.size(0), K = w.size(1), N = w.size(0), blocks = (K + kQuantBlock - 1) / kQuantBlock;
   auto xc = x.contiguous();
-  auto q = torch::empty({K}, x.options().dtype(at::kShort));
-  auto x_scales = torch::empty({(K + kQuantBlock - 1) / kQuantBlock}, x.options().dtype(at::kFloat));
-  if (x.scalar_type() == at::kBFloat16) {
-    quantize_blocks(xc.data_ptr<at::BFloat16>(), K, q.data_ptr<int16_t>(), x_scales.data_ptr<float>());
-  } else {
-    quantize_blocks(xc.to(at::kFloat).data_ptr<float>(), K, q.data_ptr<int16_t>(), x_scales.data_ptr<float>());
+  auto q = torch::empty({M, K}, x.options().dtype(at::kShort));
+  auto x_scales = torch::empty({M, blocks}, x.options().dtype(at::kFloat));
+  int16_t* qp = q.data_ptr<int16_t>();
+  float* sp = x_scales.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    if (xc.scalar_type() == at::kBFloat16) {
+      quantize_blocks(xc.data_ptr<at::BFloat16>() + m * K, K, qp + m * K, sp + m * blocks);
+    } else {
+      quantize_blocks(xc.to(at::kFloat).data_ptr<float>() + m * K, K, qp + m * K, sp + m * blocks);
+    }
   }
-  auto y = torch::empty({1, N}, x.options().dtype(at::kFloat));
-  gemv_one_row<Int8Dot>(q.data_ptr<int16_t>(), x_scales.data_ptr<float>(), w.data_ptr<int8_t>(), y.data_ptr<float>(),
-                        K, N);
+  const int8_t* wp = w.data_ptr<int8_t>();
+  if (M == 1) {
+    auto y = torch::empty({1, N}, x.options().dtype(at::kFloat));
+    gemv_one_row<Int8Dot>(qp, sp, wp, y.data_ptr<float>(), K, N);
+    return y;
+  }
+  auto y = torch::zeros({M, N}, x.options().dtype(at::kFloat));
+  float* yp = y.data_ptr<float>();
+  for_each_block(M, K, N, sizeof(int16_t), kQuantBlock,
+                 [&](int64_t m0, int64_t rows, int64_t begin, int64_t end, int64_t k0, int64_t k1) {
+                   dispatch_rows<Int8>(rows, qp + m0 * K, sp + m0 * blocks, blocks, wp, yp + m0 * N, K, N, begin,
+                                       end, k0, k1);
+                 });
   return y;
 }
 
@@ -339,7 +363,5 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& w, const to
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.numel() == w.size(0), "scale must be float32 [N]");
   check_shapes(x, w);
   TORCH_CHECK(w.scalar_type() == at::kChar, "w must be int8");
-  torch::Tensor y = x.size(0) == 1 ? gemv_int8_one_row(x, w)
-                                   : run_gemv<Int8Dot, Int8, float, int8_t>(x, w, at::kFloat, at::kChar);
-  return y.mul_(scale.contiguous()).to(x.scalar_type());
+  return gemv_int8_rows(x, w).mul_(scale.contiguous()).to(x.scalar_type());
 }

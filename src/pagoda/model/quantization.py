@@ -5,8 +5,8 @@ After loading, `prepare_linears` swaps the model's nn.Linear layers for these. D
 weights faster than stock torch (bf16/int8 at about twice its rate, fp32 ~1.5x); larger inputs
 (prefill, big batches) are matrix multiplications and go to torch (oneDNN). Without the kernels (or for an input
 width the kernels do not take, not a multiple of 32), everything goes to torch: the same arithmetic up to
-summation order, slower. (int8's one-row kernel also rounds x to int16 per 128-element block: ~15 bits
-against its block's largest, where bf16 activations carry 8.)
+summation order, slower. (int8's kernel also rounds x to int16 per 128-element block: ~15 bits against
+its block's largest, where bf16 activations carry 8.)
 """
 
 from __future__ import annotations
