@@ -31,10 +31,11 @@ def kernels():
 
 @needs_kernels
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "int8"])
-@pytest.mark.parametrize("rows", [1, 3, 8, 13, 64])  # 13: a group of 8 rows, then 5
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 13, 32, 64])  # 13: a group of 8 rows, then 5
 def test_gemv_kernels_match_torch(kernels, kind, rows):
-    """K = 1,056: several K chunks (the slice of x kept in L1) and a 32-wide tail; N = 203: not a multiple
-    of the per-thread tile, nor of the runs one row of x walks side by side (a remainder on every thread)."""
+    """K = 1,056: several K chunks (the slice of x kept in L1) and a 32-wide tail; N = 203: several
+    weight tiles a thread, and not a multiple of the runs one row of x walks side by side, nor of the
+    weight rows a group of x takes at once (a remainder on every thread)."""
     torch.manual_seed(rows)
     x = torch.randn(rows, 1056)
     if kind == "int8":
