@@ -15,6 +15,7 @@ from pagoda import SamplingParams
 from pagoda.kernels import cpu_has_kernel_features
 from pagoda.model.attention import build_metadata
 from pagoda.model.native_decode import NativeDecode
+from pagoda.model.quantization import KERNEL_MAX_ROWS
 
 pytestmark = pytest.mark.skipif(not cpu_has_kernel_features(),
                                 reason="this CPU lacks AVX-512 BF16/VNNI: no kernels")
@@ -100,8 +101,7 @@ def test_stack_takes_only_decode_steps_its_gemvs_cover(make_llm, checkpoint):
     decode = build_metadata([1] * 3, [4, 8, 9], [[0, 1], [2, 3], [4, 5, 6]], 4, {None})
     mixed = build_metadata([1, 5], [4, 5], [[0], [1, 2]], 4, {None})
     assert native.takes(decode, 3) and not native.takes(mixed, 6)
-    assert not native.takes(decode, native.max_tokens + 1)  # beyond it every linear is a GEMM
-    assert make_llm(checkpoint("llama"), quantization="int8").engine.model.native_decode.max_tokens == 64
+    assert native.takes(decode, KERNEL_MAX_ROWS) and not native.takes(decode, KERNEL_MAX_ROWS + 1)  # then GEMMs
 
 
 def test_stack_is_off_where_it_does_not_cover_the_model(make_llm, checkpoint):

@@ -3,9 +3,9 @@
 The stack runs the very kernels the module path calls, in the same order, so its output is the module
 path's bit for bit; what it removes is the interpreter between them: ~10 module calls and op
 dispatches a layer, 2-6 ms a step on bench-1b (22 layers), during which no weight streams. It takes a
-step when every token is a decode and every linear runs as a GEMV (at most DENSE_KERNEL_MAX_ROWS
-tokens; int8: INT8_KERNEL_MAX_ROWS); prefills, larger batches and models it does not cover (an input
-width the GEMVs do not take, a head size the attention kernel does not) run through the modules.
+step when every token is a decode and every linear runs as a GEMV (at most KERNEL_MAX_ROWS tokens);
+prefills, larger batches and models it does not cover (an input width the GEMVs do not take, a head
+size the attention kernel does not) run through the modules.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from pagoda.model.attention import AttentionMetadata, CpuAttentionBackend
-from pagoda.model.quantization import DENSE_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS, DenseLinear, Int8Linear
+from pagoda.model.quantization import KERNEL_MAX_ROWS, DenseLinear, Int8Linear
 
 
 def _linear_spec(linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
@@ -38,8 +38,6 @@ class NativeDecode:
             head_norms = (None, None) if q_norm is None else (q_norm.weight, k_norm.weight)
             self.stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, *head_norms,
                                  *map(_linear_spec, linears), attention.window or 0)
-        quantized = isinstance(model.layers[0].mlp.down_proj, Int8Linear)
-        self.max_tokens = INT8_KERNEL_MAX_ROWS if quantized else DENSE_KERNEL_MAX_ROWS
 
     @staticmethod
     def covers(model) -> bool:
@@ -51,7 +49,7 @@ class NativeDecode:
                                   layer.mlp.down_proj))
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return not meta.prefills and num_tokens <= self.max_tokens
+        return not meta.prefills and num_tokens <= KERNEL_MAX_ROWS
 
     def __call__(self, x, cos, sin, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output for the step's tokens; x (the embedded tokens) is updated in place."""

@@ -1,7 +1,7 @@
 """Linear layers for the fast paths: fp32/bf16 weights and int8 weight-only (W8A16) quantization.
 
 After loading, `prepare_linears` swaps the model's nn.Linear layers for these. Decode-sized inputs
-(<= 32 rows; int8: 64) go to pagoda's AVX-512 GEMV kernels (kernels/cpu_gemv.cpp), which stream
+(<= 64 rows) go to pagoda's AVX-512 GEMV kernels (kernels/cpu_gemv.cpp), which stream
 weights faster than stock torch (bf16/int8 at about twice its rate, fp32 ~1.5x); larger inputs
 (prefill, big batches) are matrix multiplications and go to torch (oneDNN). Without the kernels (or for an input
 width the kernels do not take, not a multiple of 32), everything goes to torch: the same arithmetic up to
@@ -18,12 +18,12 @@ from torch import nn
 from pagoda.kernels import cpu_kernels
 
 QUANTIZATIONS = (None, "int8")
-# Up to this many rows, the GEMV kernels beat torch (measured on the bench models' shapes, weights
-# streamed from memory: 2x at 8 rows, 1.3x at 16, 1.1x at 32); beyond, oneDNN's GEMM takes over for
+# Up to this many rows the GEMV kernels beat torch, weights streamed from memory: fp32 1.6-1.8x at 32-64
+# rows of the bench models' shapes; bf16 1.1-1.3x at 32 rows, at 64 1.16x on bench-125m's and 0.96x on
+# bench-1b's (AMX-less Zen 4; oneDNN's bf16 GEMM catches up there). Beyond, oneDNN's GEMM takes over for
 # fp32/bf16. For int8, torch has no fast path (`_weight_int8pack_mm` is 30x slower with fp32 inputs), so
-# the kernel keeps decode batches up to 64 and prefill-sized inputs dequantize into a GEMM.
-DENSE_KERNEL_MAX_ROWS = 32
-INT8_KERNEL_MAX_ROWS = 64
+# prefill-sized inputs dequantize into a GEMM.
+KERNEL_MAX_ROWS = 64
 
 
 def _usable(kernels, linear: nn.Linear):
@@ -45,7 +45,7 @@ class DenseLinear(nn.Module):
         self.gemv = None if kernels is None else getattr(kernels, self.GEMV[self.weight.dtype])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is None or x.shape[0] > DENSE_KERNEL_MAX_ROWS:
+        if self.gemv is None or x.shape[0] > KERNEL_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         y = self.gemv(x, self.weight)
         return y if self.bias is None else y + self.bias
@@ -64,9 +64,9 @@ class Int8Linear(nn.Module):
         self.kernels = _usable(kernels, linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        if self.kernels is not None and x.shape[0] <= KERNEL_MAX_ROWS:
             y = self.kernels.gemv_int8(x, self.qweight, self.scale)
-        elif x.dtype == torch.bfloat16 and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
+        elif x.dtype == torch.bfloat16 and x.shape[0] <= KERNEL_MAX_ROWS:
             y = torch._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
         else:  # a matrix multiplication: dequantizing once costs little next to it
             y = F.linear(x, self.qweight.to(x.dtype) * self.scale[:, None].to(x.dtype))
