@@ -24,10 +24,12 @@ generate: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/mypy
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
+	$(VENV)/bin/mypy
 
 bench-models: $(STAMP)
 	$(PY) scripts/make_bench_models.py

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pagoda.model.loader import ModelLoadError
 
 
-def load_tokenizer(model_dir: str | Path):
+def load_tokenizer(model_dir: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     model_dir = Path(model_dir)
@@ -17,3 +18,22 @@ def load_tokenizer(model_dir: str | Path):
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as error:  # transformers raises many types; the message must name the directory
         raise ModelLoadError(f"{model_dir}: cannot load tokenizer ({error})") from error
+
+
+class ChatTemplateError(ValueError):
+    """The conversation cannot be rendered: no template, or the template rejects it (the caller's fault)."""
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    """The conversation as the model's own chat template writes it: the one place a template is applied."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ChatTemplateError("this model has no chat template; use /v1/completions")
+    try:
+        return str(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False))
+    except Exception as error:  # jinja's raise_exception, unknown roles: the conversation's fault
+        raise ChatTemplateError(f"cannot apply the chat template: {error}") from error
+
+
+def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+    """render_chat's token ids. The template writes its own special tokens, so encoding adds none."""
+    return list(tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt), add_special_tokens=False))
