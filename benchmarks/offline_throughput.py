@@ -1,6 +1,6 @@
 """Offline throughput: pagoda's LLM.generate vs transformers.generate, same weights, same run.
 
-Workload (issue default): 32 prompts x 128 random token ids in, 64 tokens out (ignore_eos), greedy.
+Default workload: 32 prompts x 128 random token ids in, 64 tokens out (ignore_eos), greedy.
 transformers runs the whole batch statically (all prompts have the same length: no padding needed).
 Prints a table and writes JSON; the figure of merit is the ratio, measured in one run.
 

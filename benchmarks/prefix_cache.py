@@ -1,6 +1,6 @@
 """Prefix caching through the real server: a shared system prompt, with caching on vs off, in one run.
 
-Workload (issue default): 32 requests, each a 1,024-token system prompt shared by all plus a distinct
+Default workload: 32 requests, each a 1,024-token system prompt shared by all plus a distinct
 question of ~64 tokens (60-68), 64 output tokens (ignore_eos, greedy), sent as token ids to
 /v1/completions (streamed) by 8 concurrent clients. The same workload goes to two `pagoda serve`
 subprocesses started one after the other: one with prefix caching, one with --no-enable-prefix-caching.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Make the two benchmark models of the design brief, with seeded random weights, under models/.
+"""Make pagoda's two benchmark models, with seeded random weights, under models/.
 
 bench-125m (SmolLM-135M's shape with a 32000 vocab) is for serving and throughput; bench-1b (TinyLlama's
 shape, tied) for batch-1 roofline claims, since bench-125m's weights fit in a server CPU's L3 cache.
@@ -49,7 +49,7 @@ BENCH_MODELS = {
     model.name: model
     for model in (
         BenchModel("bench-125m", 576, 30, 9, 3, 1536, expected_params=124.6e6),
-        # The brief's "~1.1B" is TinyLlama, whose LM head is untied; tied, the same shape is 1.03B.
+        # TinyLlama's shape: ~1.1B with its untied LM head; tied, as here, the same shape is 1.03B.
         BenchModel("bench-1b", 2048, 22, 32, 4, 5632, expected_params=1.035e9),
     )
 }
@@ -100,7 +100,7 @@ def write_model(model: BenchModel, out_dir: Path, dtype: torch.dtype) -> None:
 
 @torch.no_grad()
 def check(model: BenchModel, model_dir: Path, num_new_tokens: int = 16) -> bool:
-    """Load with transformers: the parameter count is the brief's, and greedy tokens vary."""
+    """Load with transformers: the parameter count is the expected one, and greedy tokens vary."""
     import transformers
 
     started = time.perf_counter()

@@ -112,7 +112,7 @@ def test_long_contexts_keep_decode_memory_bound_at_any_batch():
         ("llama-3-8b", 8_030_261_248),
         ("llama-3-70b", 70_553_706_496),
         ("qwen2.5-7b", 7_615_616_512),  # with Qwen2's q/k/v biases
-        ("bench-125m", 124_635_456),  # DESIGN.md: 124.6M
+        ("bench-125m", 124_635_456),  # scripts/make_bench_models.py expects 124.6M
     ],
 )
 def test_presets_count_the_published_parameters(preset: str, params: int):

@@ -575,7 +575,7 @@ def test_kv_cache_manager_state_machine_with_colliding_hashes(monkeypatch):
 
 
 def test_a_hash_collision_cannot_serve_kv_computed_after_another_prefix(monkeypatch):
-    """DESIGN.md: a cached block is compared by its tokens, not trusted on hash alone. A block's KV depends
+    """A cached block is compared by its tokens, never trusted on the hash alone. A block's KV depends
     on every token before it, so a hit also checks the physical block that preceded it. Under a collision
     (here forced: hashes ignore the parent) a lookup must not return a block computed after another
     prefix, nor the request's own first block again for a later block with the same tokens."""
