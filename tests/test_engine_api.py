@@ -193,3 +193,70 @@ def test_abort_mid_generation_via_an_n_group(llm):
     assert engine.scheduler.num_running == 3
     engine.abort_request("group")
     assert_all_blocks_free(engine)
+
+
+def test_n_samples_after_the_first_wait_for_its_first_token_then_queue_first_in_order(model_dir, make_llm):
+    """With prefix caching, samples 1.. of an n > 1 request find the prompt's blocks cached by sample 0."""
+    engine = make_llm(model_dir, num_kv_blocks=64, block_size=4, max_num_seqs=1).engine
+    params = SamplingParams(n=3, temperature=1.0, max_tokens=4, ignore_eos=True, seed=2)
+    engine.add_request("group", random_prompts([10], seed=5)[0], params)
+    engine.add_request("later", random_prompts([6], seed=6)[0], GREEDY)
+    assert [r.request_id for r in engine.scheduler.waiting] == ["group#0", "later"]
+    engine.step()  # sample 0 computes the prompt and samples its first token
+    assert [r.request_id for r in engine.scheduler.waiting] == ["group#1", "group#2", "later"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.stats().prefix_cache_hits >= 2 * 8  # the two full prompt blocks, for each later sample
+
+
+def test_a_request_that_fails_is_aborted_reported_once_and_the_others_carry_on(model_dir, make_llm, monkeypatch):
+    from pagoda.engine.output import SequenceText
+
+    engine = make_llm(model_dir, num_kv_blocks=64, block_size=4).engine
+    add_token = SequenceText.add_token
+
+    def failing_add_token(self, token_id):
+        if self.request.group_id == "bad":
+            raise RuntimeError("injected fault")
+        return add_token(self, token_id)
+
+    monkeypatch.setattr(SequenceText, "add_token", failing_add_token)
+    engine.add_request("bad", random_prompts([7], seed=1)[0], SamplingParams(n=2, max_tokens=4, seed=1))
+    engine.add_request("good", random_prompts([7], seed=2)[0], GREEDY)
+    outputs = engine.step()
+    assert [o.request_id for o in outputs] == ["good"]
+    failures = engine.pop_failures()
+    assert list(failures) == ["bad"] and str(failures["bad"]) == "injected fault"
+    assert engine.pop_failures() == {}
+    engine.add_request("bad", [10, 11], GREEDY)  # the id is free again
+    engine.abort_request("bad")
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+    assert [o.request_id for o in outputs] == ["good"] and outputs[0].finished
+    assert engine.pop_failures() == {}
+
+
+def test_async_engine_public_api(model_dir, make_llm):
+    import asyncio
+
+    from pagoda.engine.async_engine import AsyncEngine
+
+    engine = make_llm(model_dir, num_kv_blocks=64, block_size=4, max_model_len=128).engine
+    async_engine = AsyncEngine(engine)
+    try:
+        assert async_engine.max_model_len == 128
+        with pytest.raises(RequestRejected, match="128"):
+            async_engine.validate([10] * 125, GREEDY)  # 125 + 6 tokens
+        prompt = random_prompts([12], seed=7)[0]
+
+        async def main() -> tuple[list[int], int]:
+            async for output in async_engine.generate("a", prompt, GREEDY):
+                last = output
+            return last.outputs[0].token_ids, await async_engine.reset_prefix_cache()
+
+        token_ids, forgotten = asyncio.run(main())
+        assert len(token_ids) == 6
+        assert forgotten == 4  # 12 + 6 - 1 = 17 computed tokens (the last output token never is): 4 full blocks
+        assert async_engine.stats.prefix_cache_queries == 12 and async_engine.stats.num_running == 0
+    finally:
+        async_engine.shutdown()

@@ -15,7 +15,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from pagoda.engine.engine import LLMEngine
+from pagoda.engine.engine import EngineStats, LLMEngine
 from pagoda.engine.output import RequestOutput
 from pagoda.sampling import SamplingParams
 
@@ -36,29 +36,16 @@ class RequestFailed(RuntimeError):
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
-@dataclass
-class EngineStats:
-    """What /metrics reads; written by the engine thread only."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_steps: int = 0
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.stats = EngineStats()
+        self._engine = engine
+        self._stats = engine.stats()  # replaced, never mutated, by the engine thread
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # added by callers, removed by the engine thread
@@ -77,6 +64,19 @@ class AsyncEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's gauges and counters as of its last step (or idle wake-up)."""
+        return self._stats
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestRejected for a request that can never run. Reads only config: safe on any thread."""
+        self._engine.validate(prompt_ids, params)
+
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
     ) -> AsyncIterator[RequestOutput]:
@@ -85,7 +85,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._submit(lambda: self._add(request_id, prompt, params, cache_salt, stream))
+        self._submit(lambda: self._add(request_id, prompt, params, cache_salt))
         finished = False
         try:
             while True:
@@ -107,21 +107,21 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self.abort(request_id)
 
-    def call(self, function: Callable[[LLMEngine], object]) -> asyncio.Future:
-        """Runs function(engine) on the engine thread (e.g. reset the prefix cache); awaitable."""
+    async def reset_prefix_cache(self) -> int:
+        """Forgets the prefix cache's free blocks (on the engine thread); returns how many."""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
+        future: asyncio.Future[int] = loop.create_future()
 
-        def run() -> None:
+        def reset() -> None:
             try:
-                result = function(self.engine)
+                forgotten = self._engine.reset_prefix_cache()
             except Exception as error:  # handed back to the caller
                 loop.call_soon_threadsafe(future.set_exception, error)
             else:
-                loop.call_soon_threadsafe(future.set_result, result)
+                loop.call_soon_threadsafe(future.set_result, forgotten)
 
-        self._submit(run)
-        return future
+        self._submit(reset)
+        return await future
 
     def shutdown(self, timeout: float = 5.0) -> None:
         self._stopped = True
@@ -134,34 +134,34 @@ class AsyncEngine:
 
     # --- engine thread -----------------------------------------------------------------------------
 
-    def _add(self, request_id: str, prompt, params: SamplingParams, cache_salt: str | None, stream: _Stream) -> None:
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None) -> None:
         try:
-            self.engine.add_request(request_id, prompt, params, cache_salt)
+            self._engine.add_request(request_id, prompt, params, cache_salt)
         except Exception as error:  # a bad request must not touch the loop
             self._fail(request_id, error)
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
-        self.engine.abort_request(request_id)
+        self._engine.abort_request(request_id)
 
     def _fail(self, request_id: str, error: BaseException) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.put(error)
-        self.engine.abort_request(request_id)
+        self._engine.abort_request(request_id)
 
     def _run(self) -> None:
         failures = 0
         try:
             while not self._stopped:
                 self._drain_commands()
-                if not self.engine.has_unfinished_requests():
+                if not self._engine.has_unfinished_requests():
                     self._update_stats()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
                     continue
                 try:
-                    outputs = self.engine.step()
+                    outputs = self._engine.step()
                     failures = 0
                 except Exception as error:
                     failures += 1
@@ -170,8 +170,8 @@ class AsyncEngine:
                     if failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                         raise
                     continue
-                for request_id, error in self.engine.pop_failures().items():
-                    self._fail(request_id, RequestFailed(f"request failed: {error}"))
+                for request_id, failure in self._engine.pop_failures().items():
+                    self._fail(request_id, RequestFailed(f"request failed: {failure}"))
                 self._dispatch(outputs)
                 self._update_stats()
         except BaseException as error:
@@ -201,13 +201,4 @@ class AsyncEngine:
             self._fail(request_id, error)
 
     def _update_stats(self) -> None:
-        scheduler = self.engine.scheduler
-        self.stats = EngineStats(
-            num_running=scheduler.num_running,
-            num_waiting=scheduler.num_waiting,
-            kv_cache_usage=self.engine.kv_cache.usage(),
-            num_preemptions=scheduler.num_preemptions,
-            prefix_cache_queries=scheduler.prefix_cache_queries,
-            prefix_cache_hits=scheduler.prefix_cache_hits,
-            num_steps=self.stats.num_steps + 1,
-        )
+        self._stats = self._engine.stats()

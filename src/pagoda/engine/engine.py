@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import logging
 import random
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from pagoda.config import EngineConfig
+from pagoda.config import EngineConfig, ModelConfig
 from pagoda.engine.kv_cache import KVCacheManager
-from pagoda.engine.output import IncrementalDetokenizer, RequestOutput, SequenceText
+from pagoda.engine.output import IncrementalDetokenizer, RequestOutput, SequenceText, Tokenizer
 from pagoda.engine.request import FinishReason, Request
-from pagoda.engine.runner import ModelRunner
+from pagoda.engine.runner import ModelRunner, PromptLogprobsChunk
 from pagoda.engine.scheduler import Scheduler
+from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
@@ -40,15 +41,63 @@ def _derive_seed(seed: int, sample_index: int) -> int:
     return seed if sample_index == 0 else random.Random(seed * 1_000_003 + sample_index).getrandbits(63)
 
 
+@dataclass
+class RequestGroup:
+    """All the engine holds for one user request, from add_request until it finishes, is aborted or fails."""
+
+    request_id: str
+    prompt: str | None  # as the user gave it, when that was text
+    sequences: list[SequenceText]  # one per sample (`n`), in sample order; each holds its Request
+    # n > 1 with prefix caching: the samples after the first wait here until the first has its first token,
+    # by which time the prompt's blocks are cached for them to find instead of computing them again.
+    deferred: list[Request] = field(default_factory=list)
+    failure: Exception | None = None
+
+    @property
+    def requests(self) -> list[Request]:
+        return [sequence.request for sequence in self.sequences]
+
+    @property
+    def finished(self) -> bool:
+        return all(sequence.request.is_finished for sequence in self.sequences)
+
+    def output(self) -> RequestOutput:
+        first = self.sequences[0].request
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=[sequence.completion() for sequence in self.sequences],
+            finished=self.finished,
+            num_cached_tokens=first.num_cached_tokens,
+            queue_time=_queue_time(first),
+            prompt_logprobs=[None, *first.prompt_logprobs] if first.needs_prompt_logprobs else None,
+        )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and counters, for metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use by requests
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM counts in tokens)
+    prefix_cache_hits: int = 0  # of which served from the prefix cache
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         torch.manual_seed(config.seed)
-        self.tokenizer = load_tokenizer(config.model)
+        self.tokenizer: Tokenizer = load_tokenizer(config.model)
         model_max_len = config.scheduler.max_model_len
-        self.model, self.model_config = load_model(
+        model, model_config = load_model(
             config.model, dtype=config.dtype, device=config.device, quantization=config.quantization,
             use_kernels=config.use_kernels,
         )
+        self.model: LlamaModel = model
+        self.model_config: ModelConfig = model_config
         bytes_per_token = self.model_config.kv_bytes_per_token(config.dtype)
         num_blocks = _num_kv_blocks(config, bytes_per_token)
         max_model_len = self._fit_max_model_len(model_max_len, num_blocks * config.cache.block_size)
@@ -57,14 +106,9 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
         self.runner = ModelRunner(self.model, num_blocks, config.cache.block_size, config.device)
         self.eos_token_ids = self._eos_token_ids()
-        self._texts: dict[str, SequenceText] = {}  # per Request
-        self._groups: dict[str, list[Request]] = {}  # user request id -> its n samples
-        self._prompts: dict[str, str | None] = {}
         self._seed_source = random.Random(config.seed)
-        self._failures: dict[str, Exception] = {}  # user request id -> what broke it
-        # n > 1: samples after the first wait here until it has computed the prompt, then find
-        # the prompt's blocks in the prefix cache instead of computing them again.
-        self._deferred: dict[str, list[Request]] = {}
+        self._groups: dict[str, RequestGroup] = {}  # by user request id; removed when finished or aborted
+        self._failed: list[RequestGroup] = []  # failed (and aborted) since the last pop_failures()
         logger.info(
             "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
             num_blocks, config.cache.block_size, num_blocks * config.cache.block_size * bytes_per_token / 2**20,
@@ -102,7 +146,7 @@ class LLMEngine:
         prompt_ids, prompt_text = self._tokenize(prompt)
         self.validate(prompt_ids, params)
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
-        samples = []
+        sequences = []
         for index in range(params.n):
             request = Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{index}",
@@ -116,14 +160,13 @@ class LLMEngine:
                 cache_salt=cache_salt,
             )
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
-            self._texts[request.request_id] = SequenceText(request, detokenizer)
-            samples.append(request)
-        self._groups[request_id] = samples
-        self._prompts[request_id] = prompt_text
-        share_prompt = len(samples) > 1 and self.kv_cache.enable_prefix_caching
-        if share_prompt:
-            self._deferred[request_id] = samples[1:]
-        for request in samples[:1] if share_prompt else samples:
+            sequences.append(SequenceText(request, detokenizer))
+        group = RequestGroup(request_id, prompt_text, sequences)
+        requests = group.requests
+        if len(requests) > 1 and self.kv_cache.enable_prefix_caching:
+            requests, group.deferred = requests[:1], requests[1:]
+        self._groups[request_id] = group
+        for request in requests:
             self.scheduler.add_request(request)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
@@ -151,11 +194,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for group_id in [request_id] if isinstance(request_id, str) else request_id:
-            for request in self._groups.pop(group_id, []):
-                self.scheduler.finish(request, FinishReason.ABORT)
-                self._texts.pop(request.request_id, None)
-            self._prompts.pop(group_id, None)
-            self._deferred.pop(group_id, None)
+            group = self._groups.pop(group_id, None)
+            if group is not None:
+                for request in group.requests:
+                    self.scheduler.finish(request, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -169,67 +211,72 @@ class LLMEngine:
         advanced = self.scheduler.update(scheduler_output, runner_output.sampled)
         return self._make_outputs(advanced, runner_output.logprobs)
 
-    def _record_prompt_logprobs(self, chunks: dict[str, tuple[int, list[dict[int, float]]]]) -> None:
+    def _record_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
         for request_id, (start, logprobs) in chunks.items():
             request = self.scheduler.requests[request_id]
             # After a preemption the prompt is recomputed: keep only positions not yet recorded.
             request.prompt_logprobs.extend(logprobs[len(request.prompt_logprobs) - start :])
 
+    # --- state for metrics and maintenance ---------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        scheduler = self.scheduler
+        return EngineStats(
+            num_running=scheduler.num_running,
+            num_waiting=scheduler.num_waiting,
+            kv_cache_usage=self.kv_cache.usage(),
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=scheduler.prefix_cache_queries,
+            prefix_cache_hits=scheduler.prefix_cache_hits,
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Forgets the prefix cache's free blocks (blocks in use keep theirs); returns how many."""
+        return self.kv_cache.reset_prefix_cache()
+
     # --- outputs -----------------------------------------------------------------------------------
 
     def pop_failures(self) -> dict[str, Exception]:
         """Requests that failed (and were aborted) during the last steps, with their errors."""
-        failures, self._failures = self._failures, {}
-        return failures
+        failed, self._failed = self._failed, []
+        return {group.request_id: group.failure for group in failed if group.failure is not None}
 
     def _make_outputs(self, advanced: list[Request], logprobs: dict[str, dict[int, float]]) -> list[RequestOutput]:
-        groups = []
+        groups: dict[str, RequestGroup] = {}  # in order of first appearance
         for request in advanced:
+            group = groups.setdefault(request.group_id, self._groups[request.group_id])
             try:
-                self._process_token(request, logprobs.get(request.request_id))
+                self._process_token(group.sequences[request.sample_index], logprobs.get(request.request_id))
             except Exception as error:  # one request's fault must not take the others down
                 logger.exception("request %s failed", request.group_id)
-                self._failures[request.group_id] = error
-            if request.group_id not in groups:
-                groups.append(request.group_id)
-        for group_id in self._failures:
-            self.abort_request(group_id)
-        for request in advanced:
-            self._release_deferred(request)
-        return [self._group_output(group_id) for group_id in groups if group_id in self._groups]
+                group.failure = error
+        outputs = []
+        for group in groups.values():
+            if group.failure is not None:
+                self.abort_request(group.request_id)
+                self._failed.append(group)
+                continue
+            self._release_deferred(group)
+            outputs.append(group.output())
+            if group.finished:
+                del self._groups[group.request_id]
+        return outputs
 
-    def _process_token(self, request: Request, logprobs: dict[int, float] | None) -> None:
+    def _process_token(self, sequence: SequenceText, logprobs: dict[int, float] | None) -> None:
+        request = sequence.request
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
-        stop = self._texts[request.request_id].add_token(request.output_token_ids[-1])
+        stop = sequence.add_token(request.output_token_ids[-1])
         if stop is not None:
             self.scheduler.finish(request, FinishReason.STOP)
+            # Also when the same token reached max_tokens: the stop string is the reason shown.
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
 
-    def _release_deferred(self, first: Request) -> None:
-        """Once the first sample has its first token, its prompt blocks are cached: admit the rest."""
-        for request in reversed(self._deferred.pop(first.group_id, [])):
+    def _release_deferred(self, group: RequestGroup) -> None:
+        """The first sample has its first token, so its prompt blocks are cached: queue the rest first, in order."""
+        for request in reversed(group.deferred):
             self.scheduler.add_request(request, front=True)
-
-    def _group_output(self, group_id: str) -> RequestOutput:
-        samples = self._groups[group_id]
-        finished = all(r.is_finished for r in samples)
-        output = RequestOutput(
-            request_id=group_id,
-            prompt=self._prompts[group_id],
-            prompt_token_ids=samples[0].prompt_token_ids,
-            outputs=[self._texts[r.request_id].completion(r.sample_index) for r in samples],
-            finished=finished,
-            num_cached_tokens=samples[0].num_cached_tokens,
-            queue_time=_queue_time(samples[0]),
-            prompt_logprobs=[None, *samples[0].prompt_logprobs] if samples[0].needs_prompt_logprobs else None,
-        )
-        if finished:
-            del self._groups[group_id]
-            del self._prompts[group_id]
-            for request in samples:
-                del self._texts[request.request_id]
-        return output
+        group.deferred = []
 
 
 def _queue_time(request: Request) -> float | None:

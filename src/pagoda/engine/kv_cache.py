@@ -34,15 +34,20 @@ def _root(request: Request) -> str:
     return "root" if request.cache_salt is None else f"salt:{request.cache_salt}"
 
 
+# What a cached block hangs from: the identity of the block before it, or for a first block the root
+# that `_root` names; None while the block is not cached.
+BlockParent = tuple[int, int] | str | None
+
+
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
     block_hash: bytes | None = None
     # What a hit is verified against (never trusted on the hash alone): the block's own tokens, and the
-    # physical block that preceded it (id and reuse generation; None for a first block, with the salt).
+    # physical block that preceded it (id and reuse generation; the root for a first block).
     token_ids: tuple[int, ...] = ()
-    parent: tuple[int, int] | str | None = None
+    parent: BlockParent = None
     generation: int = 0  # bumped each time the block is handed out afresh
 
     @property
@@ -88,13 +93,13 @@ class BlockPool:
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = None
 
-    def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent) -> Block | None:
+    def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent: BlockParent) -> Block | None:
         block = self.cached.get(block_hash)
         if block is None or block.token_ids != tuple(token_ids) or block.parent != parent:
             return None
         return block
 
-    def register(self, block: Block, block_hash: bytes, token_ids: Sequence[int], parent) -> Block:
+    def register(self, block: Block, block_hash: bytes, token_ids: Sequence[int], parent: BlockParent) -> Block:
         """Caches `block` under its hash and returns the block that now stands for this content: `block`
         itself, or an equal block cached earlier (the same tokens after the same chain), which later
         blocks then name as their parent so that one chain serves every lookup."""

@@ -3,8 +3,38 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pagoda.engine.request import FinishReason, Request
+
+
+class Tokenizer(Protocol):
+    """What the runtime and the server use of a Hugging Face tokenizer."""
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(
+        self, token_ids: list[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
+    ) -> str: ...
+
+    def __len__(self) -> int: ...  # the vocabulary's size, added tokens included
+
+
+class _IdsDecoder(Protocol):
+    """A fast tokenizer's Rust backend (`tokenizers.Tokenizer`): decoding without transformers' wrapper."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def best_logprobs(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k best (token id, logprob) pairs, best first; equal logprobs keep the dict's order."""
+    return sorted(logprobs.items(), key=lambda item: -item[1])[:k]
 
 
 class IncrementalDetokenizer:
@@ -16,9 +46,9 @@ class IncrementalDetokenizer:
     deltas concatenate to the text of decoding all tokens at once (tested for multi-byte characters).
     """
 
-    def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         # The Rust tokenizer directly: transformers' decode wrapper costs more than the decoding itself.
-        self._decode_ids = getattr(tokenizer, "backend_tokenizer", None)
+        self._decode_ids: _IdsDecoder | None = getattr(tokenizer, "backend_tokenizer", None)
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
@@ -57,9 +87,6 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
 
 
 @dataclass
@@ -113,7 +140,7 @@ class SequenceText:
             return self.text
         return self.text[: max(0, len(self.text) - self.holdback)]
 
-    def completion(self, index: int) -> CompletionOutput:
+    def completion(self) -> CompletionOutput:
         request = self.request
         logprobs = list(request.output_logprobs) if request.params.logprobs is not None else None
         finish = request.finish_reason.value if request.finish_reason is not None else None
@@ -121,7 +148,7 @@ class SequenceText:
         if logprobs is not None:
             cumulative = sum(lp[t] for lp, t in zip(logprobs, request.output_token_ids))
         return CompletionOutput(
-            index=index,
+            index=request.sample_index,
             text=self.visible_text(),
             token_ids=list(request.output_token_ids),
             finish_reason=finish,
@@ -131,4 +158,7 @@ class SequenceText:
         )
 
 
-__all__ = ["CompletionOutput", "FinishReason", "IncrementalDetokenizer", "RequestOutput", "SequenceText"]
+__all__ = [
+    "CompletionOutput", "FinishReason", "IncrementalDetokenizer", "RequestOutput", "SequenceText", "Tokenizer",
+    "best_logprobs",
+]

@@ -54,7 +54,6 @@ class Request:
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -94,18 +93,19 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
-    def check_stop(self) -> bool:
-        """Sets finish_reason if the last token ends the request. Stop strings are checked elsewhere."""
+    def check_stop(self) -> FinishReason | None:
+        """Why the last token ends the request (None if it does not); a stop token becomes the stop_reason.
+
+        Stop strings are checked on the text, elsewhere.
+        """
         num_output = self.num_output_tokens
         last = self.output_token_ids[-1]
         if num_output >= self.params.min_tokens:
             if not self.params.ignore_eos and last in self.eos_token_ids:
-                self.finish_reason = FinishReason.STOP
-                return True
+                return FinishReason.STOP
             if last in self.params.stop_token_ids:
-                self.finish_reason, self.stop_reason = FinishReason.STOP, last
-                return True
+                self.stop_reason = last
+                return FinishReason.STOP
         if num_output >= self.max_output_tokens:
-            self.finish_reason = FinishReason.LENGTH
-            return True
-        return False
+            return FinishReason.LENGTH
+        return None

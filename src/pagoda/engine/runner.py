@@ -11,17 +11,20 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.engine.sampler import build_sampling_metadata, sample, top_logprobs
-from pagoda.engine.scheduler import SchedulerOutput
+from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.model.attention import build_metadata
 from pagoda.model.llama import LlamaModel
+
+# A chunk of one request's prompt logprobs: (index of the first prompt position covered, logprobs of the
+# prompt tokens that follow each covered position).
+PromptLogprobsChunk = tuple[int, list[dict[int, float]]]
 
 
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, int]  # request id -> new token id
     logprobs: dict[str, dict[int, float]]  # request id -> {chosen id: lp, top ids: lp}, when asked
-    # request id -> (index of the first prompt position covered, logprobs of the following prompt tokens)
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # by request id
 
 
 class ModelRunner:
@@ -72,15 +75,18 @@ class ModelRunner:
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs)
 
-    def _prompt_logprobs(self, scheduled, hidden: torch.Tensor) -> dict:
+    def _prompt_logprobs(
+        self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, PromptLogprobsChunk]:
         """For requests that asked: logprobs of each prompt token given the ones before it."""
-        result, row = {}, 0
+        result: dict[str, PromptLogprobsChunk] = {}
+        row = 0
         for item in scheduled:
-            request, start = item.request, item.request.num_computed_tokens
+            request, start, k = item.request, item.request.num_computed_tokens, item.request.params.prompt_logprobs
             end = min(start + item.num_tokens, request.num_prompt_tokens - 1)  # positions with a next prompt token
-            if request.needs_prompt_logprobs and start < end:
+            if k is not None and start < end:
                 logits = self.model.compute_logits(hidden[row : row + end - start])
                 targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=logits.device)
-                result[request.request_id] = (start, top_logprobs(logits, targets, request.params.prompt_logprobs))
+                result[request.request_id] = (start, top_logprobs(logits, targets, k))
             row += item.num_tokens
         return result

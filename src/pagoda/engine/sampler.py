@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagoda.engine.output import best_logprobs
 from pagoda.engine.request import Request
 from pagoda.sampling import GREEDY_EPS
 
@@ -101,15 +102,18 @@ def _build_penalties(requests: list[Request], vocab_size: int) -> PenaltyMetadat
         if request.num_output_tokens < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(request.eos_token_ids))
             bias[row, list(banned)] = float("-inf")
-    column = lambda values: torch.tensor(values, dtype=torch.float32)[:, None]  # noqa: E731
     return PenaltyMetadata(
         output_counts=counts,
         seen=seen,
-        presence=column([r.params.presence_penalty for r in requests]),
-        frequency=column([r.params.frequency_penalty for r in requests]),
-        repetition=column([r.params.repetition_penalty for r in requests]),
+        presence=_column([r.params.presence_penalty for r in requests]),
+        frequency=_column([r.params.frequency_penalty for r in requests]),
+        repetition=_column([r.params.repetition_penalty for r in requests]),
         bias=bias,
     )
+
+
+def _column(values: list[float]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)[:, None]
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyMetadata) -> torch.Tensor:
@@ -163,7 +167,7 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     return SamplerOutput(token_ids.tolist(), _logprobs(raw_logits, token_ids, meta))
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata):
+def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata) -> list[dict[int, float] | None]:
     """The chosen token's logprob and the top-k, from the model's raw distribution (as vLLM)."""
     wanted = [k for k in meta.num_logprobs if k is not None]
     if not wanted:
@@ -187,5 +191,4 @@ def top_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[
 def _trim(row: dict[int, float], k: int) -> dict[int, float]:
     """A row built for a larger k, cut to the chosen token plus the k best."""
     chosen_id, chosen_lp = next(iter(row.items()))
-    best = sorted(row.items(), key=lambda item: -item[1])[:k]
-    return {chosen_id: chosen_lp, **dict(best)}
+    return {chosen_id: chosen_lp, **dict(best_logprobs(row, k))}

@@ -134,8 +134,9 @@ class Scheduler:
             if token_id is None:
                 continue  # a prefill chunk that did not reach the end of the prompt
             request.append_token(token_id)
-            if request.check_stop():
-                self.finish(request, request.finish_reason)
+            reason = request.check_stop()
+            if reason is not None:
+                self.finish(request, reason)
             advanced.append(request)
         return advanced
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,10 +14,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import pagoda
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import RequestRejected
-from pagoda.server.generation import Generation
+from pagoda.engine.output import Tokenizer
+from pagoda.model.tokenizer import ChatTemplateError, encode_chat
+from pagoda.sampling import SamplingParams
+from pagoda.server.generation import Admission, Generation
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
@@ -29,39 +33,40 @@ from pagoda.server.protocol import (
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class LoadedModel:
+    """What serves requests once the model is loaded; the launcher sets it in one assignment."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer  # the API's own instance: HF tokenizers are not safe to share across threads
+    metrics: ServerMetrics
+
+
 @dataclass
 class ServerState:
     model_name: str
     api_key: str | None = None
-    engine: AsyncEngine | None = None
-    tokenizer: object = None  # the API's own instance: HF tokenizers are not safe to share across threads
-    metrics: ServerMetrics | None = None
-    max_model_len: int = 0
+    admission: Admission = field(default_factory=Admission)
+    loaded: LoadedModel | None = None
     draining: bool = False
     load_error: str | None = None
-    # Admission control, on the event loop only: engine requests admitted at the door that have not yet
-    # produced a token count as waiting. Reserved synchronously, so a burst cannot slip past the bound.
-    max_waiting_requests: int | None = None
-    num_waiting: int = 0
 
-    def reserve(self, count: int) -> None:
-        self.num_waiting += count
-
-    def release(self, count: int) -> None:
-        self.num_waiting -= count
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.loaded.engine if self.loaded is not None else None
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and not self.engine.is_dead and not self.draining
+        return self.loaded is not None and not self.loaded.engine.is_dead and not self.draining
 
-    def require_ready(self) -> AsyncEngine:
+    def require_ready(self) -> LoadedModel:
         if self.draining:
             raise OpenAIError(503, "the server is shutting down")
-        if self.engine is None:
+        if self.loaded is None:
             raise OpenAIError(503, self.load_error or "the model is still loading")
-        if self.engine.is_dead:
-            raise OpenAIError(503, f"the engine is not running ({self.engine.dead_error})")
-        return self.engine
+        if self.loaded.engine.is_dead:
+            raise OpenAIError(503, f"the engine is not running ({self.loaded.engine.dead_error})")
+        return self.loaded
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -86,66 +91,65 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        body = state.metrics.render() if state.metrics else b""
+        body = state.loaded.metrics.render() if state.loaded is not None else b""
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models() -> dict:
-        state.require_ready()
+        loaded = state.require_ready()
         card = {"id": state.model_name, "object": "model", "created": now(), "owned_by": "pagoda",
-                "root": state.model_name, "max_model_len": state.max_model_len}
+                "root": state.model_name, "max_model_len": loaded.engine.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        engine = _admit(state, body.model)
-        prompts = [_encode_prompt(state, p) for p in body.prompts()]
+        loaded = _admit(state, body.model)
+        prompts = [_encode_prompt(loaded.tokenizer, p) for p in body.prompts()]
         params = _sampling_params(body, body.logprobs)
         for prompt in prompts:
-            _validate(state, prompt, params)
+            _validate(loaded.engine, prompt, params)
         echo = None
         if body.echo:  # the prompt as the user gave it; token-id prompts decoded
-            echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts()]
+            echo = [p if isinstance(p, str) else loaded.tokenizer.decode(p) for p in body.prompts()]
         return await _respond(Generation(
-            kind="completion", response_id=random_id("cmpl"), model_name=state.model_name, engine=engine,
-            tokenizer=state.tokenizer, metrics=state.metrics, prompts=prompts, params=params,
-            echo_texts=echo, include_usage=body.include_usage, cache_salt=body.cache_salt, admission=state,
+            kind="completion", response_id=random_id("cmpl"), model_name=state.model_name, engine=loaded.engine,
+            tokenizer=loaded.tokenizer, metrics=loaded.metrics, admission=state.admission, prompts=prompts,
+            params=params, echo_texts=echo, include_usage=body.include_usage, cache_salt=body.cache_salt,
         ), body.stream, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        engine = _admit(state, body.model)
-        prompt = _render_chat(state, body.messages, body.add_generation_prompt)
+        loaded = _admit(state, body.model)
+        prompt = _render_chat(loaded.tokenizer, body.messages, body.add_generation_prompt)
         params = _sampling_params(body, body.num_logprobs())
-        _validate(state, prompt, params)
+        _validate(loaded.engine, prompt, params)
         return await _respond(Generation(
-            kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name, engine=engine,
-            tokenizer=state.tokenizer, metrics=state.metrics, prompts=[prompt], params=params,
-            include_usage=body.include_usage, cache_salt=body.cache_salt, admission=state,
+            kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name, engine=loaded.engine,
+            tokenizer=loaded.tokenizer, metrics=loaded.metrics, admission=state.admission, prompts=[prompt],
+            params=params, include_usage=body.include_usage, cache_salt=body.cache_salt,
         ), body.stream, raw)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
-        state.require_ready()
+        loaded = state.require_ready()
         if body.messages is not None:
-            tokens = _render_chat(state, body.messages, body.add_generation_prompt)
+            tokens = _render_chat(loaded.tokenizer, body.messages, body.add_generation_prompt)
         else:
-            tokens = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": state.max_model_len}
+            tokens = loaded.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": loaded.engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        state.require_ready()
-        vocab_size = len(state.tokenizer)
+        loaded = state.require_ready()
+        vocab_size = len(loaded.tokenizer)
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise OpenAIError(400, f"token ids must be in [0, {vocab_size})", "tokens")
-        return {"prompt": state.tokenizer.decode(body.tokens)}
+        return {"prompt": loaded.tokenizer.decode(body.tokens)}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
-        engine = state.require_ready()
-        forgotten = await engine.call(lambda e: e.kv_cache.reset_prefix_cache())
-        return {"reset_blocks": forgotten}
+        loaded = state.require_ready()
+        return {"reset_blocks": await loaded.engine.reset_prefix_cache()}
 
     return app
 
@@ -153,45 +157,42 @@ def build_app(state: ServerState) -> FastAPI:
 # --- request handling ------------------------------------------------------------------------------
 
 
-def _admit(state: ServerState, model: str | None) -> AsyncEngine:
-    engine = state.require_ready()
+def _admit(state: ServerState, model: str | None) -> LoadedModel:
+    loaded = state.require_ready()
     if model is not None and model != state.model_name:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
-    bound = state.max_waiting_requests
-    if bound is not None and state.num_waiting >= bound:
+    if state.admission.full:
         raise OpenAIError(429, "the server is at its waiting-queue bound; retry later", headers={"Retry-After": "1"})
-    return engine
+    return loaded
 
 
-def _sampling_params(body, num_logprobs: int | None):
+def _sampling_params(body: CompletionRequest | ChatCompletionRequest, num_logprobs: int | None) -> SamplingParams:
     try:
         return body.sampling_params(num_logprobs)
     except ValueError as error:
         raise OpenAIError(400, str(error), getattr(error, "param", None)) from error
 
 
-def _encode_prompt(state: ServerState, prompt: str | list[int]) -> list[int]:
+def _encode_prompt(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
-        return state.tokenizer.encode(prompt, add_special_tokens=True)
+        return tokenizer.encode(prompt, add_special_tokens=True)
     return list(prompt)
 
 
-def _render_chat(state: ServerState, messages, add_generation_prompt: bool) -> list[int]:
-    if not getattr(state.tokenizer, "chat_template", None):
-        raise OpenAIError(400, "this model has no chat template; use /v1/completions", "messages")
+def _render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
     try:
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
-        text = state.tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=add_generation_prompt, tokenize=False
-        )
-    except Exception as error:  # template errors (jinja raise_exception, bad roles) are the caller's
+    except ValueError as error:  # a content part that is not text
         raise OpenAIError(400, f"cannot apply the chat template: {error}", "messages") from error
-    return state.tokenizer.encode(text, add_special_tokens=False)
-
-
-def _validate(state: ServerState, prompt: list[int], params) -> None:
     try:
-        state.engine.engine.validate(prompt, params)
+        return encode_chat(tokenizer, conversation, add_generation_prompt)
+    except ChatTemplateError as error:  # no template, or the template rejects the conversation
+        raise OpenAIError(400, str(error), "messages") from error
+
+
+def _validate(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> None:
+    try:
+        engine.validate(prompt, params)
     except RequestRejected as error:
         raise OpenAIError(400, str(error), error.param) from error
 

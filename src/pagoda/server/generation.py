@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pagoda.engine.async_engine import AsyncEngine
-from pagoda.engine.output import CompletionOutput, RequestOutput
+from pagoda.engine.output import CompletionOutput, RequestOutput, Tokenizer, best_logprobs
 from pagoda.sampling import SamplingParams
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Kind, OpenAIError, now, usage
@@ -36,6 +36,44 @@ class PromptTiming:
     last_token: float | None = None
 
 
+class Admission:
+    """The waiting-queue bound (`--max-waiting-requests`), on the event loop only.
+
+    An engine request admitted at the door counts as waiting until it has produced its first output. Slots
+    are reserved synchronously, at the door, so a burst cannot slip past the bound.
+    """
+
+    def __init__(self, max_waiting: int | None = None) -> None:
+        self.max_waiting = max_waiting
+        self.num_waiting = 0
+
+    @property
+    def full(self) -> bool:
+        return self.max_waiting is not None and self.num_waiting >= self.max_waiting
+
+    def reserve(self, count: int) -> None:
+        self.num_waiting += count
+
+    def release(self, count: int) -> None:
+        self.num_waiting -= count
+
+
+class _WaitingSlots:
+    """One generation's reservation: n slots per prompt, each prompt's given back once."""
+
+    def __init__(self, admission: Admission, num_prompts: int, n: int) -> None:
+        self.admission, self.n = admission, n
+        self.held = set(range(num_prompts))
+        admission.reserve(num_prompts * n)
+
+    def release(self, prompt_index: int | None = None) -> None:
+        """Gives back one prompt's slots, or (None) all that are still held."""
+        for index in list(self.held) if prompt_index is None else [prompt_index]:
+            if index in self.held:
+                self.held.discard(index)
+                self.admission.release(self.n)
+
+
 class Generation:
     def __init__(
         self,
@@ -44,14 +82,14 @@ class Generation:
         response_id: str,
         model_name: str,
         engine: AsyncEngine,
-        tokenizer,
+        tokenizer: Tokenizer,
         metrics: ServerMetrics,
+        admission: Admission,
         prompts: list[list[int]],
         params: SamplingParams,
         echo_texts: list[str] | None = None,
         include_usage: bool = False,
         cache_salt: str | None = None,
-        admission=None,
     ) -> None:
         self.kind, self.response_id, self.model_name = kind, response_id, model_name
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
@@ -63,9 +101,9 @@ class Generation:
         self.finals: dict[int, RequestOutput] = {}
         arrival = time.monotonic()
         self.timings = [PromptTiming(arrival) for _ in prompts]
-        self._prompt_logprobs: dict[int, list] = {}
-        self._release = _waiting_slots(admission, len(prompts), params.n)
-        weakref.finalize(self, self._release)  # a response that never ran still gives its slots back
+        self._prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}
+        self._slots = _WaitingSlots(admission, len(prompts), params.n)
+        weakref.finalize(self, self._slots.release)  # a response that never ran still gives its slots back
 
     # --- merged engine streams ---------------------------------------------------------------------
 
@@ -77,13 +115,13 @@ class Generation:
             try:
                 request_id = f"{self.response_id}-{index}"
                 async for output in self.engine.generate(request_id, prompt, self.params, self.cache_salt):
-                    self._release(index)
+                    self._slots.release(index)
                     finished = output.finished
                     await queue.put((index, output))
             except Exception as error:
                 await queue.put((index, error))
             finally:
-                self._release(index)
+                self._slots.release(index)
                 if not finished:  # cancelled (client gone) or failed
                     for _ in range(self.params.n):
                         self.metrics.request_finished("abort")
@@ -240,7 +278,7 @@ class Generation:
             "tokens": tokens + completion_logprobs["tokens"],
             "token_logprobs": [lp[t] if lp else None for t, lp in zip(prompt_ids, prompt_logprobs)]
             + completion_logprobs["token_logprobs"],
-            "top_logprobs": [{self.tokenizer.decode([i]): v for i, v in _top(lp, k)} if lp else None
+            "top_logprobs": [{self.tokenizer.decode([i]): v for i, v in best_logprobs(lp, k)} if lp else None
                              for lp in prompt_logprobs] + completion_logprobs["top_logprobs"],
             "text_offset": offsets + [o + offset for o in completion_logprobs["text_offset"]],
         }
@@ -259,7 +297,7 @@ class Generation:
             return {
                 "tokens": [decode(t) for t in token_ids],
                 "token_logprobs": [lp[t] for t, lp in zip(token_ids, positions)],
-                "top_logprobs": [_by_text(_top(lp, k), decode) for lp in positions],
+                "top_logprobs": [_by_text(best_logprobs(lp, k), decode) for lp in positions],
                 "text_offset": offsets,
             }
 
@@ -268,33 +306,12 @@ class Generation:
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
         return {"content": [
-            {**entry(t, lp[t]), "top_logprobs": [entry(i, v) for i, v in _top(lp, k)]}
+            {**entry(t, lp[t]), "top_logprobs": [entry(i, v) for i, v in best_logprobs(lp, k)]}
             for t, lp in zip(token_ids, positions)
         ]}
 
 
-def _waiting_slots(admission, num_prompts: int, n: int) -> Callable[..., None]:
-    """Reserves n waiting slots per prompt; the returned function releases one prompt's (or all) once."""
-    if admission is None:
-        return lambda index=None: None
-    admission.reserve(num_prompts * n)
-    held = set(range(num_prompts))
-
-    def release(index: int | None = None) -> None:
-        for prompt_index in list(held) if index is None else [index]:
-            if prompt_index in held:
-                held.discard(prompt_index)
-                admission.release(n)
-
-    return release
-
-
-def _top(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
-    """The k best (id, logprob) pairs, best first."""
-    return sorted(logprobs.items(), key=lambda item: -item[1])[:k]
-
-
-def _by_text(pairs: list[tuple[int, float]], decode) -> dict[str, float]:
+def _by_text(pairs: list[tuple[int, float]], decode: Callable[[int], str]) -> dict[str, float]:
     """Completions key top logprobs by text; two ids with the same text keep the better logprob."""
     result: dict[str, float] = {}
     for token_id, logprob in pairs:

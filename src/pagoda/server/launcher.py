@@ -12,14 +12,18 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
+from pagoda.config import EngineConfig
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import LLMEngine
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
-from pagoda.server.api import ServerState, build_app
+from pagoda.server.api import LoadedModel, ServerState, build_app
+from pagoda.server.generation import Admission
 from pagoda.server.metrics import ServerMetrics
 
 logger = logging.getLogger("pagoda.serve")
@@ -31,7 +35,8 @@ class DrainingServer(uvicorn.Server):
         self.pagoda_state = state
         self.drain_timeout = drain_timeout
 
-    def handle_exit(self, sig: int, frame) -> None:  # replaces uvicorn's: no re-raise, so exit code 0
+    def handle_exit(self, sig: int, _frame: FrameType | None) -> None:
+        """Replaces uvicorn's handler: no re-raise of the signal, so the exit code is 0."""
         if self.pagoda_state.draining:
             self.force_exit = sig == signal.SIGINT
             self.should_exit = True
@@ -52,17 +57,16 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def load_engine(state: ServerState, engine_config, on_error) -> None:
+def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Callable[[], None]) -> None:
     """Runs in a thread while the port already answers 503."""
     try:
         started = time.monotonic()
         engine = LLMEngine(engine_config)
-        state.tokenizer = load_tokenizer(engine_config.model)
-        state.max_model_len = engine.max_model_len
+        tokenizer = load_tokenizer(engine_config.model)
         _warm_up(engine)  # before the engine thread exists: only one thread may ever step an engine
         async_engine = AsyncEngine(engine)
-        state.metrics = ServerMetrics(state.model_name, lambda: async_engine.stats)
-        state.engine = async_engine
+        metrics = ServerMetrics(state.model_name, lambda: async_engine.stats)
+        state.loaded = LoadedModel(async_engine, tokenizer, metrics)
         logger.info("model %s ready in %.1f s", state.model_name, time.monotonic() - started)
     except Exception as error:
         logger.exception("model load failed")
@@ -77,9 +81,9 @@ def _warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
-def serve(engine_config, *, model_name: str, host: str, port: int, api_key: str | None,
+def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int, api_key: str | None,
           max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info") -> int:
-    state = ServerState(model_name=model_name, api_key=api_key, max_waiting_requests=max_waiting_requests)
+    state = ServerState(model_name=model_name, api_key=api_key, admission=Admission(max_waiting_requests))
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
     server = DrainingServer(config, state, drain_timeout)
