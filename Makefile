@@ -8,6 +8,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned CPU build first, so nothing later pulls a CUDA torch.
 	$(PY) -m pip install -q torch==2.13.0
+	# One environment for every target: dev is the test tools plus the bench extra.
 	$(PY) -m pip install -q -e '.[dev]'
 	# Native CPU kernels are compiled once here (about a minute), not inside the first test or request.
 	$(PY) -m pagoda.kernels

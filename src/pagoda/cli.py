@@ -1,45 +1,41 @@
-"""`pagoda serve | generate | calc`: the command line, with vLLM's flag names where vLLM has one."""
+"""`pagoda serve | generate | calc | bench`: the command line, with vLLM's flag names where vLLM has one."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
-from pathlib import Path
 
-DEMO_MODEL = Path(__file__).parent / "assets" / "pagoda-demo"
-FALLBACK_MODEL = Path.home() / ".cache" / "pagoda" / "tiny-random-llama"
+# What `pagoda bench` imports beyond serving's dependencies: the `bench` extra.
+BENCH_EXTRA_MODULES = ("httpx", "matplotlib")
 
 
 def default_model() -> str:
-    """The built-in demo model; until one is shipped, a tiny random-weight model made on first use."""
-    if (DEMO_MODEL / "config.json").is_file():
-        return str(DEMO_MODEL)
-    if not (FALLBACK_MODEL / "config.json").is_file():
-        from pagoda.testing.checkpoints import make_checkpoint
+    """The demo model that ships inside the package (see pagoda.demo)."""
+    from pagoda.demo import DEMO_MODEL_DIR
 
-        logging.getLogger("pagoda").warning("no demo model shipped: making a tiny random one in %s", FALLBACK_MODEL)
-        make_checkpoint(FALLBACK_MODEL, "llama", hidden_size=128, num_layers=4, vocab_size=512)
-    return str(FALLBACK_MODEL)
+    return str(DEMO_MODEL_DIR)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, with vLLM's names. Each defaults to None, "not given": build_engine_config fills in
+    pagoda.config's defaults (reading them here would import torch before `--help` could answer)."""
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: built-in)")
-    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quantization", "-q", default=None, choices=["int8"],
+    parser.add_argument("--dtype", help="float32 | bfloat16 | float16")
+    parser.add_argument("--device")
+    parser.add_argument("--quantization", "-q", choices=["int8"],
                         help="int8: weight-only W8A16, per-output-channel symmetric, quantized at load")
-    parser.add_argument("--use-kernels", action=argparse.BooleanOptionalAction, default=True,
+    parser.add_argument("--use-kernels", action=argparse.BooleanOptionalAction,
                         help="pagoda's native CPU kernels (compiled on first use) where they apply")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-bytes", type=_bytes, default=2 << 30,
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--kv-cache-memory-bytes", type=_bytes,
                         help="KV pool size in bytes (suffixes K, M, G: 2G = 2 GiB)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="explicit pool size in blocks")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--num-kv-blocks", type=int, help="explicit pool size in blocks")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice, one per physical core)")
 
@@ -57,15 +53,10 @@ def engine_config_from(args: argparse.Namespace):
         import torch
 
         torch.set_num_threads(args.threads)
-    from pagoda.entrypoints import build_engine_config
+    from pagoda.entrypoints import ENGINE_OPTIONS, build_engine_config
 
-    return build_engine_config(
-        args.model, dtype=args.dtype, device=args.device, seed=args.seed, quantization=args.quantization,
-        use_kernels=args.use_kernels, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        num_kv_blocks=args.num_kv_blocks, enable_prefix_caching=args.enable_prefix_caching,
-    )
+    given = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None}
+    return build_engine_config(args.model, **given)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -83,15 +74,18 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_generate(args: argparse.Namespace) -> int:
     from pagoda.engine.engine import LLMEngine
+    from pagoda.model.tokenizer import ChatTemplateError, encode_chat
     from pagoda.sampling import SamplingParams
 
     args.model = args.model or default_model()
     engine = LLMEngine(engine_config_from(args))
     prompt = args.prompt
     if args.chat:
-        messages = [{"role": "user", "content": prompt}]
-        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = engine.tokenizer.encode(prompt, add_special_tokens=False)
+        try:
+            prompt = encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+        except ChatTemplateError as error:
+            print(f"pagoda generate: {error}", file=sys.stderr)
+            return 2
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.gen_seed,
                             max_tokens=args.max_tokens)
     engine.add_request("cli", prompt, params)
@@ -136,9 +130,30 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.calc.cli import add_parser as add_calc
 
     add_calc(commands)
-    from pagoda.bench.cli import add_parser as add_bench
-    add_bench(commands)
+    add_bench_command(commands)
     return parser
+
+
+def add_bench_command(commands: argparse._SubParsersAction) -> None:
+    """`pagoda bench`, or where the bench extra is not installed, a `bench` that says how to install it."""
+    try:
+        from pagoda.bench.cli import add_parser
+    except ModuleNotFoundError as error:
+        if error.name not in BENCH_EXTRA_MODULES:
+            raise
+        missing = error.name
+        # No prefix characters: every argument is taken as-is, so any bench command line reaches the message.
+        bench = commands.add_parser("bench", help="load-test a server (pip install 'pagoda[bench]')",
+                                    add_help=False, prefix_chars="\0")
+        bench.add_argument("arguments", nargs="*")
+        bench.set_defaults(func=lambda _args: _bench_extra_missing(missing))
+        return
+    add_parser(commands)
+
+
+def _bench_extra_missing(module: str) -> int:
+    print(f"pagoda bench needs {module}: pip install 'pagoda[bench]'", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,8 @@
-"""Frozen configuration objects. Everything the engine needs to know is decided here, once, at start-up."""
+"""Frozen configuration objects. Everything the engine needs to know is decided here, once, at start-up.
+
+The engine's defaults are written here and nowhere else: `LLM(...)` and the CLI take from these classes
+every option they are not given (see entrypoints.build_engine_config).
+"""
 
 from __future__ import annotations
 
@@ -59,6 +63,13 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
 
 
+def _require_positive(config: object, *names: str) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if value < 1:
+            raise ValueError(f"{name} must be positive, got {value!r}")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
@@ -67,12 +78,18 @@ class CacheConfig:
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
 
+    def __post_init__(self) -> None:
+        _require_positive(self, "block_size")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
 
 
 @dataclass(frozen=True)
@@ -83,6 +100,5 @@ class EngineConfig:
     seed: int = 0
     quantization: str | None = None  # None or "int8" (weight-only, per output channel)
     use_kernels: bool = True  # pagoda's native CPU kernels where they apply (False: the torch reference)
-    model_config: ModelConfig | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

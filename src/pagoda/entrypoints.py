@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype
 from pagoda.engine.engine import LLMEngine
@@ -13,44 +14,35 @@ from pagoda.sampling import SamplingParams
 Prompt = str | list[int]
 
 
-def build_engine_config(
-    model: str,
-    *,
-    dtype: str = "float32",
-    device: str = "cpu",
-    seed: int = 0,
-    quantization: str | None = None,
-    use_kernels: bool = True,
-    max_model_len: int = 2048,
-    max_num_seqs: int = 128,
-    max_num_batched_tokens: int = 2048,
-    block_size: int = 16,
-    kv_cache_memory_bytes: int = 2 << 30,
-    num_kv_blocks: int | None = None,
-    enable_prefix_caching: bool = True,
-) -> EngineConfig:
-    """Engine options with vLLM's names -> EngineConfig. Shared by LLM and the CLI."""
-    if max_num_batched_tokens < 1 or max_num_seqs < 1 or block_size < 1:
-        raise ValueError("max_num_batched_tokens, max_num_seqs and block_size must be positive")
+# The engine options, by vLLM's names, grouped by the part of EngineConfig they set.
+TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "use_kernels")
+CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching")
+SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
+ENGINE_OPTIONS = TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS
+FIELD_NAMES = {"num_kv_blocks": "num_blocks"}  # options whose config field has another name
+
+
+def build_engine_config(model: str, **options: Any) -> EngineConfig:
+    """Engine options with vLLM's names -> EngineConfig. Shared by LLM and the CLI.
+
+    An option not given keeps the default that pagoda.config writes for it.
+    """
+    unknown = sorted(set(options) - set(ENGINE_OPTIONS))
+    if unknown:
+        raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+    if "dtype" in options:
+        options["dtype"] = parse_dtype(options["dtype"])
     return EngineConfig(
         model=str(model),
-        dtype=parse_dtype(dtype),
-        device=device,
-        seed=seed,
-        quantization=quantization,
-        use_kernels=use_kernels,
-        cache=CacheConfig(
-            block_size=block_size,
-            kv_cache_memory_bytes=kv_cache_memory_bytes,
-            num_blocks=num_kv_blocks,
-            enable_prefix_caching=enable_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-        ),
+        **_given(options, TOP_LEVEL_OPTIONS),
+        cache=CacheConfig(**_given(options, CACHE_OPTIONS)),
+        scheduler=SchedulerConfig(**_given(options, SCHEDULER_OPTIONS)),
     )
+
+
+def _given(options: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The options among `names` that were given, keyed by the config field each one sets."""
+    return {FIELD_NAMES.get(name, name): options[name] for name in names if name in options}
 
 
 class LLM:

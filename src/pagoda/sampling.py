@@ -10,9 +10,16 @@ MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
 
 
 class InvalidParam(ValueError):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
+    """A parameter out of its range. `param` names it, for OpenAI's error body, and the message starts with it."""
+
+    def __init__(self, param: str, requirement: str) -> None:
+        super().__init__(f"{param} {requirement}")
         self.param = param
+        self.requirement = requirement
+
+    def renamed(self, param: str) -> InvalidParam:
+        """The same error under the name the caller gave the parameter (a request field, say)."""
+        return InvalidParam(param, self.requirement)
 
 
 @dataclass
@@ -46,9 +53,12 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def check(ok: bool, name: str, message: str) -> None:
+        """Each parameter's range, checked here only: the server builds SamplingParams from every request,
+        and on top keeps only OpenAI's own caps (server/protocol.py)."""
+
+        def check(ok: bool, name: str, requirement: str) -> None:
             if not ok:
-                raise InvalidParam(name, f"{name} {message}, got {getattr(self, name)!r}")
+                raise InvalidParam(name, f"{requirement}, got {getattr(self, name)!r}")
 
         check(self.n >= 1, "n", "must be at least 1")
         check(self.temperature >= 0.0, "temperature", "must be non-negative")
@@ -68,8 +78,6 @@ class SamplingParams:
         check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]")
         check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]")
         check(all(s for s in self.stop), "stop", "must not contain empty strings")
+        biases = (self.logit_bias or {}).values()
+        check(all(-100.0 <= bias <= 100.0 for bias in biases), "logit_bias", "values must be in [-100, 100]")
         check(self.seed is None or 0 <= self.seed <= MAX_SEED, "seed", f"must be in [0, {MAX_SEED}]")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < GREEDY_EPS

@@ -162,9 +162,12 @@ def command_line() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagoda.bench.plots import plot_benchmark
+    from pagoda.bench.plots import can_plot, plot_benchmark
     from pagoda.bench.report import document, environment, render, write_json
 
+    if not args.no_plot and not can_plot():  # said before the run, not after it
+        print("pagoda bench: plots need matplotlib: pip install 'pagoda[bench]' (or pass --no-plot)", file=sys.stderr)
+        return 2
     try:
         endpoints, config, tokenizer = endpoints_from(args), config_from(args), tokenizer_from(args)
     except (ValueError, OSError) as error:

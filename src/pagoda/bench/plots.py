@@ -6,6 +6,7 @@ Levels where the client fell behind are marked with a red x: their numbers are n
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 PERCENTILE_STYLES = (("p50", "-"), ("p90", "--"), ("p99", ":"))
@@ -13,6 +14,11 @@ PERCENTILE_STYLES = (("p50", "-"), ("p90", "--"), ("p99", ":"))
 
 def _points(endpoint: dict) -> list[dict]:
     return [p for p in endpoint["levels"] if p["level"] is not None]
+
+
+def can_plot() -> bool:
+    """matplotlib comes with the bench extra; it is imported only when a plot is drawn."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def plot_benchmark(endpoints: list[dict], path: str | Path, title: str = "") -> Path:

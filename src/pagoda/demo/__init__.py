@@ -2,7 +2,7 @@
 
 It is the model `pagoda serve` / `pagoda generate` load when no `--model` is given, and the quality gate
 for every numeric path (see benchmarks/quality.py and docs/demo-model.md). Its tokenizer carries a
-ChatML template: prompts must go through `tokenizer.apply_chat_template(..., add_generation_prompt=True)`.
+ChatML template: prompts must go through it (`render_prompt`, `encode_prompts`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,16 @@ __all__ = ["DEMO_MODEL_DIR", "encode_prompts", "render_prompt", "transformers_gr
 
 def render_prompt(tokenizer: Any, item: Item) -> str:
     """The chat-formatted prompt text, ending where the assistant's answer begins."""
-    return tokenizer.apply_chat_template(item.messages(), add_generation_prompt=True, tokenize=False)
+    from pagoda.model.tokenizer import render_chat  # here: it imports torch, which `pagoda.demo` does not need
+
+    return render_chat(tokenizer, item.messages())
 
 
 def encode_prompts(tokenizer: Any, items: list[Item]) -> list[list[int]]:
     """Chat-formatted prompt token ids: what every path (pagoda's and transformers') is given."""
-    texts = [render_prompt(tokenizer, item) for item in items]
-    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    from pagoda.model.tokenizer import encode_chat
+
+    return [encode_chat(tokenizer, item.messages()) for item in items]
 
 
 def transformers_greedy(

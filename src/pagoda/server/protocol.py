@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagoda.sampling import SamplingParams
+from pagoda.sampling import InvalidParam, SamplingParams
 
 
 class OpenAIError(Exception):
@@ -35,28 +35,31 @@ class StreamOptions(BaseModel):
 
 
 class SamplingRequest(BaseModel):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions.
+
+    Only the wire is checked here (types, and OpenAI's caps that vLLM's engine does not have): every
+    sampling parameter's range is SamplingParams', whose errors name the request field (see sampling_params).
+    """
 
     model_config = ConfigDict(extra="allow")  # unknown fields (user, ...) are ignored, as OpenAI does
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=128)
+    max_tokens: int | None = None
+    temperature: float = Field(default=1.0, le=2.0)  # OpenAI's cap; the engine takes any temperature >= 0
+    top_p: float = 1.0
+    n: int = Field(default=1, le=128)  # OpenAI's cap
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
     # vLLM's extensions
-    top_k: int = Field(default=0, ge=-1)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=2.0)
-    min_tokens: int = Field(default=0, ge=0)
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
@@ -64,22 +67,17 @@ class SamplingRequest(BaseModel):
 
     @field_validator("stop")
     @classmethod
-    def _stop_not_empty(cls, value):
-        stops = [value] if isinstance(value, str) else (value or [])
-        if any(s == "" for s in stops):
-            raise ValueError("stop strings must not be empty")
-        if len(stops) > 16:
+    def _few_stop_strings(cls, value):
+        if isinstance(value, list) and len(value) > 16:
             raise ValueError("at most 16 stop strings")
         return value
 
     @field_validator("logit_bias")
     @classmethod
-    def _bias_keys(cls, value):
-        for key, bias in (value or {}).items():
+    def _bias_keys_are_token_ids(cls, value):
+        for key in value or {}:
             if not key.lstrip("-").isdigit():
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
-            if not -100 <= bias <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias}")
         return value
 
     def wanted_max_tokens(self) -> int | None:
@@ -88,7 +86,18 @@ class SamplingRequest(BaseModel):
     def prompt_logprobs(self) -> int | None:
         return None
 
+    def request_field(self, param: str) -> str:
+        """The request field a SamplingParams parameter came from: the one its errors must name."""
+        return param
+
     def sampling_params(self, num_logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; out of range, an InvalidParam naming the request field."""
+        try:
+            return self._build_sampling_params(num_logprobs)
+        except InvalidParam as error:
+            raise error.renamed(self.request_field(error.param)) from error
+
+    def _build_sampling_params(self, num_logprobs: int | None) -> SamplingParams:
         return SamplingParams(
             prompt_logprobs=self.prompt_logprobs(),
             n=self.n,
@@ -99,7 +108,7 @@ class SamplingRequest(BaseModel):
             seed=self.seed,
             max_tokens=self.wanted_max_tokens(),
             min_tokens=self.min_tokens,
-            stop=self.stop or [],
+            stop=self.stop,
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             logprobs=num_logprobs,
@@ -117,8 +126,8 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=20)
+    max_tokens: int | None = 16
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -161,11 +170,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
 
     @model_validator(mode="after")
     def _check(self):
@@ -174,10 +182,17 @@ class ChatCompletionRequest(SamplingRequest):
         return self
 
     def wanted_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def request_field(self, param: str) -> str:
+        if param == "logprobs":  # chat's logprobs is a switch; the count is top_logprobs
+            return "top_logprobs"
+        if param == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return param
 
 
 class TokenizeRequest(BaseModel):
