@@ -260,3 +260,21 @@ def test_async_engine_public_api(model_dir, make_llm):
         assert async_engine.stats.prefix_cache_queries == 12 and async_engine.stats.num_running == 0
     finally:
         async_engine.shutdown()
+
+
+def test_offline_generate_raises_when_a_request_fails_and_leaves_nothing_running(model_dir, make_llm, monkeypatch):
+    from pagoda.engine.output import SequenceText
+
+    llm = make_llm(model_dir, num_kv_blocks=64, block_size=4)
+    add_token = SequenceText.add_token
+
+    def failing_add_token(self, token_id):
+        if self.request.num_output_tokens == 2 and self.request.prompt_token_ids[0] == 7:
+            raise RuntimeError("injected fault")
+        return add_token(self, token_id)
+
+    monkeypatch.setattr(SequenceText, "add_token", failing_add_token)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        llm.generate([[7, 8, 9], [10, 11, 12]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert not llm.engine.has_unfinished_requests()
+    assert_all_blocks_free(llm.engine)

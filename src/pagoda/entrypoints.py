@@ -85,12 +85,21 @@ class LLM:
             from tqdm import tqdm
 
             progress = tqdm(total=len(ids), desc="requests", unit="req")
-        while self.engine.has_unfinished_requests():
-            for output in self.engine.step():
-                if output.finished:
-                    finished[output.request_id] = output
-                    if progress is not None:
-                        progress.update(1)
-        if progress is not None:
-            progress.close()
+        try:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        if progress is not None:
+                            progress.update(1)
+                failures = self.engine.pop_failures()
+                if failures:  # the failed request is already aborted: stop the rest too, and say why
+                    request_id, error = next(iter(failures.items()))
+                    raise RuntimeError(f"request {request_id} failed: {error}") from error
+        except BaseException:
+            self.engine.abort_request([i for i in ids if i not in finished])
+            raise
+        finally:
+            if progress is not None:
+                progress.close()
         return [finished[i] for i in ids]
