@@ -209,14 +209,16 @@ def profile_one(model_dir: str, name: str, config: str, spec: str, args) -> dict
         timed_steps(engine, 4)  # warm-up decodes
     plain = timed_steps(engine, steps, before=before)
     # The breakdown is of the module path: hooks and timers cannot see inside the native decode stack
-    # (model/native_decode.py), which runs the same kernels from one call. Its plain step is timed too.
-    native, engine.model.native_decode = engine.model.native_decode, None
+    # (model/native_decode.py, the backend's decode runner), which runs the same kernels from one call.
+    # Its plain step is timed too; the runner is set aside while the module path is profiled.
+    backend = engine.model.backend
+    native, backend.decode_runner = backend.decode_runner, None
     module_plain = plain if native is None or prefill_tokens else timed_steps(engine, steps, before=before)
     timers = instrument(engine)
     timed_steps(engine, steps, timers, before=before)
     timers.remove()
     profiled = profiler_table(engine, 1 if prefill_tokens else max(2, steps // 4), before=before)
-    engine.model.native_decode = native
+    backend.decode_runner = native
     if not prefill_tokens:
         context = [r.num_computed_tokens + 1 for r in engine.scheduler.running]
         engine.abort_request([f"profile-{i}" for i in range(batch)])

@@ -46,9 +46,8 @@ def test_add_rms_norm_matches_reference(kernels, dtype, rows, width, with_delta)
     reference = RMSNorm(width, eps=1e-6).to(dtype)
     with torch.no_grad():
         reference.weight.copy_(torch.randn(width))
-    fast = RMSNorm(width, eps=1e-6).to(dtype)
+    fast = RMSNorm(width, eps=1e-6, kernels=kernels).to(dtype)
     fast.load_state_dict(reference.state_dict())
-    fast.kernels = kernels
     x = torch.randn(rows, width).mul(3).to(dtype)
     delta = torch.randn(rows, width).to(dtype) if with_delta else None
     x_reference, x_fast = x.clone(), x.clone()
@@ -92,11 +91,13 @@ def test_silu_gate_matches_reference(kernels, dtype, rows, intermediate):
 
 def test_mlp_and_norm_modules_take_the_kernels_only_when_enabled(kernels):
     mlp, norm = GatedMLP(32, 48, bias=False), RMSNorm(32, 1e-5)
+    fast_mlp, fast_norm = GatedMLP(32, 48, bias=False, kernels=kernels), RMSNorm(32, 1e-5, kernels=kernels)
+    fast_mlp.load_state_dict(mlp.state_dict())
+    fast_norm.load_state_dict(norm.state_dict())
     x = torch.randn(2, 32)
     with torch.inference_mode():
         before = mlp(x), norm(x.clone())
-        mlp.kernels = norm.kernels = kernels
-        after = mlp(x), norm(x.clone())
+        after = fast_mlp(x), fast_norm(x.clone())
     for reference, fast in zip(before, after):
         assert_within_rounding(fast, reference)
 

@@ -35,12 +35,12 @@ class CountingStack:
 
 
 def _generate(llm, prompts, native: bool):
-    model = llm.engine.model
+    backend = llm.engine.model.backend
     counter = None
     if native:
-        counter = model.native_decode.stack = CountingStack(model.native_decode.stack)
+        counter = backend.decode_runner.stack = CountingStack(backend.decode_runner.stack)
     else:
-        model.native_decode = None
+        backend.decode_runner = None
     params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=3)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], counter
@@ -54,7 +54,7 @@ def test_engine_output_is_bit_identical_to_module_path(make_llm, checkpoint, arc
     prompts = random_prompts([3, 30, 47, 12, 9], seed=11)
     options = {"max_num_batched_tokens": 9, "num_kv_blocks": 28, **CONFIGS[config]}
     native_llm, module_llm = make_llm(model_dir, **options), make_llm(model_dir, **options)
-    assert native_llm.engine.model.native_decode is not None
+    assert native_llm.engine.model.backend.decode_runner is not None
     native, counter = _generate(native_llm, prompts, native=True)
     module, _ = _generate(module_llm, prompts, native=False)
     assert native == module
@@ -81,12 +81,12 @@ def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, co
     input_ids = torch.randint(0, model.config.vocab_size, (batch,), generator=gen)
 
     def step(native: NativeDecode | None):
-        model.native_decode = native
+        model.backend.decode_runner = native
         step_caches = [tuple(c.clone() for c in pair) for pair in caches]
         with torch.inference_mode():
             return model(input_ids, meta.positions, step_caches, meta), step_caches
 
-    native = model.native_decode
+    native = model.backend.decode_runner
     assert native is not None and native.takes(meta, batch)
     native_hidden, native_caches = step(native)
     module_hidden, module_caches = step(None)
@@ -97,7 +97,7 @@ def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, co
 
 def test_stack_takes_only_decode_steps_its_gemvs_cover(make_llm, checkpoint):
     model = make_llm(checkpoint("llama"), dtype="bfloat16").engine.model
-    native = model.native_decode
+    native = model.backend.decode_runner
     decode = build_metadata([1] * 3, [4, 8, 9], [[0, 1], [2, 3], [4, 5, 6]], 4, {None})
     mixed = build_metadata([1, 5], [4, 5], [[0], [1, 2]], 4, {None})
     assert native.takes(decode, 3) and not native.takes(mixed, 6)
@@ -106,5 +106,5 @@ def test_stack_takes_only_decode_steps_its_gemvs_cover(make_llm, checkpoint):
 
 def test_stack_is_off_where_it_does_not_cover_the_model(make_llm, checkpoint):
     narrow = checkpoint("llama", hidden_size=48, num_heads=3, num_kv_heads=1)  # K = 48: not a GEMV width
-    assert make_llm(narrow).engine.model.native_decode is None
-    assert make_llm(checkpoint("llama"), use_kernels=False).engine.model.native_decode is None
+    assert make_llm(narrow).engine.model.backend.decode_runner is None
+    assert make_llm(checkpoint("llama"), use_kernels=False).engine.model.backend.decode_runner is None

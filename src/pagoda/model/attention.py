@@ -10,12 +10,19 @@ layer that needs one): no hidden global context.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from pagoda.model.layers import apply_rotary
+from pagoda.model.native_decode import NativeDecode
+
+if TYPE_CHECKING:
+    from pagoda.model.backends import CpuKernels
+    from pagoda.model.llama import LlamaModel
 
 
 @dataclass
@@ -105,19 +112,48 @@ def build_metadata(
     )
 
 
-class TorchAttentionBackend:
-    """The reference backend: gathers keys through the block tables and calls SDPA."""
+class DecodeRunner(Protocol):
+    """Runs a model's whole layer stack for the decode-only steps it takes, in place of the modules."""
 
+    def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool: ...
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        """The final norm's output for the step's tokens; x (the embedded tokens) is updated in place."""
+        ...
+
+
+class AttentionBackend(ABC):
+    """How a model's layers attend over the paged KV cache; `backends.create_runtime` picks one per model.
+
+    A backend implements rope + KV write, one batched decode and one prefill sequence; `forward` splits
+    a step between them. It may also run whole decode steps (`decode_runner`, set up by `bind` once the
+    weights are final).
+    """
+
+    decode_runner: DecodeRunner | None = None
+
+    def bind(self, model: LlamaModel) -> None:  # noqa: B027
+        """Called once the model's weights are final (loaded, linears prepared). Optional: a backend that
+        runs only the layers' attention needs nothing here."""
+
+    @abstractmethod
     def rotate_and_write_kv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         meta: AttentionMetadata, num_heads: int,
     ) -> torch.Tensor:
-        """qkv: [num_tokens, heads + 2 kv_heads, head_dim]. Rotates q and k (one call for both: half the
-        small ops), stores k and v at the tokens' slots, and returns the rotated q."""
-        rotated = apply_rotary(qkv[:, : num_heads + k_cache.shape[1]], cos, sin)
-        k_cache.index_copy_(0, meta.slot_mapping, rotated[:, num_heads:])
-        v_cache.index_copy_(0, meta.slot_mapping, qkv[:, num_heads + k_cache.shape[1] :])
-        return rotated[:, :num_heads]
+        """qkv: [num_tokens, heads + 2 kv_heads, head_dim]. Rotates q and k, stores k and v at the tokens'
+        slots, and returns the rotated q [num_tokens, heads, head_dim]."""
+
+    @abstractmethod
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, window: int | None) -> torch.Tensor:
+        """The step's decodes, one query [heads, D] each (q: [num_decodes, heads, D]), as one batch."""
+
+    @abstractmethod
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, scale: float,
+                window: int | None, out: torch.Tensor) -> None:
+        """One sequence's queries [q_len, heads, D] attending to its keys, written into out."""
 
     def forward(
         self,
@@ -130,33 +166,54 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
         if not meta.prefills:  # a decode-only step: no scatter into a shared output
-            return self._decode(q, k_cache, v_cache, meta, scale, window)
+            return self.decode(q, k_cache, v_cache, meta, scale, window)
         out = torch.empty_like(q)
         if meta.num_decodes:
             rows = meta.decode_token_index
-            out[rows] = self._decode(q[rows], k_cache, v_cache, meta, scale, window)
+            out[rows] = self.decode(q[rows], k_cache, v_cache, meta, scale, window)
         for seq in meta.prefills:
-            rows = slice(seq.query_start, seq.query_end)
-            self._prefill(q[rows], k_cache, v_cache, seq, scale, window, out[rows])
+            seq_rows = slice(seq.query_start, seq.query_end)
+            self.prefill(q[seq_rows], k_cache, v_cache, seq, scale, window, out[seq_rows])
         return out
 
-    def _prefill(self, q, k_cache, v_cache, seq: PrefillSeq, scale: float, window: int | None, out) -> None:
-        """One sequence's queries [q_len, heads, D] attending to its keys, written into out."""
-        group = q.shape[1] // k_cache.shape[1]
-        query = q.transpose(0, 1)[None]  # [1, heads, q_len, D]
-        # Key/value heads repeated to the query heads: on CPU, SDPA's fused (flash) kernel takes only
-        # 4-D inputs of equal head counts; `enable_gqa` falls back to the math path, 4x slower.
-        keys = k_cache[seq.key_slots].repeat_interleave(group, dim=1).transpose(0, 1)[None]
-        values = v_cache[seq.key_slots].repeat_interleave(group, dim=1).transpose(0, 1)[None]
-        # A whole prompt under a plain causal mask needs no mask tensor (the kernel skips masked tiles).
-        causal = window is None and query.shape[2] == keys.shape[2]
-        attended = F.scaled_dot_product_attention(
-            query, keys, values, attn_mask=None if causal else seq.mask(window), is_causal=causal, scale=scale
-        )
-        out.copy_(attended[0].transpose(0, 1))
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
-        """One query per sequence, as two batched matmuls in fp32.
+def sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, scale: float,
+                 window: int | None, out: torch.Tensor) -> None:
+    """The reference prefill of one sequence: its keys gathered and attended to with torch's SDPA."""
+    group = q.shape[1] // k_cache.shape[1]
+    query = q.transpose(0, 1)[None]  # [1, heads, q_len, D]
+    # Key/value heads repeated to the query heads: on CPU, SDPA's fused (flash) kernel takes only
+    # 4-D inputs of equal head counts; `enable_gqa` falls back to the math path, 4x slower.
+    keys = k_cache[seq.key_slots].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    values = v_cache[seq.key_slots].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    # A whole prompt under a plain causal mask needs no mask tensor (the kernel skips masked tiles).
+    causal = window is None and query.shape[2] == keys.shape[2]
+    attended = F.scaled_dot_product_attention(
+        query, keys, values, attn_mask=None if causal else seq.mask(window), is_causal=causal, scale=scale
+    )
+    out.copy_(attended[0].transpose(0, 1))
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The reference backend: gathers keys through the block tables and calls SDPA."""
+
+    def rotate_and_write_kv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, num_heads: int,
+    ) -> torch.Tensor:
+        # q and k rotated in one call: half the small ops.
+        rotated = apply_rotary(qkv[:, : num_heads + k_cache.shape[1]], cos, sin)
+        k_cache.index_copy_(0, meta.slot_mapping, rotated[:, num_heads:])
+        v_cache.index_copy_(0, meta.slot_mapping, qkv[:, num_heads + k_cache.shape[1] :])
+        return rotated[:, :num_heads]
+
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, scale: float,
+                window: int | None, out: torch.Tensor) -> None:
+        sdpa_prefill(q, k_cache, v_cache, seq, scale, window, out)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, window: int | None) -> torch.Tensor:
+        """Two batched matmuls in fp32.
 
         CPU SDPA spends most of its time on setup at this size (and is slow in bf16); plain matmuls
         over the gathered keys are several times faster and accumulate in fp32 whatever the model dtype.
@@ -174,25 +231,37 @@ class TorchAttentionBackend:
         return attended.view(batch, num_heads, head_dim).to(q.dtype)
 
 
-class CpuAttentionBackend(TorchAttentionBackend):
+class CpuAttentionBackend(AttentionBackend):
     """Attends through pagoda's paged-attention kernels, which read keys in place (nothing gathered or
     repeated to the query heads): decodes one query a sequence, prefills flash-attention style (bf16 on
-    vdpbf16ps: torch's SDPA runs at a quarter of the bf16 GEMMs' rate without AMX). Rotates q/k and
-    writes the cache in one kernel call."""
+    vdpbf16ps: torch's SDPA runs at a quarter of the bf16 GEMMs' rate without AMX; head dims that are not
+    a multiple of 32 through the reference's SDPA). Rotates q/k and writes the cache in one kernel call.
+    With `decode_stack`, `bind` builds the native decode stack, which runs decode-only steps whole."""
 
-    def __init__(self, kernels) -> None:
+    def __init__(self, kernels: CpuKernels, decode_stack: bool = False) -> None:
         self.kernels = kernels
+        self.decode_stack = decode_stack
 
-    def rotate_and_write_kv(self, qkv, cos, sin, k_cache, v_cache, meta: AttentionMetadata, num_heads: int):
+    def bind(self, model: LlamaModel) -> None:
+        if self.decode_stack:
+            self.decode_runner = NativeDecode(model, self.kernels)
+
+    def rotate_and_write_kv(
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        meta: AttentionMetadata, num_heads: int,
+    ) -> torch.Tensor:
         self.kernels.rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, num_heads)
         return qkv[:, :num_heads]
 
-    def _prefill(self, q, k_cache, v_cache, seq: PrefillSeq, scale: float, window: int | None, out) -> None:
-        if q.shape[-1] % 32:
-            return super()._prefill(q, k_cache, v_cache, seq, scale, window, out)
-        self.kernels.paged_prefill_attention_(q, k_cache, v_cache, seq.key_slots, window or 0, scale, out)
+    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, scale: float,
+                window: int | None, out: torch.Tensor) -> None:
+        if q.shape[-1] % 32:  # a head size the prefill kernel does not take
+            sdpa_prefill(q, k_cache, v_cache, seq, scale, window, out)
+        else:
+            self.kernels.paged_prefill_attention_(q, k_cache, v_cache, seq.key_slots, window or 0, scale, out)
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None):
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float, window: int | None) -> torch.Tensor:
         return self.kernels.paged_decode_attention(
             q, k_cache, v_cache, meta.decode_key_slots, meta.decode_seq_lens, window or 0, scale
         )

@@ -7,18 +7,22 @@ fp32 then cast), because greedy output must equal it token for token.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+if TYPE_CHECKING:
+    from pagoda.model.backends import CpuKernels
+
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    def __init__(self, size: int, eps: float, kernels: CpuKernels | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.kernels = None  # pagoda's CPU kernels, when the loader enables them: one fused call
+        self.kernels = kernels  # pagoda's CPU kernels, if the model runs them: the add and the norm in one call
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x), after adding `delta` into x in place when given (x is the residual stream)."""
@@ -28,14 +32,14 @@ class RMSNorm(nn.Module):
             x.add_(delta)
         # HF's x * rsqrt(mean(x^2) + eps) in fp32, as one fused op instead of five.
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        return torch.mul(self.weight, normed.to(x.dtype))
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
-    factor = scaling["factor"]
+    factor: float = scaling["factor"]
     if scaling["rope_type"] == "linear":
         return inv_freq / factor
     # llama3: long wavelengths divided by `factor`, short ones kept, a smooth blend in between.
@@ -53,15 +57,31 @@ def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict | None) 
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (non-interleaved halves, as HF)."""
+    """Precomputed cos/sin tables indexed by absolute position (non-interleaved halves, as HF), in fp32
+    whatever the model's dtype."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(head_dim, theta, scaling)
-        freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
+        self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Computed on the default device (on the meta device, only their shapes)."""
+        inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
+        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        return emb.cos(), emb.sin()
+
+    def recompute(self, device: str | torch.device) -> None:
+        """Computes the tables again and moves them to `device`: for a model built on the meta device, once
+        it is allocated (allocation leaves them empty, and casting the model to its dtype rounds them)."""
+        cos, sin = self._tables()
+        self.cos, self.sin = cos.to(device), sin.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_tokens, 1, head_dim] tables for the batch, built once per step for all layers."""
@@ -78,16 +98,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class GatedMLP(nn.Module):
     """SwiGLU with the gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, kernels: CpuKernels | None = None) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
-        self.kernels = None  # pagoda's CPU kernels, when the loader enables them: the gate in one call
+        self.kernels = kernels  # pagoda's CPU kernels, if the model runs them: the gate in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None:
-            return self.down_proj(self.kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            gated = self.kernels.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            gated = F.silu(gate) * up
+        out: torch.Tensor = self.down_proj(gated)
+        return out

@@ -13,12 +13,24 @@ import torch
 from torch import nn
 
 from pagoda.config import ModelConfig
-from pagoda.model.attention import AttentionMetadata, TorchAttentionBackend
+from pagoda.model.attention import AttentionBackend, AttentionMetadata
+from pagoda.model.backends import CpuKernels, ModelRuntime
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (keys, values), [num_slots, kv_heads, head_dim] each
+
+
+def fused_row_offsets(config: ModelConfig) -> dict[str, dict[str, int]]:
+    """Where each checkpoint projection's rows start inside our fused parameters."""
+    q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    return {
+        "qkv_proj": {"q": 0, "k": q_size, "v": q_size + kv_size},
+        "gate_up_proj": {"gate": 0, "up": config.intermediate_size},
+    }
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, kernels: CpuKernels | None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -29,50 +41,58 @@ class Attention(nn.Module):
         self.window = config.sliding_windows[layer_index] if config.sliding_windows else None
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
 
-    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head norms before rope, written back into qkv
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norms before rope, into qkv
             qkv[:, :heads] = self.q_norm(qkv[:, :heads])
             qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])
         k_cache, v_cache = kv_cache
         q = backend.rotate_and_write_kv(qkv, cos, sin, k_cache, v_cache, meta, heads)
-        out = backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        attended = backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)
+        out: torch.Tensor = self.o_proj(attended.reshape(-1, self.q_size))
+        return out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, kernels: CpuKernels | None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.self_attn = Attention(config, layer_index, kernels)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels)
 
-    def forward(self, x, delta, cos, sin, kv_cache, meta, backend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """x: the residual stream, to which the previous sublayer's output `delta` is added in place (by
         the norm, fused); returns this layer's MLP output, the next layer's delta."""
         attended = self.self_attn(self.input_layernorm(x, delta), cos, sin, kv_cache, meta, backend)
-        return self.mlp(self.post_attention_layernorm(x, attended))
+        out: torch.Tensor = self.mlp(self.post_attention_layernorm(x, attended))
+        return out
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int | None = None) -> None:
+    def __init__(self, config: ModelConfig, runtime: ModelRuntime | None = None,
+                 max_positions: int | None = None) -> None:
+        """runtime: the implementations to run (`backends.create_runtime`); by default the torch reference."""
         super().__init__()
+        runtime = runtime or ModelRuntime()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, runtime.kernels) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_positions = max_positions or config.max_position_embeddings
-        self.backend = TorchAttentionBackend()
-        self.native_decode = None  # a NativeDecode, when the loader enables the CPU kernels and they cover the model
+        self.rotary = RotaryEmbedding(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
+        self.backend = runtime.attention
+        self.fused_rows = fused_row_offsets(config)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -82,21 +102,24 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns final hidden states [num_tokens, hidden]; call compute_logits on the rows to sample."""
-        x = self.embed_tokens(input_ids)
+        x: torch.Tensor = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if self.native_decode is not None and self.native_decode.takes(meta, x.shape[0]):
-            return self.native_decode(x, cos, sin, kv_caches, meta)
+        runner = self.backend.decode_runner
+        if runner is not None and runner.takes(meta, x.shape[0]):
+            return runner(x, cos, sin, kv_caches, meta)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             delta = layer(x, delta, cos, sin, kv_cache, meta, self.backend)
-        return self.norm(x, delta)
+        hidden: torch.Tensor = self.norm(x, delta)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits.float()
 
     # --- weights -----------------------------------------------------------------------------------
 
@@ -108,12 +131,10 @@ class LlamaModel(nn.Module):
         with torch.no_grad():
             # First touch places the pages. Touched here, in forward order and before the checkpoint is
             # read (not in the file's order, q/k/v and gate/up each in parts), bench-1b's weights streamed
-            # 1-2% faster through the fp32 GEMV on a fast host (docs/performance.md, session 8).
+            # 1-2% faster through the fp32 GEMV on a fast host.
             for param in self.parameters():
                 param.zero_()
-        self.rotary = RotaryEmbedding(
-            self.config.head_dim, self.max_positions, self.config.rope_theta, self.config.rope_scaling
-        ).to(device)
+        self.rotary.recompute(device)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -144,16 +165,8 @@ class LlamaModel(nn.Module):
         match = re.fullmatch(r"layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)", name)
         if match:
             layer, module, which, kind = match.groups()
-            c = self.config
-            offsets = {
-                "q": 0,
-                "k": c.num_heads * c.head_dim,
-                "v": (c.num_heads + c.num_kv_heads) * c.head_dim,
-                "gate": 0,
-                "up": c.intermediate_size,
-            }
             fused = "qkv_proj" if module == "self_attn" else "gate_up_proj"
-            return f"layers.{layer}.{module}.{fused}.{kind}", offsets[which]
+            return f"layers.{layer}.{module}.{fused}.{kind}", self.fused_rows[fused][which]
         if name not in dict(self.named_parameters()):
             raise ValueError(f"unexpected tensor {hf_name!r} in checkpoint")
         return name, None
@@ -161,12 +174,6 @@ class LlamaModel(nn.Module):
     def _expected_keys(self) -> list[str]:
         keys = []
         for name, _ in self.named_parameters(remove_duplicate=False):
-            if ".qkv_proj." in name:
-                c = self.config
-                offsets = (0, c.num_heads * c.head_dim, (c.num_heads + c.num_kv_heads) * c.head_dim)
-                keys += [f"{name}@{offset}" for offset in offsets]
-            elif ".gate_up_proj." in name:
-                keys += [f"{name}@0", f"{name}@{self.config.intermediate_size}"]
-            else:
-                keys.append(f"{name}@None")
+            offsets = self.fused_rows.get(name.split(".")[-2])  # a parameter's name ends in <module>.<weight|bias>
+            keys += [f"{name}@{offset}" for offset in offsets.values()] if offsets else [f"{name}@None"]
         return keys

@@ -7,12 +7,17 @@ unsupported architecture, rope type or field fails here, naming the file or fiel
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from pagoda.config import ModelConfig
+
+if TYPE_CHECKING:
+    from pagoda.model.llama import LlamaModel
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -27,11 +32,12 @@ class ModelLoadError(ValueError):
     pass
 
 
-def read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModelLoadError(f"{path}: file not found")
     try:
-        return json.loads(path.read_text())
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ModelLoadError(f"{path}: not valid JSON ({error})") from error
 
@@ -40,7 +46,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     path = Path(model_dir) / "config.json"
     hf = read_json(path)
 
-    def need(field: str):
+    def need(field: str) -> Any:
         if field not in hf or hf[field] is None:
             raise ModelLoadError(f"{path}: required field {field!r} is missing")
         return hf[field]
@@ -83,7 +89,7 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     )
 
 
-def _eos_token_ids(hf: dict, generation_config: Path) -> tuple[int, ...]:
+def _eos_token_ids(hf: dict[str, Any], generation_config: Path) -> tuple[int, ...]:
     """config.json's eos ids plus generation_config.json's (chat models list their end-of-turn there)."""
     ids: list[int] = []
     sources = [hf.get("eos_token_id")]
@@ -96,7 +102,7 @@ def _eos_token_ids(hf: dict, generation_config: Path) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _rope(hf: dict, path: Path) -> tuple[float, dict | None]:
+def _rope(hf: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
     # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
     params = dict(hf.get("rope_parameters") or {})
     scaling = dict(hf.get("rope_scaling") or {})
@@ -114,7 +120,7 @@ def _rope(hf: dict, path: Path) -> tuple[float, dict | None]:
     return theta, merged
 
 
-def _sliding_windows(hf: dict, arch: str, num_layers: int) -> tuple[int | None, ...]:
+def _sliding_windows(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
     window = hf.get("sliding_window")
     if arch in ("qwen2", "qwen3") and not hf.get("use_sliding_window", False):
         window = None
@@ -150,7 +156,7 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: str | Path):
+def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) for every tensor in the checkpoint, on CPU, in its stored dtype."""
     for file in safetensors_files(model_dir):
         try:
@@ -167,38 +173,23 @@ def load_model(
     device: str = "cpu",
     quantization: str | None = None,
     use_kernels: bool = True,
-):
-    """Builds the model for the directory and loads its weights. Returns (model, ModelConfig)."""
+) -> tuple[LlamaModel, ModelConfig]:
+    """Builds the model for the directory and loads its weights. Returns (model, ModelConfig).
+
+    use_kernels: pagoda's native CPU kernels where they apply (`backends.create_runtime` says where),
+    for a model on the CPU; without them, or elsewhere, the torch reference throughout."""
+    from pagoda.kernels import cpu_kernels
+    from pagoda.model.backends import create_runtime
     from pagoda.model.llama import LlamaModel
     from pagoda.model.quantization import prepare_linears
 
     config = load_model_config(model_dir)
+    kernels = cpu_kernels() if use_kernels and torch.device(device).type == "cpu" else None
+    runtime = create_runtime(config, dtype, kernels)
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = LlamaModel(config, runtime)
     model.load_weights(iter_weights(model_dir), dtype=dtype, device=device)
-    prepare_linears(model, quantization, use_kernels)
-    if use_kernels:
-        enable_cpu_kernels(model, config, dtype, device)
+    prepare_linears(model, quantization, runtime.gemv_kernels)
+    model.backend.bind(model)  # the weights are final: the native decode stack, where chosen, is built now
     return model.eval(), config
 
-
-def enable_cpu_kernels(model, config: ModelConfig, dtype: torch.dtype, device: str) -> None:
-    """pagoda's native CPU kernels (fp32/bf16 models on CPU) for the residual add + RMSNorm and the SiLU
-    gate, and the native attention backend (paged decode attention, rotary + KV write) where its shapes
-    fit: head_dim 16..128 in steps of 16, at most 16 query heads per kv head; and, where they cover
-    every layer, the native decode stack. Elsewhere the torch reference stays."""
-    from pagoda.kernels import cpu_kernels
-    from pagoda.model.attention import CpuAttentionBackend
-    from pagoda.model.layers import GatedMLP, RMSNorm
-    from pagoda.model.native_decode import NativeDecode
-
-    kernels = cpu_kernels() if device == "cpu" and dtype in (torch.float32, torch.bfloat16) else None
-    if kernels is None:
-        return
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, GatedMLP)):
-            module.kernels = kernels
-    if config.head_dim % 16 == 0 and config.head_dim <= 128 and config.num_heads // config.num_kv_heads <= 16:
-        model.backend = CpuAttentionBackend(kernels)
-    if NativeDecode.covers(model):
-        model.native_decode = NativeDecode(model, kernels)

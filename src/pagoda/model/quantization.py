@@ -11,11 +11,15 @@ its block's largest, where bf16 activations carry 8.)
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.kernels import cpu_kernels
+if TYPE_CHECKING:
+    from pagoda.model.backends import CpuKernels
 
 QUANTIZATIONS = (None, "int8")
 # Up to this many rows the GEMV kernels beat torch, weights streamed from memory: fp32 1.6-1.8x at 32-64
@@ -26,23 +30,30 @@ QUANTIZATIONS = (None, "int8")
 KERNEL_MAX_ROWS = 64
 
 
-def _usable(kernels, linear: nn.Linear):
-    """The kernel module when it takes this layer's shape (K a multiple of 32), else None."""
-    return kernels if kernels is not None and linear.in_features % 32 == 0 else None
+def gemv_takes(in_features: int) -> bool:
+    """Whether the GEMV kernels take a layer of this input width (K)."""
+    return in_features % 32 == 0
+
+
+def _usable(kernels: CpuKernels | None, linear: nn.Linear) -> CpuKernels | None:
+    """The kernel module when it takes this layer's shape, else None."""
+    return kernels if kernels is not None and gemv_takes(linear.in_features) else None
 
 
 class DenseLinear(nn.Module):
     """fp32 or bf16 weights: decode-sized inputs through pagoda's GEMV kernel for that dtype."""
 
-    GEMV = {torch.float32: "gemv_fp32", torch.bfloat16: "gemv_bf16"}
+    DTYPES: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
 
-    def __init__(self, linear: nn.Linear, kernels) -> None:
+    def __init__(self, linear: nn.Linear, kernels: CpuKernels | None) -> None:
         super().__init__()
         self.weight = nn.Parameter(linear.weight.detach().contiguous(), requires_grad=False)
         bias = linear.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
-        kernels = _usable(kernels, linear)
-        self.gemv = None if kernels is None else getattr(kernels, self.GEMV[self.weight.dtype])
+        usable = _usable(kernels, linear)
+        self.gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        if usable is not None:
+            self.gemv = {torch.float32: usable.gemv_fp32, torch.bfloat16: usable.gemv_bf16}[self.weight.dtype]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is None or x.shape[0] > KERNEL_MAX_ROWS:
@@ -54,7 +65,10 @@ class DenseLinear(nn.Module):
 class Int8Linear(nn.Module):
     """Per-output-channel symmetric int8 weights: W ~= q * scale[:, None], q in [-127, 127]."""
 
-    def __init__(self, linear: nn.Linear, kernels) -> None:
+    qweight: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, linear: nn.Linear, kernels: CpuKernels | None) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
@@ -73,13 +87,13 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def prepare_linears(model: nn.Module, quantization: str | None, use_kernels: bool = True) -> None:
-    """Swaps nn.Linear layers (LM head included) for the fast path the dtype and quantization call for."""
+def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKernels | None) -> None:
+    """Swaps nn.Linear layers (LM head included) for the fast path the dtype and quantization call for.
+    kernels: the GEMV kernels the model runs (`ModelRuntime.gemv_kernels`), or None."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}")
     dtype = next(model.parameters()).dtype
-    kernels = cpu_kernels() if use_kernels and next(model.parameters()).device.type == "cpu" else None
-    if quantization is None and (kernels is None or dtype not in DenseLinear.GEMV):
+    if quantization is None and (kernels is None or dtype not in DenseLinear.DTYPES):
         return  # nothing to gain: torch's own layers are the path
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -1,0 +1,82 @@
+"""Which implementation a model runs, decided once, when it is built: `create_runtime` is the one place.
+
+The compiled CPU kernels (pagoda.kernels, typed here as `CpuKernels`) are handed to the parts that use
+them at construction; nothing is patched into a model afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from pagoda.config import ModelConfig
+from pagoda.model.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
+from pagoda.model.quantization import gemv_takes
+
+LinearSpec = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # weight, int8 scale, bias
+
+
+class CompiledDecodeStack(Protocol):
+    """kernels/cpu_decode.cpp's DecodeStack."""
+
+    def add_layer(self, input_layernorm: torch.Tensor, post_attention_layernorm: torch.Tensor,
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qkv: LinearSpec, o: LinearSpec,
+                  gate_up: LinearSpec, down: LinearSpec, window: int) -> None: ...
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
+
+
+class CpuKernels(Protocol):
+    """The compiled module of pagoda's CPU kernels (kernels/cpu_module.cpp), as model/ calls it."""
+
+    DecodeStack: Callable[[int, int, int, float, float, torch.Tensor], CompiledDecodeStack]
+
+    def gemv_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def gemv_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def gemv_int8(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor: ...
+    def add_rms_norm_(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor: ...
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def rotary_write_kv_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> None: ...
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int,
+                               scale: float) -> torch.Tensor: ...
+    def paged_prefill_attention_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor) -> None: ...
+
+
+@dataclass(frozen=True)
+class ModelRuntime:
+    """The implementations one model runs (`create_runtime`); the default is the torch reference throughout."""
+
+    attention: AttentionBackend = field(default_factory=TorchAttentionBackend)
+    kernels: CpuKernels | None = None  # the norms' fused residual add + RMSNorm and the MLP's SiLU gate
+    gemv_kernels: CpuKernels | None = None  # the linears' GEMVs, for `prepare_linears`
+
+
+def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels | None) -> ModelRuntime:
+    """The implementations a model of `config` in `dtype` runs. kernels: pagoda's compiled CPU kernels for a
+    model on the CPU that may use them; None: the torch reference throughout. With kernels:
+
+    - the linears run their GEMVs, in any dtype (`prepare_linears` decides per layer);
+    - fp32/bf16 models also fuse the norms' residual add + RMSNorm and the MLP's SiLU gate;
+    - and where the attention kernels take the shape (head_dim 16..128 in steps of 16, at most 16 query
+      heads per kv head), attend through the native backend: paged attention, rope + KV write in one call;
+    - and where every layer's linear runs as a GEMV too (input widths a multiple of 32), run decode-only
+      steps through the native decode stack, which the backend's `bind` builds once the weights are final.
+    """
+    fused = kernels if dtype in (torch.float32, torch.bfloat16) else None
+    if fused is None:
+        return ModelRuntime(gemv_kernels=kernels)
+    group = config.num_heads // config.num_kv_heads
+    if not (config.head_dim % 16 == 0 and config.head_dim <= 128 and group <= 16):  # the attention kernels' shapes
+        return ModelRuntime(kernels=fused, gemv_kernels=kernels)
+    linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
+    decode_stack = all(gemv_takes(width) for width in linear_widths)
+    return ModelRuntime(CpuAttentionBackend(fused, decode_stack), kernels=fused, gemv_kernels=kernels)

@@ -1,0 +1,190 @@
+"""A torch stand-in for pagoda's compiled CPU kernels (kernels/cpu_module.cpp), for hosts that cannot run them.
+
+Each op computes what the torch path computes for it, and every call from Python is logged, so the
+kernel wiring (which module calls which kernel with which tensors, the native decode stack's layout)
+runs and is checked on any CPU. `DecodeStack` follows kernels/cpu_decode.cpp step for step, calling the
+same ops unlogged, as the C++ stack calls them without going through Python.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+LinearSpec = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, weight.to(x.dtype))
+
+
+def _gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, qweight.to(x.dtype) * scale[:, None].to(x.dtype))
+
+
+def _add_rms_norm_(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if delta is not None:
+        x.add_(delta)
+    return weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotary_write_kv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> None:
+    rotated_heads = num_heads + k_cache.shape[1]
+    x = qkv[:, :rotated_heads]
+    half = x.shape[-1] // 2
+    qkv[:, :rotated_heads] = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    k_cache.index_copy_(0, slot_mapping, qkv[:, num_heads:rotated_heads])
+    v_cache.index_copy_(0, slot_mapping, qkv[:, rotated_heads:])
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """q [B, heads, Q, D] against keys/values [B, L, kv_heads, D] under mask [B, 1, Q, L], in fp32."""
+    batch, heads, queries, head_dim = q.shape
+    kv_heads = keys.shape[2]
+    query = q.float().reshape(batch, kv_heads, heads // kv_heads * queries, head_dim)
+    scores = torch.matmul(query, keys.float().permute(0, 2, 3, 1)) * scale
+    scores = scores.reshape(batch, heads, queries, -1).masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1).reshape(batch, kv_heads, heads // kv_heads * queries, -1)
+    return torch.matmul(probs, values.float().transpose(1, 2)).reshape(batch, heads, queries, head_dim).to(q.dtype)
+
+
+def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) -> torch.Tensor:
+    mask = key_pos <= query_pos
+    return mask & (query_pos - key_pos < window) if window else mask
+
+
+def _paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
+                            seq_lens: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+    mask = _window_mask(seq_lens[:, None] - 1, torch.arange(key_slots.shape[1])[None], window)
+    attended = _attend(q[:, :, None], k_cache[key_slots], v_cache[key_slots], mask[:, None, None], scale)
+    return attended[:, :, 0]
+
+
+def _paged_prefill_attention_(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor) -> None:
+    seq_len = key_slots.numel()
+    key_pos = torch.arange(seq_len)
+    mask = _window_mask(key_pos[seq_len - q.shape[0] :, None], key_pos[None], window)
+    attended = _attend(q.transpose(0, 1)[None], k_cache[key_slots][None], v_cache[key_slots][None],
+                       mask[None, None], scale)
+    out.copy_(attended[0].transpose(0, 1))
+
+
+class _Linear:
+    """As cpu_decode.cpp's Linear: the GEMV the weight's dtype (or int8 scale) calls for, then the bias."""
+
+    def __init__(self, spec: LinearSpec) -> None:
+        self.weight, self.scale, self.bias = spec
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = _gemv(x, self.weight) if self.scale is None else _gemv_int8(x, self.weight, self.scale)
+        return y if self.bias is None else y + self.bias
+
+
+class ReferenceDecodeStack:
+    """kernels/cpu_decode.cpp's DecodeStack, op for op."""
+
+    def __init__(self, log: list[tuple[str, tuple[Any, ...]]], heads: int, kv_heads: int, head_dim: int, eps: float,
+                 scale: float, final_norm: torch.Tensor) -> None:
+        self.log = log
+        self.heads, self.kv_heads, self.head_dim, self.eps, self.scale = heads, kv_heads, head_dim, eps, scale
+        self.final_norm = final_norm
+        self.layers: list[tuple[Any, ...]] = []
+
+    def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, qkv: LinearSpec, o: LinearSpec, gate_up: LinearSpec, down: LinearSpec,
+                  window: int) -> None:
+        self.log.append(("DecodeStack.add_layer", (input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down,
+                                                   window)))
+        self.layers.append((input_norm, post_norm, q_norm, k_norm, *map(_Linear, (qkv, o, gate_up, down)), window))
+
+    def _norm_heads_(self, heads: torch.Tensor, weight: torch.Tensor) -> None:
+        normed = (_add_rms_norm_(heads, None, weight, self.eps) if heads.is_contiguous()
+                  else weight * F.rms_norm(heads.float(), weight.shape, eps=self.eps).to(heads.dtype))
+        heads.copy_(normed)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        self.log.append(("DecodeStack.forward", (x, cos, sin, kv_caches, slot_mapping, key_slots, seq_lens)))
+        assert len(kv_caches) == len(self.layers), "one (k, v) cache pair per layer"
+        heads, kv_heads = self.heads, self.kv_heads
+        delta = None
+        for (input_norm, post_norm, q_norm, k_norm, qkv_proj, o_proj, gate_up_proj, down_proj, window), (
+            k_cache, v_cache
+        ) in zip(self.layers, kv_caches):
+            qkv = qkv_proj(_add_rms_norm_(x, delta, input_norm, self.eps)).view(-1, heads + 2 * kv_heads,
+                                                                                 self.head_dim)
+            if q_norm is not None:
+                self._norm_heads_(qkv[:, :heads], q_norm)
+                self._norm_heads_(qkv[:, heads : heads + kv_heads], k_norm)
+            _rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads)
+            attended = _paged_decode_attention(qkv[:, :heads], k_cache, v_cache, key_slots, seq_lens, window,
+                                               self.scale)
+            attended = o_proj(attended.reshape(-1, heads * self.head_dim))
+            delta = down_proj(_silu_mul(gate_up_proj(_add_rms_norm_(x, attended, post_norm, self.eps))))
+        return _add_rms_norm_(x, delta, self.final_norm, self.eps)
+
+
+class ReferenceKernels:
+    """Stands in for the compiled module: the same op names and arguments, each call appended to `log`."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, tuple[Any, ...]]] = []
+
+    def _logged(self, name: str, args: tuple[Any, ...]) -> None:
+        self.log.append((name, args))
+
+    def called(self, name: str) -> int:
+        return sum(entry[0] == name for entry in self.log)
+
+    def gemv_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self._logged("gemv_fp32", (x, weight))
+        return _gemv(x, weight)
+
+    def gemv_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        self._logged("gemv_bf16", (x, weight))
+        return _gemv(x, weight)
+
+    def gemv_int8(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        self._logged("gemv_int8", (x, qweight, scale))
+        return _gemv_int8(x, qweight, scale)
+
+    def add_rms_norm_(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor:
+        self._logged("add_rms_norm_", (x, delta, weight, eps))
+        return _add_rms_norm_(x, delta, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        self._logged("silu_mul", (gate_up,))
+        return _silu_mul(gate_up)
+
+    def rotary_write_kv_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> None:
+        self._logged("rotary_write_kv_", (qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads))
+        _rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
+
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int,
+                               scale: float) -> torch.Tensor:
+        self._logged("paged_decode_attention", (q, k_cache, v_cache, key_slots, seq_lens, window, scale))
+        return _paged_decode_attention(q, k_cache, v_cache, key_slots, seq_lens, window, scale)
+
+    def paged_prefill_attention_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor) -> None:
+        self._logged("paged_prefill_attention_", (q, k_cache, v_cache, key_slots, window, scale, out))
+        _paged_prefill_attention_(q, k_cache, v_cache, key_slots, window, scale, out)
+
+    def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float,
+                    final_norm: torch.Tensor) -> ReferenceDecodeStack:
+        self._logged("DecodeStack", (heads, kv_heads, head_dim, eps, scale, final_norm))
+        return ReferenceDecodeStack(self.log, heads, kv_heads, head_dim, eps, scale, final_norm)
