@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.structured.params import StructuredOutputsParams
+
 # Rows with temperature below this are greedy: argmax, no randomness at all.
 GREEDY_EPS = 1e-5
 MAX_SEED = 2**63 - 1  # seeds travel as int64 tensors
@@ -42,6 +44,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
+    # Output constrained to a JSON schema, regex, choice or grammar (vLLM's name and shape).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -14,10 +14,12 @@ from pagoda.engine.output import IncrementalDetokenizer, RequestOutput, Sequence
 from pagoda.engine.request import FinishReason, Request
 from pagoda.engine.runner import ModelRunner, PromptLogprobsChunk
 from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.structured import StructuredOutputs
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
+from pagoda.structured import GrammarMatcher, GrammarStateError, InvalidConstraint
 
 logger = logging.getLogger(__name__)
 
@@ -104,8 +106,9 @@ class LLMEngine:
         self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
-        self.runner = ModelRunner(self.model, num_blocks, config.cache.block_size, config.device)
         self.eos_token_ids = self._eos_token_ids()
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, num_blocks, config.cache.block_size, config.device, self.structured)
         self._seed_source = random.Random(config.seed)
         self._groups: dict[str, RequestGroup] = {}  # by user request id; removed when finished or aborted
         self._failed: list[RequestGroup] = []  # failed (and aborted) since the last pop_failures()
@@ -145,6 +148,8 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids, prompt_text = self._tokenize(prompt)
         self.validate(prompt_ids, params)
+        constraint = params.structured_outputs
+        grammar = None if constraint is None else self.structured.compile(constraint)  # cached by validate
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
         sequences = []
         for index in range(params.n):
@@ -158,6 +163,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
                 cache_salt=cache_salt,
+                grammar=None if grammar is None else grammar.matcher(),
             )
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
             sequences.append(SequenceText(request, detokenizer))
@@ -175,7 +181,8 @@ class LLMEngine:
         return list(prompt), None
 
     def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises RequestRejected for a request that can never run. Reads only config: thread-safe."""
+        """Raises RequestRejected for a request that can never run. Thread-safe: reads only config, and
+        compiles the request's grammar (into a thread-safe cache) so that a bad constraint fails here."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")
         vocab_size = self.model_config.vocab_size
@@ -191,6 +198,11 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{wanted} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens or 1} for the completion)."
             )
+        if params.structured_outputs is not None:
+            try:
+                self.structured.compile(params.structured_outputs)
+            except InvalidConstraint as error:
+                raise RequestRejected(str(error), error.param) from error
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for group_id in [request_id] if isinstance(request_id, str) else request_id:
@@ -266,11 +278,21 @@ class LLMEngine:
         request = sequence.request
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
-        stop = sequence.add_token(request.output_token_ids[-1])
+        token_id = request.output_token_ids[-1]
+        if request.grammar is not None and not request.is_finished:
+            self._advance_grammar(request, request.grammar, token_id)
+        stop = sequence.add_token(token_id)
         if stop is not None:
             self.scheduler.finish(request, FinishReason.STOP)
             # Also when the same token reached max_tokens: the stop string is the reason shown.
             request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+
+    def _advance_grammar(self, request: Request, grammar: GrammarMatcher, token_id: int) -> None:
+        """The sampled token through the request's grammar; where the grammar ends, so does the request."""
+        if not grammar.accept_tokens([token_id]):  # the mask allowed it: a refusal is the grammar engine's fault
+            raise GrammarStateError(f"the grammar refused token {token_id} that its own mask allowed")
+        if grammar.is_terminated():
+            self.scheduler.finish(request, FinishReason.STOP)
 
     def _release_deferred(self, group: RequestGroup) -> None:
         """The first sample has its first token, so its prompt blocks are cached: queue the rest first, in order."""

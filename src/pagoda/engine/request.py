@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda.sampling import SamplingParams
+from pagoda.structured import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -41,6 +42,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0
     cache_salt: str | None = None  # separates tenants in the prefix cache
+    # Where the output stands in its constraint's grammar; advanced only by tokens appended to the output.
+    grammar: GrammarMatcher | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -6,12 +6,15 @@ prefill chunk that reaches the end of the prompt, and every decode.
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
+from pagoda.engine.request import Request
 from pagoda.engine.sampler import build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pagoda.engine.structured import StructuredOutputs
 from pagoda.model.attention import build_metadata
 from pagoda.model.llama import LlamaModel
 
@@ -28,8 +31,15 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+    def __init__(
+        self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu",
+        structured: StructuredOutputs | None = None,
+    ) -> None:
         self.model = model
+        self.structured = structured
+        # Grammar masks are filled here while the forward runs: step t's mask depends only on tokens known
+        # before step t (llguidance releases the GIL while it computes).
+        self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
         self.block_size = block_size
         self.device = device
         config = model.config
@@ -47,6 +57,8 @@ class ModelRunner:
         for item in scheduled:
             start = item.request.num_computed_tokens
             input_ids += item.request.all_token_ids[start : start + item.num_tokens]
+        sampling_requests = [item.request for item in scheduled if item.samples]
+        masks = self._start_grammar_masks(sampling_requests)
         meta = build_metadata(
             query_lens=[item.num_tokens for item in scheduled],
             seq_lens=[item.request.num_computed_tokens + item.num_tokens for item in scheduled],
@@ -61,19 +73,26 @@ class ModelRunner:
             meta,
         )
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
-        sampling_rows, sampling_requests, row = [], [], 0
+        if not sampling_requests:
+            return ModelRunnerOutput({}, {}, prompt_logprobs)
+        sampling_rows, row = [], 0
         for item in scheduled:
             row += item.num_tokens
             if item.samples:
                 sampling_rows.append(row - 1)
-                sampling_requests.append(item.request)
-        if not sampling_requests:
-            return ModelRunnerOutput({}, {}, prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(sampling_rows, device=self.device)])
-        result = sample(logits, build_sampling_metadata(sampling_requests, logits.shape[1]))
+        bitmask = None if masks is None else masks.result()
+        result = sample(logits, build_sampling_metadata(sampling_requests, logits.shape[1], bitmask))
         ids = [r.request_id for r in sampling_requests]
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
         return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs)
+
+    def _start_grammar_masks(self, sampling_requests: list[Request]) -> Future[torch.Tensor] | None:
+        """The constrained requests' masks, being filled on the mask thread (None: nobody is constrained)."""
+        matchers = [r.grammar for r in sampling_requests if r.grammar is not None]
+        if not matchers or self.structured is None:
+            return None
+        return self._mask_worker.submit(self.structured.fill_bitmask, matchers)
 
     def _prompt_logprobs(
         self, scheduled: list[ScheduledRequest], hidden: torch.Tensor

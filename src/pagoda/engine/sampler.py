@@ -15,6 +15,7 @@ import torch
 from pagoda.engine.output import best_logprobs
 from pagoda.engine.request import Request
 from pagoda.sampling import GREEDY_EPS
+from pagoda.structured import apply_bitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -31,6 +32,9 @@ class SamplingMetadata:
     draw_seeds: list[int]  # [R] generator seed of each row's draw: hash of (request seed, output position)
     num_logprobs: list[int | None]  # per row: top-k logprobs asked for, None for none
     penalties: PenaltyMetadata | None
+    # Rows under a grammar, and their allowed tokens: row i of the bitmask is the mask of grammar_rows[i].
+    grammar_rows: list[int]
+    grammar_bitmask: torch.Tensor | None  # int32 [len(grammar_rows), words]; None when no row is constrained
 
 
 @dataclass
@@ -49,7 +53,10 @@ class SamplerOutput:
     logprobs: list[dict[int, float] | None]  # per row: chosen token and top-k, when asked
 
 
-def build_sampling_metadata(requests: list[Request], vocab_size: int) -> SamplingMetadata:
+def build_sampling_metadata(
+    requests: list[Request], vocab_size: int, grammar_bitmask: torch.Tensor | None = None
+) -> SamplingMetadata:
+    """grammar_bitmask: the allowed tokens of the constrained requests (those with a grammar), in order."""
     rows = [i for i, r in enumerate(requests) if r.params.temperature >= GREEDY_EPS]
     params = [requests[i].params for i in rows]
     use_top_k = any(0 < p.top_k < vocab_size for p in params)
@@ -64,6 +71,8 @@ def build_sampling_metadata(requests: list[Request], vocab_size: int) -> Samplin
         draw_seeds=[_draw_seed(requests[i].seed, requests[i].num_output_tokens) for i in rows],
         num_logprobs=[r.params.logprobs for r in requests],
         penalties=_build_penalties(requests, vocab_size),
+        grammar_rows=[i for i, r in enumerate(requests) if r.grammar is not None],
+        grammar_bitmask=grammar_bitmask,
     )
 
 
@@ -159,6 +168,10 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     raw_logits = logits
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
+    if meta.grammar_bitmask is not None:
+        if logits is raw_logits:  # logprobs stay the raw distribution's
+            logits = logits.clone()
+        apply_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
     token_ids = logits.argmax(dim=-1)
     if meta.random_rows.numel():
         scaled = _filter(logits[meta.random_rows] / meta.temperature[:, None], meta)
