@@ -24,16 +24,27 @@ class ChatTemplateError(ValueError):
     """The conversation cannot be rendered: no template, or the template rejects it (the caller's fault)."""
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    """The conversation as the model's own chat template writes it: the one place a template is applied."""
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The conversation as the model's own chat template writes it: the one place a template is applied.
+    tools: OpenAI tool definitions, for templates that describe them to the model."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this model has no chat template; use /v1/completions")
     try:
-        return str(tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False))
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return str(text)
     except Exception as error:  # jinja's raise_exception, unknown roles: the conversation's fault
         raise ChatTemplateError(f"cannot apply the chat template: {error}") from error
 
 
-def encode_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+def encode_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
     """render_chat's token ids. The template writes its own special tokens, so encoding adds none."""
-    return list(tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt), add_special_tokens=False))
+    text = render_chat(tokenizer, messages, add_generation_prompt, tools)
+    return list(tokenizer.encode(text, add_special_tokens=False))

@@ -1,0 +1,174 @@
+"""Tool calling: the model's own tool-call text parsed into OpenAI's `tool_calls`, and forced calls.
+
+`tool_choice: "auto"` lets the model decide; its output is parsed by the parser named with
+`--tool-call-parser` (the format its chat template teaches):
+  hermes       `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any number, text before them
+               is content (Qwen2.5, Qwen3, Hermes and many others)
+  llama3_json  the whole output is `{"name": ..., "parameters": {...}}`, several joined by `;` (Llama 3.x)
+`tool_choice: "required"` or a named function is enforced by a grammar instead: the output is JSON built
+from the functions' parameter schemas (`forced_constraint`), read back by `forced_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from pagoda.structured import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", f"call_{uuid.uuid4().hex[:24]}")
+
+    def as_openai(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    content: str  # text that is not a tool call
+    tool_calls: list[ToolCall]
+
+
+class ToolCallParser(Protocol):
+    def parse(self, text: str, finished: bool) -> ParsedOutput:
+        """The calls complete in `text` so far, and the content that is surely not part of a call (while
+        not finished, a tail that may begin a call is held back)."""
+        ...
+
+
+def _call_from_json(payload: object, arguments_key: str) -> ToolCall | None:
+    """{"name": str, "<arguments_key>": object} -> a ToolCall; anything else is not a call."""
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return None
+    arguments = payload.get(arguments_key, payload.get("arguments", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return ToolCall(payload["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+def _held_back(text: str, marker: str) -> int:
+    """How many trailing characters of `text` could be the start of `marker`."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
+
+
+class HermesParser:
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def parse(self, text: str, finished: bool) -> ParsedOutput:
+        start = text.find(self.OPEN)
+        if start < 0:
+            return ParsedOutput(text if finished else text[: len(text) - _held_back(text, self.OPEN)], [])
+        calls: list[ToolCall] = []
+        position = start
+        while position >= 0:
+            body_start = position + len(self.OPEN)
+            end = text.find(self.CLOSE, body_start)
+            if end < 0 and not finished:
+                break  # still being written
+            body = text[body_start:] if end < 0 else text[body_start:end]
+            call = _decode_call(body, "arguments")
+            if call is None:  # not a well-formed call: the whole output is content, as the model wrote it
+                return ParsedOutput(text if finished else text[:start], [] if finished else calls)
+            calls.append(call)
+            if end < 0:
+                break
+            position = text.find(self.OPEN, end + len(self.CLOSE))
+        return ParsedOutput(text[:start].rstrip(), calls)
+
+
+class Llama3JsonParser:
+    SEPARATOR = ";"
+
+    def parse(self, text: str, finished: bool) -> ParsedOutput:
+        stripped = text.lstrip()
+        if not stripped.startswith("{"):
+            return ParsedOutput(text, [])
+        if not finished:
+            return ParsedOutput("", [])  # a call is being written: its parts are parsed when it ends
+        calls = []
+        for part in _split_objects(stripped, self.SEPARATOR):
+            call = _decode_call(part, "parameters")
+            if call is None:
+                return ParsedOutput(text, [])
+            calls.append(call)
+        return ParsedOutput("", calls)
+
+
+def _decode_call(body: str, arguments_key: str) -> ToolCall | None:
+    try:
+        return _call_from_json(json.loads(body), arguments_key)
+    except json.JSONDecodeError:
+        return None
+
+
+def _split_objects(text: str, separator: str) -> list[str]:
+    """JSON objects joined by `separator`; each part as text (an unparsable rest is one last part)."""
+    decoder, parts, position = json.JSONDecoder(), [], 0
+    while position < len(text):
+        try:
+            _, end = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            parts.append(text[position:])
+            break
+        parts.append(text[position:end])
+        position = end
+        while position < len(text) and (text[position].isspace() or text[position] == separator):
+            position += 1
+    return parts
+
+
+TOOL_CALL_PARSERS: dict[str, type[HermesParser] | type[Llama3JsonParser]] = {
+    "hermes": HermesParser,
+    "llama3_json": Llama3JsonParser,
+}
+
+
+# --- forced calls: tool_choice "required" or a named function ---------------------------------------
+
+
+def forced_constraint(tools: list[dict[str, Any]], tool_choice: str | dict[str, Any],
+                      parallel_tool_calls: bool) -> StructuredOutputsParams:
+    """A JSON grammar whose every instance is a valid call. Named: the function's arguments object.
+    Required: a list of {"name", "parameters"} objects, one per call (exactly one unless parallel)."""
+    functions = {tool["function"]["name"]: tool["function"] for tool in tools}
+    if isinstance(tool_choice, dict):
+        schema = _parameters_schema(functions[tool_choice["function"]["name"]])
+        return StructuredOutputsParams(json=schema, error_param="tools")
+    one_call = {"anyOf": [
+        {"type": "object", "properties": {"name": {"const": name}, "parameters": _parameters_schema(function)},
+         "required": ["name", "parameters"], "additionalProperties": False}
+        for name, function in functions.items()
+    ]}
+    calls: dict[str, Any] = {"type": "array", "items": one_call, "minItems": 1}
+    if not parallel_tool_calls:
+        calls["maxItems"] = 1
+    return StructuredOutputsParams(json=calls, error_param="tools")
+
+
+def _parameters_schema(function: dict[str, Any]) -> dict[str, Any]:
+    schema = function.get("parameters")
+    return schema if isinstance(schema, dict) and schema else {"type": "object", "properties": {}}
+
+
+def forced_calls(text: str, tool_choice: str | dict[str, Any]) -> list[ToolCall]:
+    """The calls in a forced output (see forced_constraint); [] if it is incomplete (cut by max_tokens)."""
+    try:
+        payload = json.loads(text)
+    except json.JSONDecodeError:
+        return []
+    if isinstance(tool_choice, dict):
+        return [ToolCall(tool_choice["function"]["name"], json.dumps(payload, ensure_ascii=False))]
+    return [call for item in payload if (call := _call_from_json(item, "parameters")) is not None]
