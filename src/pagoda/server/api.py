@@ -106,8 +106,7 @@ def build_app(state: ServerState) -> FastAPI:
         loaded = _admit(state, body.model)
         prompts = [_encode_prompt(loaded.tokenizer, p) for p in body.prompts()]
         params = _sampling_params(body, body.logprobs)
-        for prompt in prompts:
-            _validate(loaded.engine, prompt, params)
+        await _validate(state, loaded.engine, prompts, params)
         echo = None
         if body.echo:  # the prompt as the user gave it; token-id prompts decoded
             echo = [p if isinstance(p, str) else loaded.tokenizer.decode(p) for p in body.prompts()]
@@ -122,7 +121,7 @@ def build_app(state: ServerState) -> FastAPI:
         loaded = _admit(state, body.model)
         prompt = _render_chat(loaded.tokenizer, body.messages, body.add_generation_prompt)
         params = _sampling_params(body, body.num_logprobs())
-        _validate(loaded.engine, prompt, params)
+        await _validate(state, loaded.engine, [prompt], params)
         return await _respond(Generation(
             kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name, engine=loaded.engine,
             tokenizer=loaded.tokenizer, metrics=loaded.metrics, admission=state.admission, prompts=[prompt],
@@ -161,9 +160,13 @@ def _admit(state: ServerState, model: str | None) -> LoadedModel:
     loaded = state.require_ready()
     if model is not None and model != state.model_name:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+    _require_room(state)
+    return loaded
+
+
+def _require_room(state: ServerState) -> None:
     if state.admission.full:
         raise OpenAIError(429, "the server is at its waiting-queue bound; retry later", headers={"Retry-After": "1"})
-    return loaded
 
 
 def _sampling_params(body: CompletionRequest | ChatCompletionRequest, num_logprobs: int | None) -> SamplingParams:
@@ -190,11 +193,24 @@ def _render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generati
         raise OpenAIError(400, str(error), "messages") from error
 
 
-def _validate(engine: AsyncEngine, prompt: list[int], params: SamplingParams) -> None:
+async def _validate(state: ServerState, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> None:
+    """RequestRejected is a 400. A constrained request's validation compiles its grammar, which can take
+    seconds: it runs off the event loop, and the door is checked again after it, as the wait may have let the
+    server start draining or the waiting queue fill up."""
     try:
-        engine.validate(prompt, params)
+        if params.structured_outputs is None:
+            _validate_all(engine, prompts, params)
+        else:
+            await asyncio.to_thread(_validate_all, engine, prompts, params)
+            state.require_ready()
+            _require_room(state)
     except RequestRejected as error:
         raise OpenAIError(400, str(error), error.param) from error
+
+
+def _validate_all(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> None:
+    for prompt in prompts:
+        engine.validate(prompt, params)
 
 
 async def _respond(generation: Generation, stream: bool, raw: Request):

@@ -6,9 +6,19 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import ErrorDetails, PydanticCustomError
 
 from pagoda.sampling import InvalidParam, SamplingParams
+from pagoda.structured import CONSTRAINT_KINDS, InvalidConstraint, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -32,6 +42,68 @@ def random_id(prefix: str) -> str:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+# --- structured outputs ------------------------------------------------------------------------------
+
+# vLLM's structured_outputs has options besides the constraint. Each is accepted at its default (None or False);
+# any other value asks for something pagoda does not do, and is refused rather than ignored. Honoured whatever
+# their value: disable_fallback (there is no other grammar engine to fall back to) and disable_any_whitespace
+# (JSON is always written on one line with ", " and ": ", which any-whitespace JSON also allows).
+_ALWAYS_HONOURED_OPTIONS = frozenset({"disable_fallback", "disable_any_whitespace"})
+# vLLM's former top-level fields for the same constraints: refused, so that a client written for them does
+# not get unconstrained output.
+_LEGACY_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                         "guided_grammar": "grammar", "guided_decoding_backend": None,
+                         "guided_whitespace_pattern": None}
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's response_format.json_schema. `strict` is accepted either way: the schema is always enforced."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule
+    schema_: dict[str, Any] = Field(alias="schema")  # `schema` would shadow a BaseModel attribute
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), any JSON object, or JSON valid against a schema."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type json_schema, and allowed only with it")
+        return self
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        if self.type == "json_object":
+            return StructuredOutputsParams(json_object=True, error_param="response_format")
+        if self.json_schema is not None:
+            return StructuredOutputsParams(json=self.json_schema.schema_, error_param="response_format")
+        return None
+
+
+def _vllm_structured_outputs(fields: dict[str, Any]) -> StructuredOutputsParams:
+    """vLLM's structured_outputs object; StructuredOutputsParams checks the constraint and names the field."""
+    for key, value in fields.items():
+        at_default = value is None or value is False
+        if key not in CONSTRAINT_KINDS and key not in _ALWAYS_HONOURED_OPTIONS and not at_default:
+            raise InvalidConstraint(f"structured_outputs.{key}", f"structured_outputs.{key} is not supported")
+    return StructuredOutputsParams(**{kind: fields[kind] for kind in CONSTRAINT_KINDS if fields.get(kind) is not None})
+
+
+def _located(error: ErrorDetails) -> str:
+    """One pydantic error as `path.to.field: message`, without pydantic's "Value error, " prefix."""
+    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    return f"{'.'.join(map(str, error['loc']))}: {message}" if error["loc"] else message
 
 
 class SamplingRequest(BaseModel):
@@ -64,6 +136,18 @@ class SamplingRequest(BaseModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(default=None, min_length=1)
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's; checked by StructuredOutputsParams
+
+    @field_validator("response_format", mode="wrap")
+    @classmethod
+    def _name_the_nested_field(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> ResponseFormat | None:
+        """Errors name the field inside response_format (json_schema.name, ...): the error body's param cannot."""
+        try:
+            parsed: ResponseFormat | None = handler(value)
+        except ValidationError as error:
+            raise PydanticCustomError("response_format", "; ".join(map(_located, error.errors()))) from None
+        return parsed
 
     @field_validator("stop")
     @classmethod
@@ -91,11 +175,36 @@ class SamplingRequest(BaseModel):
         return param
 
     def sampling_params(self, num_logprobs: int | None) -> SamplingParams:
-        """The engine's parameters; out of range, an InvalidParam naming the request field."""
+        """The engine's parameters. Raises a ValueError whose `param` names the request field at fault: an
+        InvalidParam for a value out of range or a feature the server lacks, an InvalidConstraint for a
+        malformed output constraint."""
+        self.refuse_unsupported()
         try:
             return self._build_sampling_params(num_logprobs)
         except InvalidParam as error:
             raise error.renamed(self.request_field(error.param)) from error
+        except InvalidConstraint as error:
+            message = str(error)  # some lack a subject ("must contain at least one string"): the field is it
+            if not message.startswith(error.param):
+                raise InvalidConstraint(error.param, f"{error.param}: {message}") from error
+            raise
+
+    def refuse_unsupported(self) -> None:
+        """Raises InvalidParam for a field that asks for what the server cannot do: never ignored silently."""
+        extra = self.model_extra or {}
+        for name, kind in _LEGACY_GUIDED_FIELDS.items():
+            if extra.get(name) is not None:
+                instead = f": use structured_outputs.{kind}" if kind else ""
+                raise InvalidParam(name, f"is not supported{instead}")
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint, from response_format or from vLLM's structured_outputs (not both)."""
+        from_format = self.response_format.constraint() if self.response_format is not None else None
+        if self.structured_outputs is None:
+            return from_format
+        if from_format is not None:
+            raise InvalidConstraint("structured_outputs", "give response_format or structured_outputs, not both")
+        return _vllm_structured_outputs(self.structured_outputs)
 
     def _build_sampling_params(self, num_logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -117,6 +226,7 @@ class SamplingRequest(BaseModel):
             repetition_penalty=self.repetition_penalty,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
             skip_special_tokens=self.skip_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
 
     @property
@@ -174,6 +284,10 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated forms of tools and tool_choice
+    function_call: Literal["none", "auto"] | dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -184,6 +298,11 @@ class ChatCompletionRequest(SamplingRequest):
     def wanted_max_tokens(self) -> int | None:
         return self.max_tokens if self.max_completion_tokens is None else self.max_completion_tokens
 
+    def refuse_unsupported(self) -> None:
+        super().refuse_unsupported()
+        _refuse_tool_calls(self.tools, self.tool_choice, "tools", "tool_choice")
+        _refuse_tool_calls(self.functions, self.function_call, "functions", "function_call")
+
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
@@ -193,6 +312,18 @@ class ChatCompletionRequest(SamplingRequest):
         if param == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
         return param
+
+
+def _refuse_tool_calls(
+    tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, tools_param: str, choice_param: str
+) -> None:
+    """Tool calling is not built: a request that lets the model call a tool is refused rather than answered as
+    if it had no tools. With tool choice "none" the model answers in text, which the server does."""
+    if tools and choice != "none":
+        raise InvalidParam(tools_param, f'cannot be used: tool calling is not supported by this server yet '
+                                        f'(with {choice_param} "none" the model answers in text)')
+    if not tools and (isinstance(choice, dict) or choice == "required"):
+        raise InvalidParam(choice_param, f"asks for a tool call, but no {tools_param} are given")
 
 
 class TokenizeRequest(BaseModel):

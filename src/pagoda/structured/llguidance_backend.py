@@ -66,15 +66,17 @@ class LLGuidanceBackend:
         *,
         cache_size: int = DEFAULT_CACHE_SIZE,
         compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S,
-        any_whitespace: bool = True,
+        any_whitespace: bool = False,
         limits: llguidance.LLParserLimits | None = None,
         mask_threads: int | None = None,
     ) -> None:
         """hf_tokenizer: a fast transformers tokenizer. vocab_size: the model's (its logits' width), which may
         exceed the tokenizer's; ids past the tokenizer are never allowed. eos_token_ids: every id the engine
         stops on; the grammar allows them exactly where it may end. any_whitespace: JSON may put any
-        whitespace between tokens (llguidance's default) rather than none. limits: llguidance's bounds on
-        grammar size and per-step work. mask_threads: workers for `fill_bitmasks` (None: llguidance's default).
+        whitespace between tokens (llguidance's default; a model may then pad with newlines until max_tokens)
+        rather than one line with Python's separators, ", " and ": " (what models write most).
+        limits: llguidance's bounds on grammar size and per-step work. mask_threads: workers for
+        `fill_bitmasks` (None: llguidance's default).
         """
         if not eos_token_ids:
             raise ValueError("eos_token_ids must not be empty: a grammar needs a token that ends it")
@@ -87,7 +89,10 @@ class LLGuidanceBackend:
         self._eos_token_ids = frozenset(eos_token_ids)
         self._cache: LRUCache[CacheKey, LLGuidanceGrammar | _CompileFailure] = LRUCache(cache_size)
         self._compile_timeout_s = compile_timeout_s
-        self._json_options: JsonCompileOptions = {"whitespace_flexible": any_whitespace}
+        self._json_options: JsonCompileOptions = (
+            {"whitespace_flexible": True} if any_whitespace
+            else {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+        )
         self._limits = limits or llguidance.LLParserLimits(verbose_errors=False)
         self._mask_threads = mask_threads
         self._executor: llguidance.LLExecutor | None = None
