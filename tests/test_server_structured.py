@@ -226,11 +226,14 @@ BAD_CHAT_REQUESTS = [
     ({"structured_outputs": "a+"}, "structured_outputs"),
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ({"guided_json": {"type": "object"}}, "guided_json"),
-    # Tool calling, not built yet.
-    ({"tools": TOOLS}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": "required"}, "tools"),
-    ({"tools": TOOLS, "tool_choice": NAMED_TOOL}, "tools"),
+    # Tools: this server runs without auto tool choice, and a forced call excludes other constraints.
+    ({"tools": TOOLS}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}], "tool_choice": "none"}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}],
+      "tool_choice": "required"}, "tools"),
     ({"tool_choice": NAMED_TOOL}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
@@ -263,11 +266,11 @@ def test_bad_completion_constraints_are_400_naming_the_field(server, model, over
     assert server.health() == 200
 
 
-def test_the_client_sees_tool_calling_refused_in_words(client, model):
+def test_the_client_sees_auto_tool_choice_refused_in_words_on_a_server_without_it(client, model):
     with pytest.raises(openai.BadRequestError) as raised:
         chat(client, model, tools=TOOLS)
-    assert raised.value.param == "tools"
-    assert "tool calling is not supported by this server yet" in raised.value.message
+    assert raised.value.param == "tool_choice"
+    assert "--enable-auto-tool-choice" in raised.value.message
 
 
 def test_text_response_format_is_no_constraint(client, model):

@@ -62,6 +62,8 @@ def engine_config_from(args: argparse.Namespace):
 def run_serve(args: argparse.Namespace) -> int:
     from pagoda.server.launcher import serve
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("pagoda serve: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
     args.model = args.model or default_model()
     return serve(
         engine_config_from(args),
@@ -69,6 +71,7 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_key=args.api_key,
         max_waiting_requests=args.max_waiting_requests, drain_timeout=args.shutdown_timeout,
         log_level=args.uvicorn_log_level,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
 
 
@@ -114,6 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer 429 when this many requests are already waiting")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
     serve.add_argument("--uvicorn-log-level", default="warning")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
+                       help="the model's tool-call format, as its chat template teaches it")
     serve.set_defaults(func=run_serve)
 
     generate = commands.add_parser("generate", help="stream one completion to the terminal")

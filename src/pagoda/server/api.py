@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,8 +31,10 @@ from pagoda.server.protocol import (
     now,
     random_id,
 )
+from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,8 @@ class ServerState:
     loaded: LoadedModel | None = None
     draining: bool = False
     load_error: str | None = None
+    # `tool_choice: "auto"`: the parser of the model's own tool-call format (None: auto tool choice is off)
+    tool_call_parser: str | None = None
 
     @property
     def engine(self) -> AsyncEngine | None:
@@ -119,13 +125,15 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
         loaded = _admit(state, body.model)
-        prompt = _render_chat(loaded.tokenizer, body.messages, body.add_generation_prompt)
         params = _sampling_params(body, body.num_logprobs())
+        tool_reader = _tool_reader(state, body)
+        tools = body.tool_dicts() if tool_reader is not None else None  # tool_choice "none": answer in text
+        prompt = _render_chat(loaded.tokenizer, body.messages, body.add_generation_prompt, tools)
         await _validate(state, loaded.engine, [prompt], params)
         return await _respond(Generation(
             kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name, engine=loaded.engine,
             tokenizer=loaded.tokenizer, metrics=loaded.metrics, admission=state.admission, prompts=[prompt],
-            params=params, include_usage=body.include_usage, cache_salt=body.cache_salt,
+            params=params, include_usage=body.include_usage, cache_salt=body.cache_salt, tool_reader=tool_reader,
         ), body.stream, raw)
 
     @app.post("/tokenize")
@@ -170,10 +178,7 @@ def _require_room(state: ServerState) -> None:
 
 
 def _sampling_params(body: CompletionRequest | ChatCompletionRequest, num_logprobs: int | None) -> SamplingParams:
-    try:
-        return body.sampling_params(num_logprobs)
-    except ValueError as error:
-        raise OpenAIError(400, str(error), getattr(error, "param", None)) from error
+    return _openai_call(lambda: body.sampling_params(num_logprobs))
 
 
 def _encode_prompt(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
@@ -182,13 +187,35 @@ def _encode_prompt(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
-def _render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+def _tool_reader(state: ServerState, body: ChatCompletionRequest) -> ToolCallReader | None:
+    """How the choices' text becomes tool calls; None when tools do not apply (no tools, or choice "none")."""
+    choice = _openai_call(body.resolved_tool_choice)
+    if choice == "none":
+        return None
+    if choice == "auto":
+        if state.tool_call_parser is None:
+            raise OpenAIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice '
+                                   'and --tool-call-parser', "tool_choice")
+        return ToolCallReader(parser=TOOL_CALL_PARSERS[state.tool_call_parser]())
+    return ToolCallReader(forced_choice=choice)
+
+
+def _openai_call(function: Callable[[], _T]) -> _T:
+    """function(), with a ValueError naming a request field turned into OpenAI's 400."""
     try:
-        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        return function()
+    except ValueError as error:
+        raise OpenAIError(400, str(error), getattr(error, "param", None)) from error
+
+
+def _render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
+                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+    try:
+        conversation = [m.for_template() for m in messages]
     except ValueError as error:  # a content part that is not text
         raise OpenAIError(400, f"cannot apply the chat template: {error}", "messages") from error
     try:
-        return encode_chat(tokenizer, conversation, add_generation_prompt)
+        return encode_chat(tokenizer, conversation, add_generation_prompt, tools)
     except ChatTemplateError as error:  # no template, or the template rejects the conversation
         raise OpenAIError(400, str(error), "messages") from error
 

@@ -18,14 +18,16 @@ from pagoda.engine.output import CompletionOutput, RequestOutput, Tokenizer, bes
 from pagoda.sampling import SamplingParams
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Kind, OpenAIError, now, usage
+from pagoda.server.tools import ToolCall, ToolCallReader
 
 
 @dataclass
 class ChoiceProgress:
     """What has been sent of one choice so far (streaming sends deltas)."""
 
-    text_length: int = 0
+    text_length: int = 0  # of the content sent (chat with tools: the text that is not a tool call)
     num_tokens: int = 0
+    num_tool_calls: int = 0
     started: bool = False  # chat: the first chunk carries the role
     finished: bool = False
 
@@ -90,6 +92,7 @@ class Generation:
         echo_texts: list[str] | None = None,
         include_usage: bool = False,
         cache_salt: str | None = None,
+        tool_reader: ToolCallReader | None = None,
     ) -> None:
         self.kind, self.response_id, self.model_name = kind, response_id, model_name
         self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
@@ -97,6 +100,7 @@ class Generation:
         self.echo_texts = echo_texts
         self.include_usage = include_usage
         self.cache_salt = cache_salt
+        self.tool_reader = tool_reader  # chat with tools: which text is a tool call
         self.created = now()
         self.finals: dict[int, RequestOutput] = {}
         arrival = time.monotonic()
@@ -189,9 +193,20 @@ class Generation:
             prefix = self.echo_texts[prompt_index] if self.echo_texts else ""
             return {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-        return {"index": index, "message": {"role": "assistant", "content": completion.text},
-                "logprobs": logprobs, "finish_reason": completion.finish_reason,
+        content, calls = self._read_choice(completion)
+        message: dict = {"role": "assistant", "content": content or (None if calls else "")}
+        if calls:
+            message["tool_calls"] = [call.as_openai() for call in calls]
+        return {"index": index, "message": message, "logprobs": logprobs,
+                "finish_reason": _finish_reason(completion.finish_reason, bool(calls)),
                 "stop_reason": completion.stop_reason}
+
+    def _read_choice(self, completion: CompletionOutput) -> tuple[str, list[ToolCall]]:
+        """The choice's content and tool calls so far (all its text is content without tools)."""
+        if self.tool_reader is None:
+            return completion.text, []
+        parsed = self.tool_reader.read(completion.text, completion.finish_reason is not None)
+        return parsed.content, parsed.tool_calls
 
     def _usage(self) -> dict:
         prompt_tokens = sum(len(p) for p in self.prompts)
@@ -208,8 +223,7 @@ class Generation:
             async for prompt_index, output in self._outputs():
                 for completion in output.outputs:
                     state = progress.setdefault((prompt_index, completion.index), ChoiceProgress())
-                    chunk = self._delta_chunk(prompt_index, completion, state)
-                    if chunk is not None:
+                    for chunk in self._delta_chunks(prompt_index, completion, state):
                         yield _event(chunk)
         except OpenAIError as error:
             yield _event(error.body())
@@ -219,16 +233,19 @@ class Generation:
             yield _event(self._chunk([], usage=self._usage()))
         yield "data: [DONE]\n\n"
 
-    def _delta_chunk(self, prompt_index: int, completion: CompletionOutput, state: ChoiceProgress) -> dict | None:
+    def _delta_chunks(self, prompt_index: int, completion: CompletionOutput, state: ChoiceProgress) -> list[dict]:
+        """What the choice has new since the last chunks: its text, then, for each new tool call, a chunk
+        with its id and name and one with its arguments (the shape OpenAI's stream helpers assemble)."""
         if state.finished:
-            return None
-        text = completion.text[state.text_length :]
+            return []
+        content, calls = self._read_choice(completion)
+        text, new_calls = content[state.text_length :], calls[state.num_tool_calls :]
         finish = completion.finish_reason
-        if not text and finish is None:
-            # Nothing to show yet (no token, or a character still incomplete): no empty chunk, and no
-            # role-only chat chunk before there is content (clients time TTFT from the first chunk).
-            # The held tokens' logprobs go out with the next chunk, which starts at state.num_tokens.
-            return None
+        if not text and not new_calls and finish is None:
+            # Nothing to show yet (no token, a character still incomplete, a tool call being written): no
+            # empty chunk, and no role-only chat chunk before there is content (clients time TTFT from the
+            # first chunk). The held tokens' logprobs go out with the next chunk, from state.num_tokens.
+            return []
         logprobs = self._logprobs(completion, state.num_tokens) if completion.logprobs is not None else None
         if self.kind == "completion" and not state.started and self.echo_texts:
             text = self.echo_texts[prompt_index] + text
@@ -236,19 +253,34 @@ class Generation:
                 logprobs = self._with_prompt_logprobs(prompt_index, logprobs)
         index = prompt_index * self.params.n + completion.index
         if self.kind == "completion":
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            choices = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
         else:
-            delta = {"content": text} if text else {}
-            if not state.started:
-                delta = {"role": "assistant", **delta}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            choices = self._chat_deltas(index, text, new_calls, state)
+            choices[0]["logprobs"] = logprobs
+            choices[-1]["finish_reason"] = _finish_reason(finish, state.num_tool_calls + len(new_calls) > 0)
         if finish is not None:
-            choice["stop_reason"] = completion.stop_reason
+            choices[-1]["stop_reason"] = completion.stop_reason
         state.started = True
-        state.text_length = len(completion.text)
+        state.text_length = len(content)
         state.num_tokens = len(completion.token_ids)
+        state.num_tool_calls = len(calls)
         state.finished = finish is not None
-        return self._chunk([choice])
+        return [self._chunk([choice]) for choice in choices]
+
+    def _chat_deltas(self, index: int, text: str, new_calls: list[ToolCall], state: ChoiceProgress) -> list[dict]:
+        """One choice's deltas: the text (with the role, first), then two per new tool call."""
+        delta: dict = {"content": text} if text else {}
+        if not state.started:
+            delta = {"role": "assistant", **delta}
+        deltas = [delta] if delta or not new_calls else []
+        for position, call in enumerate(new_calls, start=state.num_tool_calls):
+            named = {"index": position, "id": call.id, "type": "function",
+                     "function": {"name": call.name, "arguments": ""}}
+            deltas += [{"tool_calls": [named]},
+                       {"tool_calls": [{"index": position, "function": {"arguments": call.arguments}}]}]
+        if deltas and not state.started and "role" not in deltas[0]:
+            deltas[0] = {"role": "assistant", **deltas[0]}
+        return [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
 
     def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
         chunk = {
@@ -317,6 +349,11 @@ def _by_text(pairs: list[tuple[int, float]], decode: Callable[[int], str]) -> di
     for token_id, logprob in pairs:
         result.setdefault(decode(token_id), logprob)
     return result
+
+
+def _finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
+    """OpenAI's: a choice that ends after calling tools ends with "tool_calls"."""
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
 
 
 def _event(payload: dict) -> str:

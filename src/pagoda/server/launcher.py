@@ -82,8 +82,10 @@ def _warm_up(engine: LLMEngine) -> None:
 
 
 def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int, api_key: str | None,
-          max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info") -> int:
-    state = ServerState(model_name=model_name, api_key=api_key, admission=Admission(max_waiting_requests))
+          max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info",
+          tool_call_parser: str | None = None) -> int:
+    state = ServerState(model_name=model_name, api_key=api_key, admission=Admission(max_waiting_requests),
+                        tool_call_parser=tool_call_parser)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
     server = DrainingServer(config, state, drain_timeout)

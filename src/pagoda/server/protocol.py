@@ -18,6 +18,7 @@ from pydantic import (
 from pydantic_core import ErrorDetails, PydanticCustomError
 
 from pagoda.sampling import InvalidParam, SamplingParams
+from pagoda.server.tools import forced_constraint
 from pagoda.structured import CONSTRAINT_KINDS, InvalidConstraint, StructuredOutputsParams
 
 
@@ -277,6 +278,40 @@ class ChatMessage(BaseModel):
             parts.append(part.get("text", ""))
         return "".join(parts)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it: role, text content, and an assistant's `tool_calls` or a
+        tool result's `tool_call_id` / `name` when given."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        extra = self.model_extra or {}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if extra.get(key) is not None:
+                message[key] = extra[key]
+        return message
+
+
+class FunctionDefinition(BaseModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None  # the arguments always follow `parameters` when a call is forced
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
 
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -284,8 +319,9 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None  # with tools, "auto" when not given (OpenAI's default)
+    parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated forms of tools and tool_choice
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
 
@@ -300,8 +336,39 @@ class ChatCompletionRequest(SamplingRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
-        _refuse_tool_calls(self.tools, self.tool_choice, "tools", "tool_choice")
-        _refuse_tool_calls(self.functions, self.function_call, "functions", "function_call")
+        if self.functions and self.function_call != "none":
+            raise InvalidParam("functions", "is not supported: use tools (and tool_choice)")
+        if self.function_call not in (None, "none"):
+            raise InvalidParam("function_call", "is not supported: use tool_choice (and tools)")
+
+    def tool_dicts(self) -> list[dict[str, Any]]:
+        """The tools as OpenAI writes them, for the chat template and the forced-call grammar."""
+        return [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+
+    def resolved_tool_choice(self) -> Literal["none", "auto", "required"] | dict[str, Any]:
+        """How tools apply: "none" (answer in text), "auto" (the model decides) or a forced call ("required",
+        or a named function as a dict). Raises InvalidParam for a choice the tools cannot satisfy."""
+        choice = self.tool_choice
+        if not self.tools:
+            if choice == "required" or isinstance(choice, NamedToolChoice):
+                raise InvalidParam("tool_choice", "asks for a tool call, but no tools are given")
+            return "none"
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {tool.function.name for tool in self.tools}:
+                raise InvalidParam("tool_choice", f"names the function {choice.function.name!r}, which is not "
+                                                  f"among the tools")
+            return choice.model_dump()
+        return choice or "auto"
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        choice = self.resolved_tool_choice()
+        constraint = super().structured_outputs_params()
+        if choice == "required" or isinstance(choice, dict):
+            if constraint is not None:
+                raise InvalidConstraint("tool_choice", "a forced tool call cannot be combined with "
+                                                       "response_format or structured_outputs")
+            return forced_constraint(self.tool_dicts(), choice, self.parallel_tool_calls)
+        return constraint
 
     def num_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -312,18 +379,6 @@ class ChatCompletionRequest(SamplingRequest):
         if param == "max_tokens" and self.max_completion_tokens is not None:
             return "max_completion_tokens"
         return param
-
-
-def _refuse_tool_calls(
-    tools: list[dict[str, Any]] | None, choice: str | dict[str, Any] | None, tools_param: str, choice_param: str
-) -> None:
-    """Tool calling is not built: a request that lets the model call a tool is refused rather than answered as
-    if it had no tools. With tool choice "none" the model answers in text, which the server does."""
-    if tools and choice != "none":
-        raise InvalidParam(tools_param, f'cannot be used: tool calling is not supported by this server yet '
-                                        f'(with {choice_param} "none" the model answers in text)')
-    if not tools and (isinstance(choice, dict) or choice == "required"):
-        raise InvalidParam(choice_param, f"asks for a tool call, but no {tools_param} are given")
 
 
 class TokenizeRequest(BaseModel):

@@ -172,3 +172,20 @@ def forced_calls(text: str, tool_choice: str | dict[str, Any]) -> list[ToolCall]
     if isinstance(tool_choice, dict):
         return [ToolCall(tool_choice["function"]["name"], json.dumps(payload, ensure_ascii=False))]
     return [call for item in payload if (call := _call_from_json(item, "parameters")) is not None]
+
+
+@dataclass(frozen=True)
+class ToolCallReader:
+    """How a chat choice's text becomes content and tool calls: the model's own format (`tool_choice` "auto",
+    read by `parser`) or a forced call (`forced_choice`: "required" or a named function)."""
+
+    parser: ToolCallParser | None = None
+    forced_choice: str | dict[str, Any] | None = None
+
+    def read(self, text: str, finished: bool) -> ParsedOutput:
+        if self.parser is not None:
+            return self.parser.parse(text, finished)
+        if not finished or self.forced_choice is None:
+            return ParsedOutput("", [])  # a forced call is JSON: it is read whole, at the end
+        calls = forced_calls(text, self.forced_choice)
+        return ParsedOutput("" if calls else text, calls)  # cut short (length): what was written, as text
