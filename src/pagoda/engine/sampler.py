@@ -169,15 +169,22 @@ def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     if meta.grammar_bitmask is not None:
-        if logits is raw_logits:  # logprobs stay the raw distribution's
-            logits = logits.clone()
-        apply_bitmask(logits, meta.grammar_bitmask, meta.grammar_rows)
+        logits = _apply_grammar_masks(logits, meta.grammar_bitmask, meta.grammar_rows)
     token_ids = logits.argmax(dim=-1)
     if meta.random_rows.numel():
         scaled = _filter(logits[meta.random_rows] / meta.temperature[:, None], meta)
         noise = gumbel_noise(meta.draw_seeds, logits.shape[1])
         token_ids[meta.random_rows] = (scaled + noise).argmax(dim=-1)
     return SamplerOutput(token_ids.tolist(), _logprobs(raw_logits, token_ids, meta))
+
+
+def _apply_grammar_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """Logits with the constrained rows masked (a new tensor: logprobs stay the raw distribution's).
+    bitmask row i is the mask of logits row rows[i]: it is applied to the constrained rows gathered."""
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    constrained = logits.index_select(0, index)
+    apply_bitmask(constrained, bitmask)
+    return logits.index_copy(0, index, constrained)
 
 
 def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata) -> list[dict[int, float] | None]:
