@@ -4,12 +4,13 @@ write the defaults; `build_engine_config` (behind `LLM(...)`); and the CLI's fla
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from pagoda.cli import build_parser, engine_config_from
-from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig
+from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.entrypoints import ENGINE_OPTIONS, FIELD_NAMES, build_engine_config
 
 MODEL = "some/model-dir"
@@ -28,12 +29,14 @@ OPTIONS = {
     "max_model_len": 512,
     "max_num_seqs": 8,
     "max_num_batched_tokens": 1024,
+    "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
+                           "prompt_lookup_max": 4, "disable_by_batch_size": 8},
 }
 FLAGS = [
     "--dtype", "bfloat16", "--device", "meta", "--seed", "7", "--quantization", "int8", "--no-use-kernels",
     "--block-size", "32", "--kv-cache-memory-bytes", "3M", "--num-kv-blocks", "100",
     "--no-enable-prefix-caching", "--max-model-len", "512", "--max-num-seqs", "8",
-    "--max-num-batched-tokens", "1024",
+    "--max-num-batched-tokens", "1024", "--speculative-config", json.dumps(OPTIONS["speculative_config"]),
 ]
 
 
@@ -57,6 +60,8 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
     assert given.cache == CacheConfig(block_size=32, kv_cache_memory_bytes=3 << 20, num_blocks=100,
                                       enable_prefix_caching=False)
     assert given.scheduler == SchedulerConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=1024)
+    assert given.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
+                                                         prompt_lookup_max=4, disable_by_batch_size=8)
 
 
 def test_every_config_field_has_an_option():
@@ -78,3 +83,55 @@ def test_sizes_must_be_positive_whichever_surface_gives_them(option):
 def test_an_unknown_option_is_a_type_error_naming_it():
     with pytest.raises(TypeError, match="max_batch_size"):
         build_engine_config(MODEL, max_batch_size=4)
+
+
+def spec_from_every_surface(options: dict) -> list[SpeculativeConfig | None]:
+    """The SpeculativeConfig that LLM(...) and `pagoda serve` / `generate` make of one JSON object."""
+    flags = ["--speculative-config", json.dumps(options)]
+    return [build_engine_config(MODEL, speculative_config=options).speculative_config,
+            cli_config("serve", *flags).speculative_config, cli_config("generate", *flags).speculative_config]
+
+
+@pytest.mark.parametrize(("given", "lookup"), [
+    ({}, (5, 5)),  # vLLM's defaults
+    ({"prompt_lookup_max": 3}, (3, 3)),  # one given: the other takes its value
+    ({"prompt_lookup_min": 2}, (2, 2)),
+    ({"prompt_lookup_min": 1, "prompt_lookup_max": 4}, (1, 4)),
+])
+def test_speculative_config_resolves_vllms_lookup_defaults_the_same_everywhere(given, lookup):
+    options = {"method": "ngram", "num_speculative_tokens": 2, **given}
+    for config in spec_from_every_surface(options):
+        assert config is not None and (config.prompt_lookup_min, config.prompt_lookup_max) == lookup
+        assert config == SpeculativeConfig(method="ngram", num_speculative_tokens=2,
+                                           prompt_lookup_min=lookup[0], prompt_lookup_max=lookup[1])
+        assert config.disable_by_batch_size is None
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"method": "draft_model", "model": "some/draft", "num_speculative_tokens": 3},
+     "'draft_model' is not supported yet"),
+    ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not supported yet"),
+    ({"model": "some/draft", "num_speculative_tokens": 3}, "a draft model is not supported yet"),
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be positive"),
+    ({"method": "ngram", "num_speculative_tokens": 2.5}, "must be an integer"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_max .* at least prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be positive"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+     "disable_by_batch_size must be positive"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+     "unsupported key.*draft_tensor_parallel_size"),
+])
+def test_bad_speculative_configs_are_refused_at_start_up_by_every_surface(options, message):
+    with pytest.raises(ValueError, match=message):
+        build_engine_config(MODEL, speculative_config=options)
+    with pytest.raises(ValueError, match=message):
+        cli_config("serve", "--speculative-config", json.dumps(options))
+
+
+def test_speculative_config_flag_takes_only_a_json_object(capsys):
+    for text in ("not json", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            cli_config("serve", "--speculative-config", text)
+        assert "--speculative-config" in capsys.readouterr().err

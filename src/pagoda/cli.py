@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 
@@ -36,6 +37,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="KV pool size in bytes (suffixes K, M, G: 2G = 2 GiB)")
     parser.add_argument("--num-kv-blocks", type=int, help="explicit pool size in blocks")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--speculative-config", type=_json_object,
+                        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4}\' (docs/speculative.md)')
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice, one per physical core)")
 
@@ -46,6 +50,16 @@ def _bytes(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def engine_config_from(args: argparse.Namespace):

@@ -6,7 +6,9 @@ every option they are not given (see entrypoints.build_engine_config).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import torch
 
@@ -92,6 +94,82 @@ class SchedulerConfig:
         _require_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
 
 
+# The speculative decoding methods built; vLLM's others ("draft_model", "eagle", ...) are refused by name.
+SPECULATIVE_METHODS = ("ngram",)
+# vLLM's default n-gram length when neither prompt_lookup_min nor prompt_lookup_max is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, with vLLM's `speculative_config` names (docs/speculative.md). Speculation
+    never changes the output: it only lets one step produce several of the tokens decoding would give.
+
+    prompt_lookup_min/max: the n-gram lengths the "ngram" method tries, longest first. As in vLLM, when
+    only one is given the other takes its value, and when neither is, both are 5.
+    disable_by_batch_size: no drafts in a step that starts with more running requests than this.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_speculative_method(self.method)
+        _require_positive(self, "num_speculative_tokens")
+        given_min, given_max = self.prompt_lookup_min, self.prompt_lookup_max
+        low = given_min if given_min is not None else given_max if given_max is not None else DEFAULT_PROMPT_LOOKUP
+        high = given_max if given_max is not None else low
+        # Frozen: the resolved lengths are written once, here, so that equal settings compare equal.
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        _require_positive(self, "prompt_lookup_min")
+        if high < low:
+            raise ValueError(f"prompt_lookup_max ({high}) must be at least prompt_lookup_min ({low})")
+        if self.disable_by_batch_size is not None:
+            _require_positive(self, "disable_by_batch_size")
+
+    @classmethod
+    def from_dict(cls, options: Mapping[str, Any]) -> SpeculativeConfig:
+        """vLLM's JSON object. Keys pagoda does not take are refused by name, never ignored."""
+        method = options.get("method")
+        if not isinstance(method, str):
+            hint = "; a draft model is not supported yet" if "model" in options else ""
+            raise ValueError(f"speculative_config needs a method, one of: {', '.join(SPECULATIVE_METHODS)}{hint}")
+        _check_speculative_method(method)  # before the keys: another method's keys are not the problem
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(names))
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unsupported key(s) {', '.join(unknown)}; pagoda takes {', '.join(names)}"
+            )
+        if "num_speculative_tokens" not in options:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        for name in names[1:]:
+            value = options.get(name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"speculative_config: {name} must be an integer, got {value!r}")
+        return cls(**options)
+
+
+def _check_speculative_method(method: str) -> None:
+    if method not in SPECULATIVE_METHODS:
+        raise ValueError(
+            f"speculative decoding method {method!r} is not supported yet; supported: {', '.join(SPECULATIVE_METHODS)}"
+        )
+
+
+def speculative_config_from(value: SpeculativeConfig | Mapping[str, Any] | None) -> SpeculativeConfig | None:
+    """`speculative_config` as LLM(...) and the CLI take it: a vLLM-shaped dict, a SpeculativeConfig or None."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    return SpeculativeConfig.from_dict(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
@@ -102,3 +180,4 @@ class EngineConfig:
     use_kernels: bool = True  # pagoda's native CPU kernels where they apply (False: the torch reference)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype
+from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype, speculative_config_from
 from pagoda.engine.engine import LLMEngine
 from pagoda.engine.output import RequestOutput
 from pagoda.sampling import SamplingParams
@@ -15,7 +15,7 @@ Prompt = str | list[int]
 
 
 # The engine options, by vLLM's names, grouped by the part of EngineConfig they set.
-TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "use_kernels")
+TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "use_kernels", "speculative_config")
 CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching")
 SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
 ENGINE_OPTIONS = TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS
@@ -32,6 +32,8 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
         raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
     if "dtype" in options:
         options["dtype"] = parse_dtype(options["dtype"])
+    if "speculative_config" in options:  # vLLM's JSON object (a dict), or a SpeculativeConfig
+        options["speculative_config"] = speculative_config_from(options["speculative_config"])
     return EngineConfig(
         model=str(model),
         **_given(options, TOP_LEVEL_OPTIONS),

@@ -14,6 +14,7 @@ from pagoda.engine.output import IncrementalDetokenizer, RequestOutput, Sequence
 from pagoda.engine.request import FinishReason, Request
 from pagoda.engine.runner import ModelRunner, PromptLogprobsChunk
 from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.speculative import SpecDecodeStats, Speculator
 from pagoda.engine.structured import StructuredOutputs
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model
@@ -87,6 +88,7 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM counts in tokens)
     prefix_cache_hits: int = 0  # of which served from the prefix cache
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is not configured
 
 
 class LLMEngine:
@@ -105,7 +107,9 @@ class LLMEngine:
         max_model_len = self._fit_max_model_len(model_max_len, num_blocks * config.cache.block_size)
         self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache)
+        speculative = config.speculative_config
+        self.speculator = None if speculative is None else Speculator(speculative)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache, self.speculator)
         self.eos_token_ids = self._eos_token_ids()
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
         self.runner = ModelRunner(self.model, num_blocks, config.cache.block_size, config.device, self.structured)
@@ -240,7 +244,13 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
+            spec_decode=self._spec_decode_stats(),
         )
+
+    def _spec_decode_stats(self) -> SpecDecodeStats | None:
+        if self.speculator is None:
+            return None
+        return self.scheduler.spec_decode.snapshot(self.speculator.config.num_speculative_tokens)
 
     def reset_prefix_cache(self) -> int:
         """Forgets the prefix cache's free blocks (blocks in use keep theirs); returns how many."""
@@ -253,12 +263,14 @@ class LLMEngine:
         failed, self._failed = self._failed, []
         return {group.request_id: group.failure for group in failed if group.failure is not None}
 
-    def _make_outputs(self, advanced: list[Request], logprobs: dict[str, dict[int, float]]) -> list[RequestOutput]:
+    def _make_outputs(
+        self, advanced: list[tuple[Request, int]], logprobs: dict[str, list[dict[int, float]]]
+    ) -> list[RequestOutput]:
         groups: dict[str, RequestGroup] = {}  # in order of first appearance
-        for request in advanced:
+        for request, num_new in advanced:
             group = groups.setdefault(request.group_id, self._groups[request.group_id])
             try:
-                self._process_token(group.sequences[request.sample_index], logprobs.get(request.request_id))
+                self._process_tokens(group.sequences[request.sample_index], num_new, logprobs.get(request.request_id))
             except Exception as error:  # one request's fault must not take the others down
                 logger.exception("request %s failed", request.group_id)
                 group.failure = error
@@ -274,25 +286,47 @@ class LLMEngine:
                 del self._groups[group.request_id]
         return outputs
 
-    def _process_token(self, sequence: SequenceText, logprobs: dict[int, float] | None) -> None:
+    def _process_tokens(self, sequence: SequenceText, num_new: int, logprobs: list[dict[int, float]] | None) -> None:
+        """The step's new tokens through logprobs, grammar and text, one at a time as decoding would see
+        them; a stop found before the last one (a stop string, the grammar's end) drops the rest."""
+        request = sequence.request
+        first = request.num_output_tokens - num_new
+        # The scheduler's stop checks (eos, stop ids, length) cut the run at the token that ended it.
+        ended_by_scheduler = request.is_finished
+        for index in range(num_new):
+            last = index == num_new - 1
+            row_logprobs = None if logprobs is None else logprobs[index]
+            if self._process_token(sequence, first + index, row_logprobs, ended_by_scheduler and last) and not last:
+                request.truncate_output(first + index + 1)
+                return
+
+    def _process_token(
+        self, sequence: SequenceText, position: int, logprobs: dict[int, float] | None, ended: bool
+    ) -> bool:
+        """One new token; `ended`: the scheduler ended the request at it. Returns whether the token ends the
+        output here by the grammar's end or a stop string (which then is the reason shown, also when the
+        same token reached max_tokens)."""
         request = sequence.request
         if logprobs is not None:
             request.output_logprobs.append(logprobs)
-        token_id = request.output_token_ids[-1]
-        if request.grammar is not None and not request.is_finished:
-            self._advance_grammar(request, request.grammar, token_id)
+        token_id = request.output_token_ids[position]
+        grammar_ended = request.grammar is not None and not ended and self._advance_grammar(request.grammar, token_id)
+        if grammar_ended:
+            self._stop(request, None)
         stop = sequence.add_token(token_id)
         if stop is not None:
-            self.scheduler.finish(request, FinishReason.STOP)
-            # Also when the same token reached max_tokens: the stop string is the reason shown.
-            request.finish_reason, request.stop_reason = FinishReason.STOP, stop
+            self._stop(request, stop)
+        return grammar_ended or stop is not None
 
-    def _advance_grammar(self, request: Request, grammar: GrammarMatcher, token_id: int) -> None:
-        """The sampled token through the request's grammar; where the grammar ends, so does the request."""
+    def _stop(self, request: Request, stop_reason: str | None) -> None:
+        self.scheduler.finish(request, FinishReason.STOP)
+        request.finish_reason, request.stop_reason = FinishReason.STOP, stop_reason
+
+    def _advance_grammar(self, grammar: GrammarMatcher, token_id: int) -> bool:
+        """The kept token through the request's grammar; True where the grammar ends (and so the request)."""
         if not grammar.accept_tokens([token_id]):  # the mask allowed it: a refusal is the grammar engine's fault
             raise GrammarStateError(f"the grammar refused token {token_id} that its own mask allowed")
-        if grammar.is_terminated():
-            self.scheduler.finish(request, FinishReason.STOP)
+        return grammar.is_terminated()
 
     def _release_deferred(self, group: RequestGroup) -> None:
         """The first sample has its first token, so its prompt blocks are cached: queue the rest first, in order."""

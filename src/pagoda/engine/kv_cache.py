@@ -85,13 +85,16 @@ class BlockPool:
                 del self.free_queue[block.block_id]
             block.ref_count += 1
 
-    def release(self, blocks: Sequence[Block]) -> None:
-        """Drops one reference from each block; blocks reaching zero join the LRU tail in this order."""
+    def release(self, blocks: Sequence[Block], front: bool = False) -> None:
+        """Drops one reference from each block; blocks reaching zero join the LRU tail in this order (with
+        `front`, the head, to be taken first: for blocks holding nothing worth keeping)."""
         for block in blocks:
             block.ref_count -= 1
             assert block.ref_count >= 0, f"block {block.block_id} released twice"
             if block.ref_count == 0:
                 self.free_queue[block.block_id] = None
+                if front:
+                    self.free_queue.move_to_end(block.block_id, last=False)
 
     def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent: BlockParent) -> Block | None:
         block = self.cached.get(block_hash)
@@ -190,6 +193,23 @@ class KVCacheManager:
         for index in range(len(chain), num_full):
             parent = chain[-1].identity if chain else _root(request)
             chain.append(self.pool.register(blocks[index], hashes[index], self._block_tokens(request, index), parent))
+
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Frees the request's blocks past those that hold its first `num_tokens` positions: after a
+        speculative step, blocks taken only for the slots of rejected drafts.
+
+        Such blocks were never cached (a block is cached once full of computed, kept tokens, and
+        num_tokens is past those), so they go to the head of the free queue, ahead of cached blocks.
+        """
+        blocks = self._blocks.get(request.request_id, [])
+        num_kept = -(-num_tokens // self.block_size)
+        if len(blocks) <= num_kept:
+            return
+        assert num_kept >= len(self._chains.get(request.request_id, ())), "rollback would free a cached block"
+        surplus = blocks[num_kept:]
+        del blocks[num_kept:]
+        self.pool.release(surplus, front=True)
+        request.block_ids = [block.block_id for block in blocks]
 
     def free(self, request: Request) -> None:
         """Returns a finished, aborted or preempted request's blocks to the pool.

@@ -96,6 +96,12 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 
+    def truncate_output(self, num_tokens: int) -> None:
+        """Keeps the first `num_tokens` output tokens: a stop found inside a speculative step's run of
+        tokens ends the output there, as it would have one token at a time."""
+        del self.output_token_ids[num_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_tokens :]
+
     def check_stop(self) -> FinishReason | None:
         """Why the last token ends the request (None if it does not); a stop token becomes the stop_reason.
 

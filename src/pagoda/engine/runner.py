@@ -1,7 +1,10 @@
 """ModelRunner: SchedulerOutput -> flat batch tensors -> model forward -> sampled tokens.
 
 Owns the paged KV cache tensors. Logits are computed only for rows that sample: the last token of a
-prefill chunk that reaches the end of the prompt, and every decode.
+prefill chunk that reaches the end of the prompt, every decode, and a speculating request's last known
+token and each of its drafts. A speculating request's tokens attend as that many one-token decodes, each
+seeing the keys up to its own position: every position is then computed exactly as decoding computes it
+(same path, same rounding, in every dtype), and a decode-only step stays one for the native decode stack.
 """
 
 from __future__ import annotations
@@ -11,8 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagoda.engine.request import Request
-from pagoda.engine.sampler import build_sampling_metadata, sample, top_logprobs
+from pagoda.engine.sampler import SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.engine.structured import StructuredOutputs
 from pagoda.model.attention import build_metadata
@@ -25,8 +27,9 @@ PromptLogprobsChunk = tuple[int, list[dict[int, float]]]
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: dict[str, int]  # request id -> new token id
-    logprobs: dict[str, dict[int, float]]  # request id -> {chosen id: lp, top ids: lp}, when asked
+    # request id -> the token sampled at each position: one, or 1 + len(drafts) for a speculating request
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[dict[int, float]]]  # request id -> per position {chosen id: lp, top ids: lp}, when asked
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # by request id
 
 
@@ -53,19 +56,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         scheduled = scheduler_output.scheduled
-        input_ids = []
-        for item in scheduled:
-            start = item.request.num_computed_tokens
-            input_ids += item.request.all_token_ids[start : start + item.num_tokens]
-        sampling_requests = [item.request for item in scheduled if item.samples]
-        masks = self._start_grammar_masks(sampling_requests)
-        meta = build_metadata(
-            query_lens=[item.num_tokens for item in scheduled],
-            seq_lens=[item.request.num_computed_tokens + item.num_tokens for item in scheduled],
-            block_tables=[item.request.block_ids for item in scheduled],
-            block_size=self.block_size,
-            windows=self.windows,
-        )
+        input_ids = [token_id for item in scheduled for token_id in item.input_token_ids()]
+        rows = _sample_rows(scheduled)
+        masks = self._start_grammar_masks(scheduled)
+        query_lens, seq_lens, block_tables = _attention_layout(scheduled)
+        meta = build_metadata(query_lens, seq_lens, block_tables, self.block_size, self.windows)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.long, device=self.device),
             meta.positions.to(self.device),
@@ -73,26 +68,31 @@ class ModelRunner:
             meta,
         )
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
-        if not sampling_requests:
+        if not rows:
             return ModelRunnerOutput({}, {}, prompt_logprobs)
-        sampling_rows, row = [], 0
-        for item in scheduled:
-            row += item.num_tokens
-            if item.samples:
-                sampling_rows.append(row - 1)
-        logits = self.model.compute_logits(hidden[torch.tensor(sampling_rows, device=self.device)])
+        logits = self.model.compute_logits(hidden[torch.tensor(_sampling_indices(scheduled), device=self.device)])
         bitmask = None if masks is None else masks.result()
-        result = sample(logits, build_sampling_metadata(sampling_requests, logits.shape[1], bitmask))
-        ids = [r.request_id for r in sampling_requests]
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs) if lp is not None}
-        return ModelRunnerOutput(dict(zip(ids, result.token_ids)), logprobs, prompt_logprobs)
+        result = sample(logits, build_sampling_metadata(rows, logits.shape[1], bitmask))
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[dict[int, float]]] = {}
+        for row, token_id, row_logprobs in zip(rows, result.token_ids, result.logprobs):
+            request_id = row.request.request_id
+            sampled.setdefault(request_id, []).append(token_id)
+            if row_logprobs is not None:
+                logprobs.setdefault(request_id, []).append(row_logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
-    def _start_grammar_masks(self, sampling_requests: list[Request]) -> Future[torch.Tensor] | None:
-        """The constrained requests' masks, being filled on the mask thread (None: nobody is constrained)."""
-        matchers = [r.grammar for r in sampling_requests if r.grammar is not None]
-        if not matchers or self.structured is None:
+    def _start_grammar_masks(self, scheduled: list[ScheduledRequest]) -> Future[torch.Tensor] | None:
+        """The constrained rows' masks, being filled on the mask thread (None: nobody is constrained)."""
+        constrained = [
+            (item.request.grammar, item.draft_token_ids)
+            for item in scheduled
+            if item.samples and item.request.grammar is not None
+        ]
+        if not constrained or self.structured is None:
             return None
-        return self._mask_worker.submit(self.structured.fill_bitmask, matchers)
+        matchers, drafts = [matcher for matcher, _ in constrained], [draft for _, draft in constrained]
+        return self._mask_worker.submit(self.structured.fill_bitmask, matchers, drafts)
 
     def _prompt_logprobs(
         self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
@@ -109,3 +109,38 @@ class ModelRunner:
                 result[request.request_id] = (start, top_logprobs(logits, targets, k))
             row += item.num_tokens
         return result
+
+
+def _attention_layout(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int], list[list[int]]]:
+    """Per attention query, in flat-batch order: its length, its sequence length (this step's tokens
+    included) and its block table. A speculating request gives one one-token query per position; the
+    backend writes the whole step's K/V before any query attends, so each sees the drafts before it."""
+    query_lens, seq_lens, block_tables = [], [], []
+    for item in scheduled:
+        start, block_ids = item.request.num_computed_tokens, item.request.block_ids
+        lengths = [1] * item.num_tokens if item.draft_token_ids else [item.num_tokens]
+        for length in lengths:
+            start += length
+            query_lens.append(length)
+            seq_lens.append(start)
+            block_tables.append(block_ids)
+    return query_lens, seq_lens, block_tables
+
+
+def _sample_rows(scheduled: list[ScheduledRequest]) -> list[SampleRow]:
+    """The step's rows to sample, in batch order: one per sampled position of each request."""
+    return [
+        SampleRow(item.request, item.draft_token_ids[:position])
+        for item in scheduled
+        for position in range(item.num_samples)
+    ]
+
+
+def _sampling_indices(scheduled: list[ScheduledRequest]) -> list[int]:
+    """Rows of the flat batch whose logits are sampled: each request's last num_samples tokens."""
+    indices: list[int] = []
+    end = 0
+    for item in scheduled:
+        end += item.num_tokens
+        indices += range(end - item.num_samples, end)
+    return indices

@@ -4,10 +4,15 @@ Randomness is a pure function of (request seed, output position): each sampled r
 noise from a generator seeded with a hash of the two, and the sample is argmax(logits / T + gumbel).
 So a seeded request gives the same tokens whatever else shares its batch, and after a preemption
 recomputes it. Greedy rows draw nothing.
+
+A speculating request samples several rows in one step, one per position; each row sees the output as
+it would stand at its position (the drafts before it counted as output), so each samples what
+non-speculative decoding would sample there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +52,27 @@ class PenaltyMetadata:
     bias: torch.Tensor  # [B, V] additive logit bias, with -inf on tokens banned until min_tokens
 
 
+@dataclass(frozen=True)
+class SampleRow:
+    """One row to sample: a request at one output position, with the drafts before that position this step."""
+
+    request: Request
+    drafts_before: Sequence[int] = ()
+
+    @property
+    def position(self) -> int:
+        """The output position this row samples."""
+        return self.request.num_output_tokens + len(self.drafts_before)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return [*self.request.output_token_ids, *self.drafts_before]
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.request.all_token_ids, *self.drafts_before]
+
+
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
@@ -54,23 +80,26 @@ class SamplerOutput:
 
 
 def build_sampling_metadata(
-    requests: list[Request], vocab_size: int, grammar_bitmask: torch.Tensor | None = None
+    rows: Sequence[Request | SampleRow], vocab_size: int, grammar_bitmask: torch.Tensor | None = None
 ) -> SamplingMetadata:
-    """grammar_bitmask: the allowed tokens of the constrained requests (those with a grammar), in order."""
-    rows = [i for i, r in enumerate(requests) if r.params.temperature >= GREEDY_EPS]
-    params = [requests[i].params for i in rows]
+    """rows: a Request samples at its next output position. grammar_bitmask: the allowed tokens of the
+    constrained rows (those whose request has a grammar), in order."""
+    sample_rows = [row if isinstance(row, SampleRow) else SampleRow(row) for row in rows]
+    requests = [row.request for row in sample_rows]
+    random = [i for i, r in enumerate(requests) if r.params.temperature >= GREEDY_EPS]
+    params = [requests[i].params for i in random]
     use_top_k = any(0 < p.top_k < vocab_size for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)
     use_min_p = any(p.min_p > 0.0 for p in params)
     return SamplingMetadata(
-        random_rows=torch.tensor(rows, dtype=torch.long),
+        random_rows=torch.tensor(random, dtype=torch.long),
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
         top_k=torch.tensor([p.top_k if p.top_k > 0 else vocab_size for p in params]) if use_top_k else None,
         top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32) if use_top_p else None,
         min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32) if use_min_p else None,
-        draw_seeds=[_draw_seed(requests[i].seed, requests[i].num_output_tokens) for i in rows],
+        draw_seeds=[_draw_seed(requests[i].seed, sample_rows[i].position) for i in random],
         num_logprobs=[r.params.logprobs for r in requests],
-        penalties=_build_penalties(requests, vocab_size),
+        penalties=_build_penalties(sample_rows, vocab_size),
         grammar_rows=[i for i, r in enumerate(requests) if r.grammar is not None],
         grammar_bitmask=grammar_bitmask,
     )
@@ -84,33 +113,35 @@ def _draw_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
-def _needs_penalties(request: Request) -> bool:
-    p = request.params
+def _needs_penalties(row: SampleRow) -> bool:
+    p = row.request.params
     return bool(
         p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0 or p.logit_bias
-        or (p.min_tokens and request.num_output_tokens < p.min_tokens)
+        or (p.min_tokens and row.position < p.min_tokens)
     )
 
 
-def _build_penalties(requests: list[Request], vocab_size: int) -> PenaltyMetadata | None:
-    if not any(_needs_penalties(r) for r in requests):
+def _build_penalties(rows: list[SampleRow], vocab_size: int) -> PenaltyMetadata | None:
+    if not any(_needs_penalties(row) for row in rows):
         return None
-    batch = len(requests)
+    batch = len(rows)
     counts = torch.zeros(batch, vocab_size)
     seen = torch.zeros(batch, vocab_size, dtype=torch.bool)
     bias = torch.zeros(batch, vocab_size)
-    for row, request in enumerate(requests):
-        p = request.params
-        if request.output_token_ids:
-            ids = torch.tensor(request.output_token_ids)
-            counts[row].index_add_(0, ids, torch.ones(len(ids)))
+    for index, row in enumerate(rows):
+        request, p = row.request, row.request.params
+        output_token_ids = row.output_token_ids
+        if output_token_ids:
+            ids = torch.tensor(output_token_ids)
+            counts[index].index_add_(0, ids, torch.ones(len(ids)))
         if p.repetition_penalty != 1.0:
-            seen[row, torch.tensor(request.all_token_ids)] = True
+            seen[index, torch.tensor(row.all_token_ids)] = True
         for token_id, value in (p.logit_bias or {}).items():
-            bias[row, token_id] += value
-        if request.num_output_tokens < p.min_tokens:
+            bias[index, token_id] += value
+        if row.position < p.min_tokens:
             banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(request.eos_token_ids))
-            bias[row, list(banned)] = float("-inf")
+            bias[index, list(banned)] = float("-inf")
+    requests = [row.request for row in rows]
     return PenaltyMetadata(
         output_counts=counts,
         seen=seen,

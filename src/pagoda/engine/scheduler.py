@@ -3,29 +3,52 @@
 Each step hands out `max_num_batched_tokens`: running requests first (a decode costs one token, an
 unfinished prefill its next chunk), then waiting requests in arrival order, whose prompts may be cut
 into chunks. When blocks run out, the newest running request is preempted (its blocks freed, to be
-recomputed later) and goes back to the front of the queue. Pure Python; no torch.
+recomputed later) and goes back to the front of the queue. Speculative drafts come after the running
+requests, from what is left of the budget and the free blocks: speculation never preempts anyone.
+Pure Python; no torch.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.kv_cache import KVCacheManager
 from pagoda.engine.request import FinishReason, Request, RequestStatus
+from pagoda.engine.speculative import DraftSource, SpecDecodeCounters, accept_drafts
 
 
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens
+    num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens; drafts included
+    # Guessed tokens computed after the known ones (a decode only): the target samples at each of them too.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_known_tokens(self) -> int:
+        return self.num_tokens - len(self.draft_token_ids)
 
     @property
     def samples(self) -> bool:
         """Does this step reach the request's last known token, so that the next one is sampled?"""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_known_tokens == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_known_tokens == 1 and self.samples
+
+    @property
+    def num_samples(self) -> int:
+        """Positions sampled this step: the one after the known tokens, and one after each draft."""
+        return 1 + len(self.draft_token_ids) if self.samples else 0
+
+    def input_token_ids(self) -> list[int]:
+        start = self.request.num_computed_tokens
+        return self.request.all_token_ids[start : start + self.num_known_tokens] + self.draft_token_ids
 
 
 @dataclass
@@ -43,15 +66,17 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, drafts: DraftSource | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.draft_source = drafts  # None: no speculative decoding
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens of admitted requests (vLLM counts in tokens)
         self.prefix_cache_hits = 0  # of which served from the prefix cache
+        self.spec_decode = SpecDecodeCounters()
 
     def add_request(self, request: Request, front: bool = False) -> None:
         if front:
@@ -68,11 +93,27 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        # Drafts are asked for before anything moves: for the requests running as the step starts.
+        drafts = {} if self.draft_source is None else self.draft_source.drafts(self.running)
         budget = self._schedule_running(output, budget)
-        # After a preemption the pool is tight: admitting new work would only thrash.
+        # After a preemption the pool is tight: admitting new work (or speculating) would only thrash.
         if not output.preempted:
+            budget = self._schedule_drafts(output, budget, drafts)
             self._schedule_waiting(output, budget)
         return output
+
+    def _schedule_drafts(self, output: SchedulerOutput, budget: int, drafts: Mapping[str, Sequence[int]]) -> int:
+        """Adds drafts to the step's decodes from the budget and the free blocks the running requests left."""
+        for item in output.scheduled:
+            draft = list(drafts.get(item.request.request_id, ()))[:budget]
+            if not draft or not item.is_decode:
+                continue
+            if self.kv_cache.allocate_slots(item.request, item.num_tokens + len(draft)) is None:
+                continue  # no free block for the drafts: decode without them
+            item.num_tokens += len(draft)
+            item.draft_token_ids = draft
+            budget -= len(draft)
+        return budget
 
     def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
         index = 0
@@ -120,25 +161,47 @@ class Scheduler:
 
     # --- update ------------------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> list[tuple[Request, int]]:
         """Advances computed counts, appends sampled tokens, finishes requests that stop.
 
-        Returns the requests that got a new token this step (finished ones included).
+        sampled: by request id, the token sampled for each request that samples (an int, or a list of one);
+        for a request with drafts, the target's token at each of its 1 + len(drafts) positions. Returns the
+        requests that got new tokens this step (finished ones included), each with how many.
         """
         advanced = []
         for item in output.scheduled:
             request = item.request
-            request.num_computed_tokens += item.num_tokens
+            token_ids = sampled.get(request.request_id)
+            if token_ids is None:  # a prefill chunk that did not reach the end of the prompt
+                request.num_computed_tokens += item.num_tokens
+                self.kv_cache.cache_full_blocks(request)
+                continue
+            if isinstance(token_ids, int):
+                token_ids = [token_ids]
+            kept = accept_drafts(item.draft_token_ids, token_ids)
+            if item.draft_token_ids:
+                self.spec_decode.record(len(item.draft_token_ids), len(kept) - 1)
+            reason, num_new = self._append(request, kept)
+            # Every token but the newest now has its KV (a kept draft's was computed this step, after only
+            # kept tokens); a rejected draft's KV does not count, and blocks are cached only below this.
+            request.num_computed_tokens = request.num_tokens - 1
             self.kv_cache.cache_full_blocks(request)
-            token_id = sampled.get(request.request_id)
-            if token_id is None:
-                continue  # a prefill chunk that did not reach the end of the prompt
+            if reason is not None:
+                self.finish(request, reason)
+            elif item.draft_token_ids:
+                self.kv_cache.rollback(request, request.num_tokens)
+            advanced.append((request, num_new))
+        return advanced
+
+    @staticmethod
+    def _append(request: Request, token_ids: list[int]) -> tuple[FinishReason | None, int]:
+        """Appends tokens one by one until one ends the request: (why it ended or None, tokens appended)."""
+        for count, token_id in enumerate(token_ids, 1):
             request.append_token(token_id)
             reason = request.check_stop()
             if reason is not None:
-                self.finish(request, reason)
-            advanced.append(request)
-        return advanced
+                return reason, count
+        return None, len(token_ids)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Ends a request (stop, length, abort), wherever it is, and frees its blocks."""

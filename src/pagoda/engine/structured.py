@@ -3,6 +3,8 @@
 The backend is built on first use (building llguidance's view of a 32K vocabulary takes ~0.5 s, which an
 engine that never sees a constraint should not pay). `compile` may run on any thread (the server
 validates on a worker thread); masks are filled on the runner's mask thread while the forward runs.
+A speculating request needs one mask per position: its matcher walks along the drafts (accept, fill) and
+is rolled back to where it began, so that only tokens the engine keeps ever advance it for good.
 """
 
 from __future__ import annotations
@@ -13,7 +15,13 @@ from typing import Any
 
 import torch
 
-from pagoda.structured import CompiledGrammar, GrammarBackend, GrammarMatcher, StructuredOutputsParams
+from pagoda.structured import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarMatcher,
+    GrammarStateError,
+    StructuredOutputsParams,
+)
 from pagoda.structured.bitmask import allocate_bitmask
 
 
@@ -29,11 +37,22 @@ class StructuredOutputs:
         """The grammar for `params`, cached by constraint. Raises InvalidConstraint naming the field."""
         return self._get_backend().compile(params)
 
-    def fill_bitmask(self, matchers: Sequence[GrammarMatcher]) -> torch.Tensor:
-        """int32 [len(matchers), words]: row i holds the tokens matchers[i] allows next."""
+    def fill_bitmask(
+        self, matchers: Sequence[GrammarMatcher], drafts: Sequence[Sequence[int]] | None = None
+    ) -> torch.Tensor:
+        """int32 [rows, words]: for each matcher in order, 1 + len(its drafts) rows, the tokens it allows next
+        after 0, 1, ... of its drafts (which it must accept: validated). Without drafts: one row each."""
+        drafts = drafts if drafts is not None else [()] * len(matchers)
         backend = self._get_backend()
-        bitmask = allocate_bitmask(len(matchers), backend.vocab_size)
-        backend.fill_bitmasks([(matcher, row) for row, matcher in enumerate(matchers)], bitmask)
+        bitmask = allocate_bitmask(sum(1 + len(draft) for draft in drafts), backend.vocab_size)
+        single_rows, row = [], 0
+        for matcher, draft in zip(matchers, drafts):
+            if draft:
+                _fill_along_drafts(matcher, draft, bitmask, row)
+            else:
+                single_rows.append((matcher, row))
+            row += 1 + len(draft)
+        backend.fill_bitmasks(single_rows, bitmask)
         return bitmask
 
     def _get_backend(self) -> GrammarBackend:
@@ -43,3 +62,18 @@ class StructuredOutputs:
 
                 self._backend = LLGuidanceBackend(self._tokenizer, self._vocab_size, self._eos_token_ids)
             return self._backend
+
+
+def _fill_along_drafts(matcher: GrammarMatcher, drafts: Sequence[int], bitmask: torch.Tensor, first_row: int) -> None:
+    """Rows first_row + i: the mask after drafts[:i]. The matcher ends where it began, even on error."""
+    accepted = 0
+    try:
+        matcher.fill_bitmask(bitmask, first_row)
+        for token_id in drafts:
+            if not matcher.accept_tokens([token_id]):
+                raise GrammarStateError(f"the grammar refused draft token {token_id} that it had validated",
+                                        rows=(first_row + accepted + 1,))
+            accepted += 1
+            matcher.fill_bitmask(bitmask, first_row + accepted)
+    finally:
+        matcher.rollback(accepted)

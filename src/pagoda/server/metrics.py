@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pagoda.engine.engine import EngineStats
+from pagoda.engine.speculative import SpecDecodeStats
 
 # vLLM's buckets, trimmed: CPU latencies run longer, so the top buckets go further.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -44,6 +45,26 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, doc, labels=labels)
             counter.add_metric([self.model_name], value)
             yield counter
+        if stats.spec_decode is not None:
+            yield from self._spec_decode(stats.spec_decode)
+
+    def _spec_decode(self, stats: SpecDecodeStats):
+        """Speculative decoding's counters, present only when it is configured (as in vLLM)."""
+        labels = ["model_name"]
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Drafts checked (one request's in one step).", stats.num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens checked.", stats.num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=labels)
+            counter.add_metric([self.model_name], value)
+            yield counter
+        per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                           "Draft tokens accepted, by position in the draft.",
+                                           labels=["model_name", "position"])
+        for position, value in enumerate(stats.accepted_per_position):
+            per_position.add_metric([self.model_name, str(position)], value)
+        yield per_position
 
 
 class ServerMetrics:
