@@ -74,19 +74,34 @@ def engine_config_from(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pagoda.server.launcher import serve
+    from pagoda.server.guards import ApiKeys, ServerLimits
+    from pagoda.server.launcher import exit_now, serve
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("pagoda serve: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
+    try:
+        api_keys = ApiKeys.gather(args.api_key or (), args.api_key_file, guard_metrics=args.guard_metrics)
+        given = {name: getattr(args, name) for name in SERVER_LIMITS if getattr(args, name) is not None}
+        limits = ServerLimits(**given)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"pagoda serve: {error}") from None
+    if args.guard_metrics and not api_keys.enabled:
+        raise SystemExit("pagoda serve: --guard-metrics needs an API key (--api-key, --api-key-file or PAGODA_API_KEY)")
     args.model = args.model or default_model()
-    return serve(
+    code = serve(
         engine_config_from(args),
         model_name=args.served_model_name or args.model,
-        host=args.host, port=args.port, api_key=args.api_key,
+        host=args.host, port=args.port, api_keys=api_keys, limits=limits,
         max_waiting_requests=args.max_waiting_requests, drain_timeout=args.shutdown_timeout,
         log_level=args.uvicorn_log_level,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
+    exit_now(code)
+
+
+# The `serve` flags that bound one request (pagoda.server.guards.ServerLimits' fields, defaults there).
+SERVER_LIMITS = ("max_request_body_bytes", "max_chars_per_token", "max_sequences_per_request", "max_stop_strings",
+                 "max_stop_string_chars", "max_logit_bias", "request_timeout")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -126,9 +141,28 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="require `Authorization: Bearer <key>` on every route but /health, /version and /metrics; "
+                            "repeat for several keys (also: --api-key-file, PAGODA_API_KEY or VLLM_API_KEY)")
+    serve.add_argument("--api-key-file", default=None, help="a file of API keys, one per line (# comments)")
+    serve.add_argument("--guard-metrics", action="store_true", help="require an API key on /metrics too")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
-                       help="answer 429 when this many requests are already waiting")
+                       help="answer 429 to a request whose sequences (prompts x n) would take the waiting queue "
+                            "past this many (default: unbounded)")
+    serve.add_argument("--max-request-body-bytes", type=_bytes, default=None,
+                       help="answer 413 to a larger request body (suffixes K, M, G; default 8M)")
+    serve.add_argument("--max-chars-per-token", type=float, default=None,
+                       help="refuse a prompt longer than max_model_len x this many characters before tokenizing "
+                            "it (default 32)")
+    serve.add_argument("--max-sequences-per-request", type=int, default=None,
+                       help="most sequences (prompts x n) one request may ask for (default 256)")
+    serve.add_argument("--max-stop-strings", type=int, default=None, help="most stop strings (default 16)")
+    serve.add_argument("--max-stop-string-chars", type=int, default=None,
+                       help="longest stop string, in characters (default 1024)")
+    serve.add_argument("--max-logit-bias", type=int, default=None, help="most logit_bias entries (default 1024)")
+    serve.add_argument("--request-timeout", type=float, default=None,
+                       help="seconds from a request's arrival to its last token; then it is aborted and "
+                            "answered 504 (default 600; 0: no limit)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
     serve.add_argument("--uvicorn-log-level", default="warning")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",

@@ -1,40 +1,56 @@
-"""The FastAPI app: OpenAI routes, health, metrics, tokenizer routes. Never touches the scheduler."""
+"""The FastAPI app: OpenAI routes, health, metrics, tokenizer routes. Never touches the scheduler.
+
+Nothing whose cost grows with what a client sends runs on the event loop: bodies are bounded and decoded
+off it (guards.py), tokenization, chat templates and detokenization run on a tokenizer pool
+(tokenizers.py), and every bound is checked before the work it bounds.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import RequestRejected
 from pagoda.engine.output import Tokenizer
-from pagoda.model.tokenizer import ChatTemplateError, encode_chat
+from pagoda.model.tokenizer import ChatTemplateError, render_chat
 from pagoda.sampling import SamplingParams
-from pagoda.server.generation import Admission, Generation
+from pagoda.server.generation import Admission, Generation, TokenTexts, WaitingSlots
+from pagoda.server.guards import ApiKeyGuard, ApiKeys, BodySizeLimit, JsonDecoder, ServerLimits
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import (
+    WIRE_LIMITS,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
     TokenizeRequest,
+    WireLimits,
     now,
     random_id,
 )
+from pagoda.server.tokenizers import TokenizerPool
 from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
+
+# Engine-side validation walks every prompt token in Python: past this many it runs on a worker thread.
+INLINE_VALIDATION_MAX_TOKENS = 16384
+MAX_ERRORS_SHOWN = 5  # of a body's validation errors, in the 400's message
 
 
 @dataclass(frozen=True)
@@ -42,20 +58,27 @@ class LoadedModel:
     """What serves requests once the model is loaded; the launcher sets it in one assignment."""
 
     engine: AsyncEngine
-    tokenizer: Tokenizer  # the API's own instance: HF tokenizers are not safe to share across threads
+    tokenizer: Tokenizer  # the event loop's own instance (for cheap decodes): not safe to share across threads
     metrics: ServerMetrics
+    tokenizers: TokenizerPool  # copies for the worker threads: everything whose cost grows with the input
+    token_texts: TokenTexts = field(init=False)  # single-token decodes (logprobs), cached, on the event loop
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_texts", TokenTexts(self.tokenizer))
 
 
 @dataclass
 class ServerState:
     model_name: str
-    api_key: str | None = None
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    limits: ServerLimits = field(default_factory=ServerLimits)
     admission: Admission = field(default_factory=Admission)
     loaded: LoadedModel | None = None
     draining: bool = False
     load_error: str | None = None
     # `tool_choice: "auto"`: the parser of the model's own tool-call format (None: auto tool choice is off)
     tool_call_parser: str | None = None
+    json_decoder: JsonDecoder = field(default_factory=JsonDecoder)
 
     @property
     def engine(self) -> AsyncEngine | None:
@@ -74,18 +97,53 @@ class ServerState:
             raise OpenAIError(503, f"the engine is not running ({self.loaded.engine.dead_error})")
         return self.loaded
 
+    def wire_limits(self) -> WireLimits:
+        limits = self.limits
+        return WireLimits(
+            max_prompts=limits.max_sequences_per_request, max_stop_strings=limits.max_stop_strings,
+            max_stop_string_chars=limits.max_stop_string_chars, max_logit_bias=limits.max_logit_bias,
+            max_items=self.loaded.engine.max_model_len if self.loaded is not None else None,
+        )
+
+    def deadline(self, arrival: float) -> float | None:
+        timeout = self.limits.request_timeout
+        return arrival + timeout if timeout else None
+
+
+class _WireRequest(Request):
+    """Its JSON is decoded by the server's JsonDecoder: off the event loop, invalid Unicode refused."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_wire_json"):
+            decoder: JsonDecoder = self.app.state.pagoda.json_decoder
+            self._wire_json = await decoder.decode(await self.body())
+        return self._wire_json
+
+
+class _WireRoute(APIRoute):
+    """Every route reads its body through _WireRequest, with this server's WireLimits in force while FastAPI
+    validates it."""
+
+    def get_route_handler(self) -> Callable[[Request], Any]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            token = WIRE_LIMITS.set(request.app.state.pagoda.wire_limits())
+            try:
+                return await handler(_WireRequest(request.scope, request.receive))
+            finally:
+                WIRE_LIMITS.reset(token)
+
+        return route
+
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagoda", version=pagoda.__version__)
+    app.router.route_class = _WireRoute
     app.state.pagoda = state
     _install_error_handlers(app)
-
-    @app.middleware("http")
-    async def check_api_key(request: Request, call_next):
-        protected = state.api_key and request.url.path.startswith("/v1")
-        if protected and request.headers.get("authorization", "") != f"Bearer {state.api_key}":
-            return _error_response(OpenAIError(401, "invalid or missing API key"))
-        return await call_next(request)
+    app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_request_body_bytes)
+    app.add_middleware(ApiKeyGuard, keys=state.api_keys)  # outermost: a request without a key is not read
 
     @app.get("/health")
     async def health() -> Response:
@@ -109,40 +167,53 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request):
-        loaded = _admit(state, body.model)
-        prompts = [_encode_prompt(loaded.tokenizer, p) for p in body.prompts()]
+        arrival, loaded = time.monotonic(), _admit(state, body.model)
+        inputs = body.prompts()
+        for text in inputs:
+            if isinstance(text, str):
+                _check_prompt_chars(state, loaded, len(text), "prompt")
         params = _sampling_params(body, body.logprobs)
-        await _validate(state, loaded.engine, prompts, params)
-        echo = None
-        if body.echo:  # the prompt as the user gave it; token-id prompts decoded
-            echo = [p if isinstance(p, str) else loaded.tokenizer.decode(p) for p in body.prompts()]
-        return await _respond(Generation(
-            kind="completion", response_id=random_id("cmpl"), model_name=state.model_name, engine=loaded.engine,
-            tokenizer=loaded.tokenizer, metrics=loaded.metrics, admission=state.admission, prompts=prompts,
-            params=params, echo_texts=echo, include_usage=body.include_usage, cache_salt=body.cache_salt,
-        ), body.stream, raw)
+        with _holding(_reserve(state, len(inputs), params.n)) as slots:
+            prompts = await _encode_prompts(loaded, inputs)
+            await _validate(state, loaded.engine, prompts, params)
+            echo = await _echo_texts(loaded, inputs) if body.echo else None
+            generation = Generation(
+                kind="completion", response_id=random_id("cmpl"), model_name=state.model_name,
+                engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
+                prompts=prompts, params=params, echo_texts=echo, include_usage=body.include_usage,
+                cache_salt=body.cache_salt, deadline=state.deadline(arrival),
+            )
+        return await _respond(generation, body.stream, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        loaded = _admit(state, body.model)
+        arrival, loaded = time.monotonic(), _admit(state, body.model)
         params = _sampling_params(body, body.num_logprobs())
         tool_reader = _tool_reader(state, body)
         tools = body.tool_dicts() if tool_reader is not None else None  # tool_choice "none": answer in text
-        prompt = _render_chat(loaded.tokenizer, body.messages, body.add_generation_prompt, tools)
-        await _validate(state, loaded.engine, [prompt], params)
-        return await _respond(Generation(
-            kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name, engine=loaded.engine,
-            tokenizer=loaded.tokenizer, metrics=loaded.metrics, admission=state.admission, prompts=[prompt],
-            params=params, include_usage=body.include_usage, cache_salt=body.cache_salt, tool_reader=tool_reader,
-        ), body.stream, raw)
+        conversation = _conversation(state, loaded, body.messages)
+        with _holding(_reserve(state, 1, params.n)) as slots:
+            prompt = await _render_chat(state, loaded, conversation, body.add_generation_prompt, tools)
+            await _validate(state, loaded.engine, [prompt], params)
+            generation = Generation(
+                kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name,
+                engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
+                prompts=[prompt], params=params, include_usage=body.include_usage, cache_salt=body.cache_salt,
+                tool_reader=tool_reader, deadline=state.deadline(arrival),
+            )
+        return await _respond(generation, body.stream, raw)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         loaded = state.require_ready()
         if body.messages is not None:
-            tokens = _render_chat(loaded.tokenizer, body.messages, body.add_generation_prompt)
+            conversation = _conversation(state, loaded, body.messages)
+            tokens = await _render_chat(state, loaded, conversation, body.add_generation_prompt)
         else:
-            tokens = loaded.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            text, special = body.prompt or "", body.add_special_tokens
+            _check_prompt_chars(state, loaded, len(text), "prompt")
+            tokens = await loaded.tokenizers.run(
+                lambda tokenizer: list(tokenizer.encode(text, add_special_tokens=special)))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": loaded.engine.max_model_len}
 
     @app.post("/detokenize")
@@ -151,7 +222,8 @@ def build_app(state: ServerState) -> FastAPI:
         vocab_size = len(loaded.tokenizer)
         if any(not 0 <= t < vocab_size for t in body.tokens):
             raise OpenAIError(400, f"token ids must be in [0, {vocab_size})", "tokens")
-        return {"prompt": loaded.tokenizer.decode(body.tokens)}
+        tokens = body.tokens
+        return {"prompt": await loaded.tokenizers.run(lambda tokenizer: tokenizer.decode(tokens))}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> dict:
@@ -168,23 +240,58 @@ def _admit(state: ServerState, model: str | None) -> LoadedModel:
     loaded = state.require_ready()
     if model is not None and model != state.model_name:
         raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
-    _require_room(state)
     return loaded
 
 
-def _require_room(state: ServerState) -> None:
-    if state.admission.full:
-        raise OpenAIError(429, "the server is at its waiting-queue bound; retry later", headers={"Retry-After": "1"})
+def _reserve(state: ServerState, num_prompts: int, n: int) -> WaitingSlots:
+    """The request's waiting slots (prompts x n), after its own bound: 400 beyond it, 429 when the queue is
+    too full to take the whole request now."""
+    wanted, bound = num_prompts * n, state.limits.max_sequences_per_request
+    if wanted > bound:
+        raise OpenAIError(400, f"the request asks for {wanted} sequences (prompts x n); at most {bound} are "
+                               f"allowed (--max-sequences-per-request)", "n" if n > 1 else "prompt")
+    return state.admission.admit(num_prompts, n)
+
+
+@contextmanager
+def _holding(slots: WaitingSlots) -> Iterator[WaitingSlots]:
+    """Gives the slots back if the request fails (or is cancelled) before its Generation owns them."""
+    try:
+        yield slots
+    except BaseException:
+        slots.release()
+        raise
+
+
+def _check_prompt_chars(state: ServerState, loaded: LoadedModel, num_chars: int, param: str) -> None:
+    """A prompt of more characters than max_model_len tokens can plausibly hold is refused before it is
+    tokenized: tokenizing megabytes takes seconds, only to find that it does not fit."""
+    max_model_len = loaded.engine.max_model_len
+    limit = int(max_model_len * state.limits.max_chars_per_token)
+    if num_chars > limit:
+        raise OpenAIError(400, f"{param} has {num_chars} characters: more than this model's maximum context "
+                               f"length ({max_model_len} tokens) can hold (at most {limit} characters are "
+                               f"accepted)", param)
 
 
 def _sampling_params(body: CompletionRequest | ChatCompletionRequest, num_logprobs: int | None) -> SamplingParams:
     return _openai_call(lambda: body.sampling_params(num_logprobs))
 
 
-def _encode_prompt(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=True)
-    return list(prompt)
+async def _encode_prompts(loaded: LoadedModel, inputs: list[str | list[int]]) -> list[list[int]]:
+    """Token ids for every prompt: text prompts tokenized on the pool, id prompts as given."""
+    texts = [p for p in inputs if isinstance(p, str)]
+    if not texts:
+        return [list(p) for p in inputs if not isinstance(p, str)]
+    encoded = iter(await loaded.tokenizers.run(
+        lambda tokenizer: [list(tokenizer.encode(text, add_special_tokens=True)) for text in texts]))
+    return [next(encoded) if isinstance(p, str) else list(p) for p in inputs]
+
+
+async def _echo_texts(loaded: LoadedModel, inputs: list[str | list[int]]) -> list[str]:
+    """echo: each prompt as the user gave it, token-id prompts decoded (on the pool)."""
+    return await loaded.tokenizers.run(
+        lambda tokenizer: [p if isinstance(p, str) else tokenizer.decode(p) for p in inputs])
 
 
 def _tool_reader(state: ServerState, body: ChatCompletionRequest) -> ToolCallReader | None:
@@ -208,29 +315,49 @@ def _openai_call(function: Callable[[], _T]) -> _T:
         raise OpenAIError(400, str(error), getattr(error, "param", None)) from error
 
 
-def _render_chat(tokenizer: Tokenizer, messages: list[ChatMessage], add_generation_prompt: bool,
-                 tools: list[dict[str, Any]] | None = None) -> list[int]:
+def _conversation(state: ServerState, loaded: LoadedModel, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """The messages as the chat template reads them; their text already bounded like a prompt's."""
     try:
         conversation = [m.for_template() for m in messages]
     except ValueError as error:  # a content part that is not text
         raise OpenAIError(400, f"cannot apply the chat template: {error}", "messages") from error
-    try:
-        return encode_chat(tokenizer, conversation, add_generation_prompt, tools)
-    except ChatTemplateError as error:  # no template, or the template rejects the conversation
-        raise OpenAIError(400, str(error), "messages") from error
+    _check_prompt_chars(state, loaded, sum(len(m["content"]) for m in conversation), "messages")
+    return conversation
+
+
+async def _render_chat(state: ServerState, loaded: LoadedModel, conversation: list[dict[str, Any]],
+                       add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """The conversation through the chat template, then tokenized: both on the pool. The rendered text is
+    bounded like any prompt before it is tokenized (tool definitions and the template add to it)."""
+
+    def render(tokenizer: Any) -> list[int] | OpenAIError:
+        try:
+            text = render_chat(tokenizer, conversation, add_generation_prompt, tools)
+        except ChatTemplateError as error:  # no template, or the template rejects the conversation
+            return OpenAIError(400, str(error), "messages")
+        try:
+            _check_prompt_chars(state, loaded, len(text), "messages")
+        except OpenAIError as error:
+            return error
+        # The template writes its own special tokens, so encoding adds none.
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    result = await loaded.tokenizers.run(render)
+    if isinstance(result, OpenAIError):
+        raise result
+    return result
 
 
 async def _validate(state: ServerState, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> None:
     """RequestRejected is a 400. A constrained request's validation compiles its grammar, which can take
-    seconds: it runs off the event loop, and the door is checked again after it, as the wait may have let the
-    server start draining or the waiting queue fill up."""
+    seconds, and a long prompt's walks every token: those run off the event loop, and the door is checked
+    again after them, as the wait may have let the server start draining."""
     try:
-        if params.structured_outputs is None:
+        if params.structured_outputs is None and sum(map(len, prompts)) <= INLINE_VALIDATION_MAX_TOKENS:
             _validate_all(engine, prompts, params)
         else:
             await asyncio.to_thread(_validate_all, engine, prompts, params)
             state.require_ready()
-            _require_room(state)
     except RequestRejected as error:
         raise OpenAIError(400, str(error), error.param) from error
 
@@ -266,6 +393,13 @@ def _error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
+def _error_text(error: dict[str, Any]) -> str:
+    """A validation error's message, without pydantic's "Value error, " prefix on our own validators' errors."""
+    if error.get("type") == "value_error" and "error" in error.get("ctx", {}):
+        return str(error["ctx"]["error"])
+    return str(error.get("msg"))
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, error: OpenAIError):
@@ -277,16 +411,23 @@ def _install_error_handlers(app: FastAPI) -> None:
         if not errors or errors[0].get("type") == "json_invalid":
             return _error_response(OpenAIError(400, "the request body is not valid JSON"))
         fields = [str(e["loc"][1]) if len(e.get("loc", ())) > 1 else "" for e in errors]  # the top-level field
-        message = "; ".join(f"{field}: {e.get('msg')}" for field, e in zip(fields, errors))
+        lines = list(dict.fromkeys(f"{field}: {_error_text(e)}" for field, e in zip(fields, errors)))
+        message = "; ".join(lines[:MAX_ERRORS_SHOWN])
+        if len(lines) > MAX_ERRORS_SHOWN:
+            message += f"; and {len(lines) - MAX_ERRORS_SHOWN} more"
         return _error_response(OpenAIError(400, message, fields[0] or None))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, error: StarletteHTTPException):
-        return _error_response(OpenAIError(error.status_code, str(error.detail)))
+        headers = dict(error.headers) if error.headers else None
+        return _error_response(OpenAIError(error.status_code, str(error.detail), getattr(error, "param", None),
+                                           headers=headers))
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, error: Exception):
-        logger.exception("unhandled error")
-        return _error_response(OpenAIError(500, f"internal error: {error}"))
-
-
+        """Never the exception's text (it may show paths, code or other requests' data): an id to quote,
+        under which the log has the details."""
+        request_id = random_id("req")
+        logger.error("internal error, request id %s", request_id, exc_info=error)
+        return _error_response(OpenAIError(500, f"internal error (request id {request_id})",
+                                           headers={"X-Request-Id": request_id}))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import weakref
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +20,8 @@ from pagoda.sampling import SamplingParams
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Kind, OpenAIError, now, usage
 from pagoda.server.tools import ToolCall, ToolCallReader
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,20 +41,47 @@ class PromptTiming:
     last_token: float | None = None
 
 
-class Admission:
-    """The waiting-queue bound (`--max-waiting-requests`), on the event loop only.
+class TokenTexts:
+    """Each token id's text on its own, decoded once per id. Logprobs ask for the same ids over and over (every
+    token, its offsets, its top-k alternatives), on the event loop: a lookup instead of a decode each time.
+    Used from the event loop only, with the event loop's own tokenizer."""
 
-    An engine request admitted at the door counts as waiting until it has produced its first output. Slots
-    are reserved synchronously, at the door, so a burst cannot slip past the bound.
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+class Admission:
+    """The waiting-queue bound (`--max-waiting-requests`, counted in sequences: prompts x n), on the event
+    loop only.
+
+    A sequence admitted at the door counts as waiting until its prompt has produced its first output. A
+    request is admitted whole or not at all, and its slots are reserved synchronously when it is admitted,
+    so neither one large request nor a burst can take the queue past the bound.
     """
 
     def __init__(self, max_waiting: int | None = None) -> None:
         self.max_waiting = max_waiting
         self.num_waiting = 0
 
-    @property
-    def full(self) -> bool:
-        return self.max_waiting is not None and self.num_waiting >= self.max_waiting
+    def admit(self, num_prompts: int, n: int) -> WaitingSlots:
+        """Reserves num_prompts x n slots, or raises OpenAIError: 429 (with Retry-After) when they do not fit
+        now, 400 when they never can."""
+        wanted = num_prompts * n
+        if self.max_waiting is not None and wanted > self.max_waiting:
+            param = "n" if n > 1 else "prompt"
+            raise OpenAIError(400, f"the request asks for {wanted} sequences (prompts x n); the server queues at "
+                                   f"most {self.max_waiting}", param)
+        if self.max_waiting is not None and self.num_waiting + wanted > self.max_waiting:
+            raise OpenAIError(429, "the server is at its waiting-queue bound; retry later",
+                              headers={"Retry-After": "1"})
+        return WaitingSlots(self, num_prompts, n)
 
     def reserve(self, count: int) -> None:
         self.num_waiting += count
@@ -60,8 +90,8 @@ class Admission:
         self.num_waiting -= count
 
 
-class _WaitingSlots:
-    """One generation's reservation: n slots per prompt, each prompt's given back once."""
+class WaitingSlots:
+    """One request's reservation: n slots per prompt, each prompt's given back once."""
 
     def __init__(self, admission: Admission, num_prompts: int, n: int) -> None:
         self.admission, self.n = admission, n
@@ -84,18 +114,19 @@ class Generation:
         response_id: str,
         model_name: str,
         engine: AsyncEngine,
-        tokenizer: Tokenizer,
+        token_texts: TokenTexts,
         metrics: ServerMetrics,
-        admission: Admission,
+        slots: WaitingSlots,
         prompts: list[list[int]],
         params: SamplingParams,
         echo_texts: list[str] | None = None,
         include_usage: bool = False,
         cache_salt: str | None = None,
         tool_reader: ToolCallReader | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.kind, self.response_id, self.model_name = kind, response_id, model_name
-        self.engine, self.tokenizer, self.metrics = engine, tokenizer, metrics
+        self.engine, self.token_text, self.metrics = engine, token_texts, metrics
         self.prompts, self.params = prompts, params
         self.echo_texts = echo_texts
         self.include_usage = include_usage
@@ -106,8 +137,9 @@ class Generation:
         arrival = time.monotonic()
         self.timings = [PromptTiming(arrival) for _ in prompts]
         self._prompt_logprobs: dict[int, list[dict[int, float] | None]] = {}
-        self._slots = _WaitingSlots(admission, len(prompts), params.n)
-        weakref.finalize(self, self._slots.release)  # a response that never ran still gives its slots back
+        self.deadline = deadline  # time.monotonic() by which the last token must be in
+        self._slots = slots
+        weakref.finalize(self, slots.release)  # a response that never ran still gives its slots back
 
     # --- merged engine streams ---------------------------------------------------------------------
 
@@ -135,17 +167,33 @@ class Generation:
         try:
             remaining = len(tasks)
             while remaining:
-                index, item = await queue.get()
+                index, item = await self._next(queue)
                 if item is None:
                     remaining -= 1
                 elif isinstance(item, Exception):
-                    raise OpenAIError(500, f"internal error: {item}") from item
+                    raise self._internal_error(item) from item
                 else:
                     self._observe(index, item)
                     yield index, item
         finally:
             for task in tasks:
                 task.cancel()  # a client that went away aborts its requests (AsyncEngine.generate)
+
+    async def _next(self, queue: asyncio.Queue) -> tuple[int, RequestOutput | Exception | None]:
+        """The next item, or a 504 once the deadline has passed (the caller's cleanup aborts the requests)."""
+        if self.deadline is None:
+            return await queue.get()
+        try:
+            return await asyncio.wait_for(queue.get(), max(self.deadline - time.monotonic(), 0.0))
+        except asyncio.TimeoutError:
+            logger.info("request %s passed its deadline: aborted", self.response_id)
+            raise OpenAIError(504, "the request did not finish within the server's time limit "
+                                   "(--request-timeout)") from None
+
+    def _internal_error(self, error: Exception) -> OpenAIError:
+        """The client learns that it failed and the id to quote; the log has the details under that id."""
+        logger.error("request %s failed: %s", self.response_id, error, exc_info=error)
+        return OpenAIError(500, f"internal error (request id {self.response_id})")
 
     def _observe(self, index: int, output: RequestOutput) -> None:
         timing, moment = self.timings[index], time.monotonic()
@@ -301,7 +349,7 @@ class Generation:
         prompt_ids = self.prompts[prompt_index]
         prompt_logprobs = self._prompt_logprobs.get(prompt_index) or [None] * len(prompt_ids)
         k = self.params.prompt_logprobs or 0
-        tokens = [self.tokenizer.decode([t]) for t in prompt_ids]
+        tokens = [self.token_text(t) for t in prompt_ids]
         offsets, offset = [], 0
         for token in tokens:
             offsets.append(offset)
@@ -310,7 +358,7 @@ class Generation:
             "tokens": tokens + completion_logprobs["tokens"],
             "token_logprobs": [lp[t] if lp else None for t, lp in zip(prompt_ids, prompt_logprobs)]
             + completion_logprobs["token_logprobs"],
-            "top_logprobs": [{self.tokenizer.decode([i]): v for i, v in best_logprobs(lp, k)} if lp else None
+            "top_logprobs": [{self.token_text(i): v for i, v in best_logprobs(lp, k)} if lp else None
                              for lp in prompt_logprobs] + completion_logprobs["top_logprobs"],
             "text_offset": offsets + [o + offset for o in completion_logprobs["text_offset"]],
         }
@@ -319,7 +367,7 @@ class Generation:
         token_ids = completion.token_ids[start:]
         positions = completion.logprobs[start:]
         k = self.params.logprobs or 0
-        decode = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        decode = self.token_text
         if self.kind == "completion":
             offset = len(completion.text) - sum(len(decode(t)) for t in token_ids)
             offsets = []

@@ -3,17 +3,21 @@
 The listener is up before the model loads, so load balancers see /health = 503 (not a refused
 connection) while loading and while draining. uvicorn's own signal handling closes the listener first,
 so SIGTERM is handled here: stop admitting, let in-flight requests finish (or abort them at the
-timeout), then stop uvicorn.
+timeout), then stop uvicorn. An idle server stops at once; once uvicorn and the engine thread have
+stopped, the process ends without the interpreter's teardown (see exit_now).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
 from types import FrameType
+from typing import NoReturn
 
 import uvicorn
 
@@ -24,7 +28,9 @@ from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.server.api import LoadedModel, ServerState, build_app
 from pagoda.server.generation import Admission
+from pagoda.server.guards import ApiKeys, ServerLimits
 from pagoda.server.metrics import ServerMetrics
+from pagoda.server.tokenizers import TokenizerPool
 
 logger = logging.getLogger("pagoda.serve")
 
@@ -41,8 +47,13 @@ class DrainingServer(uvicorn.Server):
             self.force_exit = sig == signal.SIGINT
             self.should_exit = True
             return
-        logger.info("signal %d: draining (health 503), up to %.0f s for in-flight requests", sig, self.drain_timeout)
         self.pagoda_state.draining = True
+        engine = self.pagoda_state.engine
+        if engine is None or not engine.num_unfinished:
+            logger.info("signal %d: idle, stopping", sig)
+            self.should_exit = True
+            return
+        logger.info("signal %d: draining (health 503), up to %.0f s for in-flight requests", sig, self.drain_timeout)
         threading.Thread(target=self._drain, name="pagoda-drain", daemon=True).start()
 
     def _drain(self) -> None:
@@ -66,7 +77,7 @@ def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Calla
         _warm_up(engine)  # before the engine thread exists: only one thread may ever step an engine
         async_engine = AsyncEngine(engine)
         metrics = ServerMetrics(state.model_name, lambda: async_engine.stats)
-        state.loaded = LoadedModel(async_engine, tokenizer, metrics)
+        state.loaded = LoadedModel(async_engine, tokenizer, metrics, TokenizerPool(tokenizer))
         logger.info("model %s ready in %.1f s", state.model_name, time.monotonic() - started)
     except Exception as error:
         logger.exception("model load failed")
@@ -81,11 +92,11 @@ def _warm_up(engine: LLMEngine) -> None:
         engine.step()
 
 
-def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int, api_key: str | None,
-          max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info",
+def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int, api_keys: ApiKeys,
+          limits: ServerLimits, max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info",
           tool_call_parser: str | None = None) -> int:
-    state = ServerState(model_name=model_name, api_key=api_key, admission=Admission(max_waiting_requests),
-                        tool_call_parser=tool_call_parser)
+    state = ServerState(model_name=model_name, api_keys=api_keys, limits=limits,
+                        admission=Admission(max_waiting_requests), tool_call_parser=tool_call_parser)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
     server = DrainingServer(config, state, drain_timeout)
@@ -103,3 +114,13 @@ def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int,
     if state.engine is not None:
         state.engine.shutdown()
     return 1 if failed.is_set() else 0
+
+
+def exit_now(code: int) -> NoReturn:
+    """Ends the process once serving has stopped. The interpreter's own teardown (finalizing torch and
+    transformers, freeing the KV pool object by object) takes seconds; nothing is left for it to do: the
+    engine thread has stopped, responses are sent, and the logs are flushed here."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

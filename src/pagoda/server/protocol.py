@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -25,8 +27,9 @@ from pagoda.structured import CONSTRAINT_KINDS, InvalidConstraint, StructuredOut
 class OpenAIError(Exception):
     """Anything answered with OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+             504: "TimeoutError"}
 
     def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
         super().__init__(message)
@@ -41,7 +44,83 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class StreamOptions(BaseModel):
+# --- what the wire may carry ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Bounds on a request's size checked before its fields are validated, so that a huge list or map is
+    refused at the cost of len(), not of validating every element. Set per request (WIRE_LIMITS)."""
+
+    max_prompts: int = 256  # prompts in one completion request (prompts x n is checked after validation)
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
+    max_logit_bias: int = 1024
+    max_items: int | None = None  # messages, or token ids to detokenize: max_model_len once a model is loaded
+
+
+MAX_TOOLS = 128  # OpenAI's bound on functions per request
+WIRE_LIMITS: ContextVar[WireLimits] = ContextVar("wire_limits")  # set per request by the app
+
+
+def wire_limits() -> WireLimits:
+    return WIRE_LIMITS.get(_DEFAULT_LIMITS)
+
+
+_DEFAULT_LIMITS = WireLimits()
+
+
+class WireModel(BaseModel):
+    """Strict types on the wire: JSON's own types only, so `"yes"` is not a boolean and `false` not token id 0.
+    (Strict floats still take JSON integers.)"""
+
+    model_config = ConfigDict(strict=True)
+
+
+# Lists stop at their first bad element: a million bad ids make one error, not a million.
+_FAIL_FAST = Field(fail_fast=True)
+TokenIds = Annotated[list[int], _FAIL_FAST]
+Prompt = str | Annotated[list[str], _FAIL_FAST] | TokenIds | Annotated[list[TokenIds], _FAIL_FAST]
+
+
+def _too_long(value: Any, limit: int | None, what: str) -> None:
+    """Raises when a raw (not yet validated) list, map or string is longer than limit."""
+    if limit is not None and isinstance(value, (list, dict, str)) and len(value) > limit:
+        raise ValueError(f"at most {limit} {what}, got {len(value)}")
+
+
+def first_invalid_text(value: Any, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """The path to a string (or key) in parsed JSON that is not valid Unicode (a lone surrogate, which JSON's
+    \\ud800 escapes can carry), or None when every string is valid. Allocates nothing per number or valid
+    string: a body of millions of token ids is walked at the cost of one loop."""
+    if isinstance(value, str):
+        return None if _is_valid_text(value) else path
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, path)] if isinstance(value, (dict, list)) else []
+    while stack:
+        container, where = stack.pop()
+        entries = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, child in entries:
+            if isinstance(key, str) and not _is_valid_text(key):
+                return (*where, key.encode("utf-8", "backslashreplace").decode())
+            if isinstance(child, str):
+                if not _is_valid_text(child):
+                    return (*where, key)
+            elif isinstance(child, (dict, list)):
+                stack.append((child, (*where, key)))
+    return None
+
+
+def _is_valid_text(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class StreamOptions(WireModel):
     include_usage: bool = False
 
 
@@ -59,7 +138,7 @@ _LEGACY_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided
                          "guided_whitespace_pattern": None}
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(WireModel):
     """OpenAI's response_format.json_schema. `strict` is accepted either way: the schema is always enforced."""
 
     model_config = ConfigDict(extra="forbid")
@@ -70,7 +149,7 @@ class JsonSchemaFormat(BaseModel):
     description: str | None = None
 
 
-class ResponseFormat(BaseModel):
+class ResponseFormat(WireModel):
     """OpenAI's response_format: text (no constraint), any JSON object, or JSON valid against a schema."""
 
     model_config = ConfigDict(extra="forbid")
@@ -107,7 +186,7 @@ def _located(error: ErrorDetails) -> str:
     return f"{'.'.join(map(str, error['loc']))}: {message}" if error["loc"] else message
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(WireModel):
     """Fields shared by /v1/completions and /v1/chat/completions.
 
     Only the wire is checked here (types, and OpenAI's caps that vLLM's engine does not have): every
@@ -133,7 +212,7 @@ class SamplingRequest(BaseModel):
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: TokenIds | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(default=None, min_length=1)
@@ -150,11 +229,19 @@ class SamplingRequest(BaseModel):
             raise PydanticCustomError("response_format", "; ".join(map(_located, error.errors()))) from None
         return parsed
 
-    @field_validator("stop")
+    @field_validator("stop", mode="before")
     @classmethod
-    def _few_stop_strings(cls, value):
-        if isinstance(value, list) and len(value) > 16:
-            raise ValueError("at most 16 stop strings")
+    def _few_short_stop_strings(cls, value: Any) -> Any:
+        limits = wire_limits()
+        _too_long(value if isinstance(value, list) else None, limits.max_stop_strings, "stop strings")
+        for stop in value if isinstance(value, list) else [value]:
+            _too_long(stop, limits.max_stop_string_chars, "characters in a stop string")
+        return value
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _few_biases(cls, value: Any) -> Any:
+        _too_long(value, wire_limits().max_logit_bias, "logit_bias entries")
         return value
 
     @field_validator("logit_bias")
@@ -236,11 +323,18 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _few_prompts(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and not isinstance(value[0], int):  # a list of prompts
+            _too_long(value, wire_limits().max_prompts, "prompts")
+        return value
 
     @model_validator(mode="after")
     def _check(self):
@@ -263,7 +357,7 @@ class CompletionRequest(SamplingRequest):
         return list(prompt)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(WireModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[dict[str, Any]] | None = None
@@ -289,23 +383,23 @@ class ChatMessage(BaseModel):
         return message
 
 
-class FunctionDefinition(BaseModel):
+class FunctionDefinition(WireModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
     strict: bool | None = None  # the arguments always follow `parameters` when a call is forced
 
 
-class ToolDefinition(BaseModel):
+class ToolDefinition(WireModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(BaseModel):
+class FunctionName(WireModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
+class NamedToolChoice(WireModel):
     type: Literal["function"]
     function: FunctionName
 
@@ -314,16 +408,27 @@ ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, fail_fast=True)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are given
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None  # with tools, "auto" when not given (OpenAI's default)
     parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated forms of tools and tool_choice
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_messages(cls, value: Any) -> Any:
+        return _few_messages(value)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _few_tools(cls, value: Any) -> Any:
+        _too_long(value, MAX_TOOLS, "tools")
+        return value
 
     @model_validator(mode="after")
     def _check(self):
@@ -381,12 +486,23 @@ class ChatCompletionRequest(SamplingRequest):
         return param
 
 
-class TokenizeRequest(BaseModel):
+def _few_messages(value: Any) -> Any:
+    """Every message costs at least one token: more than the context holds can never fit."""
+    _too_long(value, wire_limits().max_items, "messages (the model's context length)")
+    return value
+
+
+class TokenizeRequest(WireModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], _FAIL_FAST] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_messages(cls, value: Any) -> Any:
+        return _few_messages(value)
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -395,9 +511,15 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(WireModel):
     model: str | None = None
-    tokens: list[int]
+    tokens: TokenIds
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _few_tokens(cls, value: Any) -> Any:
+        _too_long(value, wire_limits().max_items, "token ids (the model's context length)")
+        return value
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:

@@ -1,0 +1,233 @@
+"""What stands between a client and the server's work: API keys, the request-body bound, and JSON decoding
+that cannot stall the event loop.
+
+Both middlewares are plain ASGI (no BaseHTTPMiddleware), so they see every route, streamed responses
+included, and answer before the body is read: an unauthenticated or oversized request costs nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import json.scanner
+import os
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import HTTPException
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagoda.server.protocol import OpenAIError, first_invalid_text
+
+API_KEY_ENV_VARS = ("PAGODA_API_KEY", "VLLM_API_KEY")
+# Probes and scrapes carry no key (load balancers, Prometheus); they read no request data and cost no compute.
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+
+# Bodies up to this size are decoded by the C parser, which holds the GIL throughout (up to ~0.1 s for
+# 256 KiB of nested lists on a busy 2-core machine). Larger ones use the pure-Python scanner on a worker
+# thread: 10-20x slower on number-heavy JSON, but it yields the GIL every few milliseconds, so however large
+# the body, the event loop (and /health) keeps answering.
+C_PARSER_MAX_BYTES = 256 << 10
+INLINE_PARSE_MAX_BYTES = 16 << 10  # below this, decoding on the event loop is cheaper than a thread hop
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """The bounds on what one request may ask of the server (each a `pagoda serve` flag)."""
+
+    max_request_body_bytes: int = 8 << 20
+    max_chars_per_token: float = 32.0  # a prompt longer than max_model_len x this can never fit
+    max_sequences_per_request: int = 256  # prompts x n
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
+    max_logit_bias: int = 1024
+    request_timeout: float | None = 600.0  # seconds from arrival to the last token; 0 or None: no deadline
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_body_bytes", "max_chars_per_token", "max_sequences_per_request",
+                     "max_stop_strings", "max_stop_string_chars", "max_logit_bias"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.request_timeout is not None and self.request_timeout < 0:
+            raise ValueError("request_timeout must not be negative (0: no deadline)")
+
+
+# --- API keys ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    """The keys a client may present (any one of them); none configured means no check."""
+
+    keys: tuple[bytes, ...] = ()
+    guard_metrics: bool = False
+
+    @classmethod
+    def gather(cls, given: Iterable[str] = (), key_file: str | Path | None = None,
+               environ: Mapping[str, str] | None = None, guard_metrics: bool = False) -> ApiKeys:
+        """The keys from flags, a file (one per line; blank lines and # comments skipped) and the environment
+        (PAGODA_API_KEY, and vLLM's VLLM_API_KEY)."""
+        env: Mapping[str, str] = os.environ if environ is None else environ
+        keys = list(given)
+        if key_file is not None:
+            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
+            keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+        keys += [env[name] for name in API_KEY_ENV_VARS if env.get(name)]
+        if any(not key or key != key.strip() for key in keys):
+            raise ValueError("API keys must be non-empty and carry no surrounding whitespace")
+        return cls(tuple(dict.fromkeys(key.encode() for key in keys)), guard_metrics)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def guards(self, path: str) -> bool:
+        if not self.keys:
+            return False
+        return path not in OPEN_PATHS or (self.guard_metrics and path == "/metrics")
+
+    def accepts(self, authorization: bytes | str | None) -> bool:
+        """`Authorization: Bearer <key>`, the scheme in any case. Every key is compared, in constant time,
+        so the time taken tells nothing about which key, or how much of one, matched."""
+        if isinstance(authorization, str):
+            authorization = authorization.encode()
+        scheme, _, token = (authorization or b"").strip().partition(b" ")
+        presented = token.strip()
+        matched = False
+        for key in self.keys:
+            matched |= hmac.compare_digest(presented, key)
+        return matched and scheme.lower() == b"bearer"
+
+
+class ApiKeyGuard:
+    """401 for a guarded route without a valid key, before the body is read."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app, self.keys = app, keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guarded = scope["type"] == "http" and self.keys.guards(scope["path"])
+        if guarded and not self.keys.accepts(_raw_header(scope, b"authorization")):
+            error = OpenAIError(401, "invalid or missing API key", headers={"WWW-Authenticate": "Bearer"})
+            await _send_error(error, scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+# --- request body ------------------------------------------------------------------------------------
+
+
+# HTTPException is FastAPI's (a subclass of Starlette's): raised while FastAPI reads a body, it is passed through
+# to the error handlers, where any other exception would become a generic 400.
+
+
+class BodyTooLarge(HTTPException):
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body is larger than {limit} bytes (--max-request-body-bytes)")
+
+
+class BodySizeLimit:
+    """413 for a body over the limit: at once when Content-Length says so, else as soon as the bytes
+    received pass it (chunked uploads), before anything parses them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = _raw_header(scope, b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _send_error(_as_openai(BodyTooLarge(self.max_bytes)), scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:  # FastAPI passes an HTTPException from the body read through
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+
+@dataclass
+class JsonDecoder:
+    """Decodes request bodies off the event loop (see C_PARSER_MAX_BYTES) and refuses invalid Unicode.
+
+    Its own small thread pool, so that large bodies cannot hold up tokenization or anything else."""
+
+    workers: int = 2
+    _executor: ThreadPoolExecutor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="pagoda-json")
+
+    async def decode(self, body: bytes) -> Any:
+        if len(body) <= INLINE_PARSE_MAX_BYTES:
+            return decode_json(body)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, decode_json, body)
+
+
+class InvalidText(HTTPException):
+    """A string that is not valid Unicode: a 400 naming where it is (FastAPI passes HTTPExceptions raised
+    while reading the body through unchanged)."""
+
+    def __init__(self, path: tuple[str | int, ...]) -> None:
+        self.param = str(path[0]) if path else None
+        where = ".".join(map(str, path)) or "body"
+        super().__init__(400, f"{where}: invalid Unicode (a lone surrogate) in a string")
+
+
+def decode_json(body: bytes) -> Any:
+    """json.loads, by the C parser or (large bodies) the pure-Python scanner; raises InvalidText for a lone
+    surrogate anywhere (JSON's \\ud800 escapes, or raw surrogate bytes, which json.loads lets through)."""
+    if len(body) <= C_PARSER_MAX_BYTES:
+        value = json.loads(body)
+    else:  # json.loads' own decoding of bytes, then a scanner of this call's own (its memo is not thread-safe)
+        value = _PyDecoder().decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+    if _may_hold_surrogates(body):
+        path = first_invalid_text(value)
+        if path is not None:
+            raise InvalidText(path)
+    return value
+
+
+def _may_hold_surrogates(body: bytes) -> bool:
+    """Cheap bytes test: no \\uD8xx-\\uDFxx escape and no 0xED byte (UTF-8 of U+D000-U+DFFF) means no
+    surrogate; escaped emoji (surrogate pairs) and Hangul also pass here, and are then checked properly."""
+    return b"\\ud" in body or b"\\uD" in body or b"\xed" in body
+
+
+class _PyDecoder(json.JSONDecoder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scan_once = json.scanner.py_make_scanner(self)  # type: ignore[attr-defined]
+
+
+# --- helpers -----------------------------------------------------------------------------------------
+
+
+def _raw_header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value)
+    return None
+
+
+def _as_openai(error: HTTPException) -> OpenAIError:
+    return OpenAIError(error.status_code, str(error.detail), getattr(error, "param", None))
+
+
+async def _send_error(error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:
+    response = JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+    await response(scope, receive, send)
