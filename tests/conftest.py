@@ -6,10 +6,11 @@ from __future__ import annotations
 import os
 import random
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 import torch
 from hypothesis import settings
@@ -186,3 +187,16 @@ def random_prompts(lengths: Sequence[int], vocab_size: int = 512, seed: int = 0)
     """Prompts of the given lengths over ordinary (non-special) token ids."""
     rng = random.Random(seed)
     return [[rng.randrange(5, vocab_size) for _ in range(length)] for length in lengths]
+
+
+# The official client against a module's `server` fixture (the server tests define one per module).
+@pytest.fixture(scope="module")
+def client(server) -> Iterator[openai.OpenAI]:
+    with server.client() as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def model(client: openai.OpenAI) -> str:
+    """The served model's id, as /v1/models lists it."""
+    return client.models.list().data[0].id

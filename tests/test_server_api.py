@@ -43,12 +43,6 @@ def server(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    with server.client() as client:
-        yield client
-
-
 def complete(client: openai.OpenAI, prompt=PROMPT, **kwargs):
     kwargs.setdefault("max_tokens", 16)
     kwargs.setdefault("temperature", 0.0)

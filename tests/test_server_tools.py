@@ -40,17 +40,6 @@ def server(tmp_path_factory):
     server.stop()
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    with server.client() as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
-def model(client) -> str:
-    return client.models.list().data[0].id
-
-
 def ask(client: openai.OpenAI, model: str, **kwargs):
     kwargs.setdefault("max_tokens", 80)
     kwargs.setdefault("temperature", 1.0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -37,34 +37,35 @@ class _EngineCollector:
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric([self.model_name], value)
             yield gauge
-        for name, doc, value in (
+        yield from self._counters((
             ("vllm:num_preemptions", "Preemptions by recompute.", stats.num_preemptions),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric([self.model_name], value)
-            yield counter
+        ))
         if stats.spec_decode is not None:
             yield from self._spec_decode(stats.spec_decode)
 
     def _spec_decode(self, stats: SpecDecodeStats):
         """Speculative decoding's counters, present only when it is configured (as in vLLM)."""
-        labels = ["model_name"]
-        for name, doc, value in (
+        yield from self._counters((
             ("vllm:spec_decode_num_drafts", "Drafts checked (one request's in one step).", stats.num_drafts),
             ("vllm:spec_decode_num_draft_tokens", "Draft tokens checked.", stats.num_draft_tokens),
             ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.num_accepted_tokens),
-        ):
-            counter = CounterMetricFamily(name, doc, labels=labels)
-            counter.add_metric([self.model_name], value)
-            yield counter
+        ))
         per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                            "Draft tokens accepted, by position in the draft.",
                                            labels=["model_name", "position"])
         for position, value in enumerate(stats.accepted_per_position):
             per_position.add_metric([self.model_name, str(position)], value)
         yield per_position
+
+
+    def _counters(self, specs: tuple[tuple[str, str, float], ...]) -> Iterator[CounterMetricFamily]:
+        """One counter family per (name, doc, value), labelled with the model's name."""
+        for name, doc, value in specs:
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self.model_name], value)
+            yield counter
 
 
 class ServerMetrics:
