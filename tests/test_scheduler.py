@@ -36,9 +36,9 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, first_to
     )
 
 
-def fake_sample(output: SchedulerOutput, token: int = FAKE_TOKEN) -> dict[str, int]:
+def fake_sample(output: SchedulerOutput, token: int = FAKE_TOKEN) -> dict[str, list[int]]:
     """A token for every request whose step reaches its last known token, as the runner would sample."""
-    return {item.request.request_id: token for item in output.scheduled if item.samples}
+    return {item.request.request_id: [token] for item in output.scheduled if item.samples}
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:

@@ -503,7 +503,7 @@ def decoding(scheduler: Scheduler, request: Request, first_token: int = 1) -> Re
     """Admits a request, computes its prompt and samples its first token: its next step is a decode."""
     scheduler.add_request(request)
     output = scheduler.schedule()
-    scheduler.update(output, {item.request.request_id: first_token for item in output.scheduled if item.samples})
+    scheduler.update(output, {item.request.request_id: [first_token] for item in output.scheduled if item.samples})
     assert request.num_computed_tokens == request.num_tokens - 1
     return request
 

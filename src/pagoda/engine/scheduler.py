@@ -161,11 +161,11 @@ class Scheduler:
 
     # --- update ------------------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]) -> list[tuple[Request, int]]:
+    def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[tuple[Request, int]]:
         """Advances computed counts, appends sampled tokens, finishes requests that stop.
 
-        sampled: by request id, the token sampled for each request that samples (an int, or a list of one);
-        for a request with drafts, the target's token at each of its 1 + len(drafts) positions. Returns the
+        sampled: by request id, for each request that samples, the tokens sampled at each of its
+        1 + len(drafts) positions (one token without drafts). Returns the
         requests that got new tokens this step (finished ones included), each with how many.
         """
         advanced = []
@@ -176,8 +176,6 @@ class Scheduler:
                 request.num_computed_tokens += item.num_tokens
                 self.kv_cache.cache_full_blocks(request)
                 continue
-            if isinstance(token_ids, int):
-                token_ids = [token_ids]
             kept = accept_drafts(item.draft_token_ids, token_ids)
             if item.draft_token_ids:
                 self.spec_decode.record(len(item.draft_token_ids), len(kept) - 1)
