@@ -20,15 +20,9 @@ import torch
 import transformers
 
 import pagoda
-from pagoda.structured import (
-    GrammarStateError,
-    InvalidConstraint,
-    StructuredOutputsParams,
-    allocate_bitmask,
-    apply_bitmask,
-    bitmask_width,
-    unpack_bitmask,
-)
+from pagoda.structured import InvalidConstraint, StructuredOutputsParams
+from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask, bitmask_width, unpack_bitmask
+from pagoda.structured.interface import GrammarStateError
 from pagoda.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceGrammar, LLGuidanceMatcher
 from pagoda.testing import make_tokenizer
 

@@ -19,7 +19,8 @@ from pagoda.demo import DEMO_MODEL_DIR
 from pagoda.engine.engine import RequestRejected
 from pagoda.engine.output import RequestOutput
 from pagoda.model.tokenizer import encode_chat
-from pagoda.structured import StructuredOutputsParams, allocate_bitmask, apply_bitmask
+from pagoda.structured import StructuredOutputsParams
+from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask
 from pagoda.structured.llguidance_backend import LLGuidanceBackend
 from pagoda.testing.schema_suite import ALL_CASES, FORMATS, SCHEMAS, Case, InvalidOutput, SchemaCase, case
 

@@ -20,7 +20,8 @@ from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
-from pagoda.structured import GrammarMatcher, GrammarStateError, InvalidConstraint
+from pagoda.structured import InvalidConstraint
+from pagoda.structured.interface import GrammarMatcher, GrammarStateError
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda.sampling import SamplingParams
-from pagoda.structured import GrammarMatcher
+from pagoda.structured.interface import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):

@@ -20,7 +20,7 @@ import torch
 from pagoda.engine.output import best_logprobs
 from pagoda.engine.request import Request
 from pagoda.sampling import GREEDY_EPS
-from pagoda.structured import apply_bitmask
+from pagoda.structured.bitmask import apply_bitmask
 
 _MASK64 = (1 << 64) - 1
 

@@ -20,7 +20,7 @@ from typing import Protocol
 
 from pagoda.config import SpeculativeConfig
 from pagoda.engine.request import Request
-from pagoda.structured import GrammarStateError
+from pagoda.structured.interface import GrammarStateError
 
 
 class Proposer(Protocol):

@@ -15,14 +15,9 @@ from typing import Any
 
 import torch
 
-from pagoda.structured import (
-    CompiledGrammar,
-    GrammarBackend,
-    GrammarMatcher,
-    GrammarStateError,
-    StructuredOutputsParams,
-)
+from pagoda.structured import StructuredOutputsParams
 from pagoda.structured.bitmask import allocate_bitmask
+from pagoda.structured.interface import CompiledGrammar, GrammarBackend, GrammarMatcher, GrammarStateError
 
 
 class StructuredOutputs:
