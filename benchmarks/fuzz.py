@@ -18,8 +18,6 @@ import argparse
 import collections
 import contextlib
 import json
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +30,7 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from server_process import HOST, free_port, start_server, stop_server
 
 HEALTH_BOUND_S = 1.0
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -125,29 +124,12 @@ def _jsonable(value: object) -> object:
 # --- the server ----------------------------------------------------------------------------------------------
 
 
-def start_server(python: str, model: str | None, log_dir: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    command = [python, "-m", "pagoda", "serve", "--host", "127.0.0.1", "--port", str(port), *SERVE_ARGS]
+def start_pagoda(python: str, model: str | None, log_dir: Path) -> tuple[subprocess.Popen, str]:
+    command = [python, "-m", "pagoda", "serve", "--host", HOST, "--port", str(free_port()), *SERVE_ARGS]
     if model:
         command += ["--model", model]
-    log = open(log_dir / "server.log", "wb")  # noqa: SIM115 (open for the server's whole life)
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                               env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}; see {log_dir / 'server.log'}")
-        try:
-            if requests.get(f"{url}/health", timeout=5).status_code == 200:
-                return process, url
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise SystemExit("the server did not become healthy in 300 s")
+    return start_server(command, log_dir / "server.log", timeout=300,
+                        env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -163,14 +145,13 @@ def main(argv: list[str] | None = None) -> int:
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with tempfile.TemporaryDirectory(prefix="pagoda-fuzz-") as log_dir:
-        process, url = (None, args.url) if args.url else start_server(args.python, args.model, Path(log_dir))
+        process, url = (None, args.url) if args.url else start_pagoda(args.python, args.model, Path(log_dir))
         started = time.monotonic()
         try:
             findings = fuzz(url, headers, args.max_examples, args.seed)
         finally:
             if process is not None:
-                process.terminate()
-                process.wait(timeout=60)
+                stop_server(process, timeout=60)
                 if findings_log := Path(log_dir, "server.log").read_text(errors="replace").count("Traceback"):
                     print(f"server log: {findings_log} tracebacks")
     report(findings, time.monotonic() - started, args.json)

@@ -25,18 +25,14 @@ import asyncio
 import gc
 import importlib.util
 import json
-import os
 import random
 import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 from common import (
     CONFIGS,
@@ -53,8 +49,8 @@ from common import (
     summary,
     write_json,
 )
+from server_process import HOST, free_port, start_server, stop_server
 
-HOST = "127.0.0.1"
 HF_SERVE = """import sys
 import transformers.modeling_utils as modeling_utils
 if {shim}:  # the CLI passes device_map, which needs `accelerate`; on CPU, no device_map means the same placement
@@ -174,41 +170,6 @@ def compare_local(kind: str, hf, path: str, model: str, config: str, vocab: int,
 # --- servers -------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
-def start_server(command: list[str], log_path: Path, timeout: float) -> tuple[subprocess.Popen, str]:
-    url = command[command.index("--port") + 1]
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    with open(log_path, "wb") as log_file:
-        process = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, env=env)
-    base = f"http://{HOST}:{url}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}; see {log_path}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return process, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    stop_server(process)
-    raise RuntimeError(f"server not healthy after {timeout:.0f} s; see {log_path}")
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
-
-
 async def drive(base: str, model: str, prompts: list, max_tokens: int, extra: dict, timeout: float) -> dict:
     """All prompts at once, streamed; wall time from the first send to the last token."""
     from openai import AsyncOpenAI
@@ -272,7 +233,8 @@ def served(kind: str, model: str, config: str, args, log_dir: Path) -> dict:
                                       '"eos_token_id": []}'}
         shown = ["transformers", *command[3:]]
     log(f"  starting {kind} server: {' '.join(shown)}")
-    process, base = start_server(command, log_dir / f"{kind}-{config}.log", args.startup_timeout)
+    process, base = start_server(command, log_dir / f"{kind}-{config}.log", args.startup_timeout,
+                                 env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     samples = []
     try:
         vocab = load_hf_vocab(path)
@@ -290,7 +252,7 @@ def served(kind: str, model: str, config: str, args, log_dir: Path) -> dict:
             log(f"  {kind} serve {config} repeat {repeat + 1}/{args.repeats}: "
                 f"{samples[-1]['tokens_per_s']:.1f} output tok/s ({samples[-1]['wall_s']:.1f} s)")
     finally:
-        stop_server(process)
+        stop_server(process, signal.SIGINT)
     rates = [s["tokens_per_s"] for s in samples]
     note = ""
     if kind != "pagoda" and shim:

@@ -22,8 +22,6 @@ import json
 import os
 import platform
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,8 +31,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from server_process import HOST, free_port, start_server, stop_server
 
-HOST = "127.0.0.1"
 
 @dataclass
 class RequestResult:
@@ -56,49 +54,16 @@ def make_workload(num_requests: int, system_len: int, question_len: int, vocab_s
     return prompts
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return sock.getsockname()[1]
-
-
-def start_server(args, caching: bool, log_dir: Path) -> tuple[subprocess.Popen, str, Path]:
-    port = free_port()
-    command = [sys.executable, "-m", "pagoda", "serve", "--model", args.model, "--host", HOST, "--port", str(port),
-               "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+def start_pagoda(args, caching: bool, log_dir: Path) -> tuple[subprocess.Popen, str, Path]:
+    command = [sys.executable, "-m", "pagoda", "serve", "--model", args.model, "--host", HOST,
+               "--port", str(free_port()), "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
                "--kv-cache-memory-bytes", args.kv_cache_memory_bytes,
                "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--uvicorn-log-level", "warning",
                "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"]
-    env = dict(os.environ)
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
+    env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     log_path = log_dir / f"server-{'on' if caching else 'off'}.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://{HOST}:{port}"
-    deadline = time.monotonic() + args.startup_timeout
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return process, url, log_path
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            raise RuntimeError(f"server not healthy after {args.startup_timeout} s")
-        time.sleep(0.2)
-
-
-def stop_server(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    process, url = start_server(command, log_path, args.startup_timeout, env)
+    return process, url, log_path
 
 
 async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestResult:
@@ -214,7 +179,7 @@ def main() -> None:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
         for label, caching in (("on", True), ("off", False)):
             print(f"prefix caching {label}: starting the server", flush=True)
-            process, url, log_path = start_server(args, caching, Path(log_dir))
+            process, url, log_path = start_pagoda(args, caching, Path(log_dir))
             try:
                 asyncio.run(run_workload(url, [warm_up], 4, 1))
                 before = prefix_counters(url)

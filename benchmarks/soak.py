@@ -1,0 +1,331 @@
+"""Soak `pagoda serve`: long, open-loop load past saturation, with disconnects and hostile requests mixed in.
+
+    .venv/bin/python benchmarks/soak.py                        # calibrate, then 0.5x, 1x, then 2x for 20 min
+    .venv/bin/python benchmarks/soak.py --minutes 2 --json /tmp/soak.json   # a quick trial
+
+First a closed-loop calibration finds the server's saturation rate (completed requests per second with
+--max-num-seqs clients always busy). Then Poisson arrivals at each multiple of that rate in --levels, the last
+one for --minutes. Requests mix prompt lengths and output lengths, streaming and not; a share is dropped by
+the client mid-flight, and a share is hostile (each of the cases in HOSTILE, which must get a 4xx).
+
+Checked, and the exit code is 1 when any fails:
+- no response has a 5xx status, every error body is OpenAI's shape;
+- every completed response's `usage.completion_tokens` equals the tokens it carried (`logprobs` lists one
+  entry per token, in the stream and out of it);
+- resident memory of the server is flat after warm-up: the last quarter's median within 5% of the median of
+  the second quarter of the long level (sampled every few seconds; plotted);
+- once the load stops, no request is running or waiting and KV usage is 0 (no block leaked).
+Reported per level: offered and completed rate, 429 share, TTFT p50/p99 of streamed requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from server_process import HOST, free_port, start_server, stop_server
+
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima",
+         "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "victor", "zulu")
+ERROR_KEYS = {"message", "type", "param", "code"}
+# (name, request arguments for httpx): each must be refused with a 4xx and leave the server as it was.
+HOSTILE: tuple[tuple[str, dict], ...] = (
+    ("invalid JSON", {"content": b'{"prompt": "a", "max_tokens": ', "headers": {"content-type": "application/json"}}),
+    ("lone surrogate", {"content": b'{"model": "M", "prompt": "\\ud800", "max_tokens": 4}',
+                        "headers": {"content-type": "application/json"}}),
+    ("string for a bool", {"json": {"model": "M", "prompt": "a", "stream": "yes"}}),
+    ("negative max_tokens", {"json": {"model": "M", "prompt": "a", "max_tokens": -1}}),
+    ("fan-out past the bound", {"json": {"model": "M", "prompt": ["a"] * 64, "n": 64, "max_tokens": 4}}),
+    ("prompt too long", {"json": {"model": "M", "prompt": "word " * 40_000, "max_tokens": 4}}),
+    ("too many stop strings", {"json": {"model": "M", "prompt": "a", "stop": [f"s{i}" for i in range(100)]}}),
+    ("huge logit_bias", {"json": {"model": "M", "prompt": "a", "logit_bias": {str(i): 1 for i in range(5000)}}}),
+    ("unknown model", {"json": {"model": "no-such-model", "prompt": "a", "max_tokens": 4}}),
+)
+
+
+@dataclass
+class Level:
+    multiple: float
+    rate: float
+    seconds: float
+    statuses: dict[int, int] = field(default_factory=dict)
+    ttft: list[float] = field(default_factory=list)
+    completed: int = 0
+    usage_checked: int = 0
+    disconnected: int = 0
+    hostile: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    def count(self, status: int) -> None:
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+
+    def report(self) -> dict:
+        sent = sum(self.statuses.values()) + self.disconnected
+        ttft = sorted(self.ttft)
+        return {"multiple": self.multiple, "offered_rps": round(self.rate, 3), "seconds": round(self.seconds),
+                "requests": sent, "completed": self.completed, "completed_rps": round(self.completed / self.seconds, 3),
+                "rate_429": round(self.statuses.get(429, 0) / max(1, sent), 4), "statuses": self.statuses,
+                "disconnected": self.disconnected, "hostile": self.hostile, "usage_checked": self.usage_checked,
+                "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p99_s": _quantile(ttft, 0.99), "problems": self.problems}
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else None
+
+
+def _error_shape(response: httpx.Response) -> str | None:
+    try:
+        error = response.json()["error"]
+    except (ValueError, KeyError, TypeError):
+        return "error body is not OpenAI's shape"
+    if not isinstance(error, dict) or not set(error) >= ERROR_KEYS:
+        return "error body is not OpenAI's shape"
+    return None
+
+
+def ordinary_body(rng: random.Random, model: str) -> dict:
+    prompt = " ".join(rng.choice(WORDS) for _ in range(rng.choice((4, 16, 48, 96))))
+    return {"model": model, "prompt": prompt, "max_tokens": rng.choice((1, 8, 32, 96)), "temperature": 1.0,
+            "seed": rng.randrange(1 << 30), "logprobs": 0, "stream": rng.random() < 0.5,
+            "stream_options": None}
+
+
+async def send_ordinary(client: httpx.AsyncClient, body: dict, level: Level, drop_after: float | None) -> None:
+    if body["stream"]:
+        body["stream_options"] = {"include_usage": True}
+    else:
+        del body["stream_options"]
+    started = time.monotonic()
+    try:
+        request = client.stream("POST", "/v1/completions", json=body)
+        if drop_after is not None:
+            await asyncio.wait_for(_consume(request, body, level, started), drop_after)
+        else:
+            await _consume(request, body, level, started)
+    except TimeoutError:
+        level.disconnected += 1  # the client gave up: the server must abort the request and free its blocks
+    except httpx.HTTPError as error:
+        level.problems.append(f"transport error: {error!r}")
+
+
+async def _consume(request, body: dict, level: Level, started: float) -> None:
+    async with request as response:
+        level.count(response.status_code)
+        if response.status_code != 200:
+            await response.aread()
+            # An ordinary request is only ever refused for load (429): anything else is a finding.
+            if response.status_code != 429 or _error_shape(response):
+                level.problems.append(f"{response.status_code}: {response.text[:300]}")
+            return
+        if not body["stream"]:
+            data = json.loads(await response.aread())
+            tokens = sum(len(choice["logprobs"]["tokens"]) for choice in data["choices"])
+            _check_usage(level, data["usage"], tokens)
+            return
+        tokens, usage = 0, None
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                level.problems.append(f"stream error: {line[:300]}")
+                return
+            for choice in chunk["choices"]:
+                if tokens == 0 and choice.get("logprobs"):
+                    level.ttft.append(time.monotonic() - started)
+                tokens += len((choice.get("logprobs") or {}).get("tokens") or [])
+            usage = chunk.get("usage") or usage
+        _check_usage(level, usage, tokens)
+
+
+def _check_usage(level: Level, usage: dict | None, tokens: int) -> None:
+    level.completed += 1
+    level.usage_checked += 1
+    if usage is None or usage["completion_tokens"] != tokens:
+        level.problems.append(f"usage {usage} but {tokens} tokens received")
+
+
+async def send_hostile(client: httpx.AsyncClient, rng: random.Random, model: str, level: Level) -> None:
+    name, arguments = rng.choice(HOSTILE)
+    arguments = json.loads(json.dumps(arguments, default=lambda b: b.decode()).replace('"M"', json.dumps(model)))
+    if isinstance(arguments.get("content"), str):
+        arguments["content"] = arguments["content"].encode()
+    level.hostile += 1
+    try:
+        response = await client.post("/v1/completions", **arguments)
+    except httpx.HTTPError as error:
+        level.problems.append(f"hostile {name}: transport error {error!r}")
+        return
+    level.count(response.status_code)
+    if not 400 <= response.status_code < 500 or _error_shape(response):
+        level.problems.append(f"hostile {name}: {response.status_code} {response.text[:200]}")
+
+
+async def run_level(url: str, model: str, level: Level, seed: int, args) -> None:
+    rng = random.Random(seed)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0), limits=limits) as client:
+        tasks: set[asyncio.Task] = set()
+        deadline = time.monotonic() + level.seconds
+        while time.monotonic() < deadline:
+            await asyncio.sleep(rng.expovariate(level.rate))
+            if rng.random() < args.hostile_share:
+                coroutine = send_hostile(client, rng, model, level)
+            else:
+                drop = rng.uniform(0.05, 2.0) if rng.random() < args.disconnect_share else None
+                coroutine = send_ordinary(client, ordinary_body(rng, model), level, drop)
+            task = asyncio.create_task(coroutine)
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+        await asyncio.gather(*tasks)
+
+
+async def calibrate(url: str, model: str, clients: int, seconds: float) -> float:
+    """Completed requests per second with `clients` requests always in flight (no disconnects)."""
+    level = Level(0, 0, seconds)
+    rng = random.Random(1)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0)) as client:
+        deadline = time.monotonic() + seconds
+
+        async def worker() -> None:
+            while time.monotonic() < deadline:
+                await send_ordinary(client, ordinary_body(rng, model), level, None)
+
+        started = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        return level.completed / (time.monotonic() - started)
+
+
+class RssSampler:
+    """The server's resident memory every `period` seconds, from /proc."""
+
+    def __init__(self, pid: int, period: float) -> None:
+        self.pid, self.period, self.samples = pid, period, []
+
+    def rss_mib(self) -> float:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        raise RuntimeError("no VmRSS")
+
+    async def run(self, began: float, label: str) -> None:
+        while True:
+            self.samples.append((time.monotonic() - began, label, self.rss_mib()))
+            await asyncio.sleep(self.period)
+
+
+async def metric(url: str, name: str) -> float:
+    async with httpx.AsyncClient(base_url=url, timeout=10) as client:
+        text = (await client.get("/metrics")).text
+    values = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + "{") or
+              line.startswith(name + " ")]
+    return sum(values)
+
+
+async def soak(url: str, pid: int, model: str, args) -> dict:
+    print(f"calibrating for {args.calibrate_seconds:.0f} s with {args.max_num_seqs} clients ...", flush=True)
+    saturation = await calibrate(url, model, args.max_num_seqs, args.calibrate_seconds)
+    print(f"saturation: {saturation:.2f} requests/s", flush=True)
+    sampler, began = RssSampler(pid, args.rss_period), time.monotonic()
+    levels = []
+    for index, multiple in enumerate(args.levels):
+        seconds = args.minutes * 60 if index == len(args.levels) - 1 else args.short_seconds
+        level = Level(multiple, multiple * saturation, seconds)
+        sampling = asyncio.create_task(sampler.run(began, f"{multiple}x"))
+        await run_level(url, model, level, seed=100 + index, args=args)
+        sampling.cancel()
+        levels.append(level.report())
+        print(json.dumps({k: v for k, v in levels[-1].items() if k != "problems"}), flush=True)
+        for problem in level.problems[:10]:
+            print("   problem:", problem, flush=True)
+    await asyncio.sleep(2)  # let aborted requests drain
+    leftover = {name: await metric(url, name) for name in
+                ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")}
+    rss = [{"t_s": round(t, 1), "level": label, "rss_mib": round(mib, 1)} for t, label, mib in sampler.samples]
+    return {"saturation_rps": round(saturation, 3), "levels": levels, "after": leftover, "rss": rss}
+
+
+def verdict(result: dict) -> list[str]:
+    failures = [f"{level['multiple']}x: {problem}" for level in result["levels"] for problem in level["problems"]]
+    failures += [f"{name} = {value} after the load" for name, value in result["after"].items() if value != 0]
+    long = [s["rss_mib"] for s in result["rss"] if s["level"] == result["rss"][-1]["level"]]
+    quarter = len(long) // 4
+    if quarter >= 2:
+        warm, last = statistics.median(long[quarter:2 * quarter]), statistics.median(long[-quarter:])
+        result["rss_drift"] = round(last / warm - 1, 4)
+        if abs(last / warm - 1) > 0.05:
+            failures.append(f"RSS drifted {100 * (last / warm - 1):+.1f}% ({warm:.0f} -> {last:.0f} MiB)")
+    else:
+        failures.append("too few RSS samples in the long level to judge drift")
+    return failures
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 3.5))
+    for label in dict.fromkeys(s["level"] for s in result["rss"]):
+        points = [s for s in result["rss"] if s["level"] == label]
+        axis.plot([s["t_s"] / 60 for s in points], [s["rss_mib"] for s in points], label=f"offered {label}")
+    axis.set(xlabel="minutes", ylabel="server RSS (MiB)", title="pagoda serve under soak")
+    axis.set_ylim(bottom=0)
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="model directory (default: the built-in model)")
+    parser.add_argument("--minutes", type=float, default=20.0, help="length of the last (longest) level")
+    parser.add_argument("--levels", type=float, nargs="+", default=[0.5, 1.0, 2.0],
+                        help="offered load as multiples of the calibrated saturation rate; the last is the soak")
+    parser.add_argument("--short-seconds", type=float, default=90.0, help="length of each level but the last")
+    parser.add_argument("--calibrate-seconds", type=float, default=60.0)
+    parser.add_argument("--max-num-seqs", type=int, default=16)
+    parser.add_argument("--max-waiting-requests", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--hostile-share", type=float, default=0.05)
+    parser.add_argument("--disconnect-share", type=float, default=0.1)
+    parser.add_argument("--rss-period", type=float, default=5.0)
+    parser.add_argument("--json", type=Path, default=Path("benchmarks/results/soak.json"))
+    args = parser.parse_args()
+
+    command = [sys.executable, "-m", "pagoda", "serve", "--host", HOST, "--port", str(free_port()),
+               "--max-num-seqs", str(args.max_num_seqs), "--max-waiting-requests", str(args.max_waiting_requests),
+               "--max-model-len", "512", "--threads", str(args.threads), "--uvicorn-log-level", "warning"]
+    command += ["--model", args.model] if args.model else []
+    with tempfile.TemporaryDirectory(prefix="pagoda-soak-") as log_dir:
+        process, url = start_server(command, Path(log_dir) / "server.log", timeout=300)
+        try:
+            model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+            result = asyncio.run(soak(url, process.pid, model, args))
+        finally:
+            exit_code = stop_server(process)
+            tracebacks = Path(log_dir, "server.log").read_text(errors="replace").count("Traceback")
+    result.update(command=" ".join(["pagoda", *command[3:]]), server_exit_code=exit_code,
+                  server_log_tracebacks=tracebacks, args={k: str(v) for k, v in vars(args).items()})
+    failures = verdict(result) + ([f"{tracebacks} tracebacks in the server log"] if tracebacks else [])
+    result["failures"] = failures
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, args.json.with_suffix(".png"))
+    print(f"\n{len(failures)} failures; wrote {args.json} and {args.json.with_suffix('.png')}")
+    for failure in failures[:30]:
+        print("  ", failure)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
