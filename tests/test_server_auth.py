@@ -1,5 +1,5 @@
 """API keys: every route that reads or changes engine state or costs compute needs one; /health, /version
-and /metrics stay open (/metrics too is guarded with --guard-metrics).
+and /metrics stay open (/metrics too is guarded with --guard-metrics), and so do the web UI's static files.
 
 Most tests drive the app in process, before any model is loaded: a guarded route answers 401 without a
 valid key and, with one, gets past the guard (to the 503 of a model still loading). One real server checks
@@ -18,10 +18,12 @@ from server_fixtures import assert_openai_error, make_server_checkpoint, start_s
 from pagoda.server import guards
 from pagoda.server.api import ServerState, build_app
 from pagoda.server.guards import OPEN_PATHS, ApiKeys
+from pagoda.server.web import static_files
 
 pytestmark = pytest.mark.timeout(120)
 
 KEYS = ("first-key", "second-key")
+OPEN = OPEN_PATHS | set(static_files())  # the probes, and the web UI's pages (which hold no data)
 BODIES = {"/v1/completions": {"prompt": "hi", "max_tokens": 2},
           "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
           "/tokenize": {"prompt": "hi"}, "/detokenize": {"tokens": [1, 2]}}
@@ -53,7 +55,7 @@ def app():
 
 
 def test_every_route_but_the_probes_needs_a_key(app):
-    guarded = [(m, p) for m, p in app_routes(app) if p not in OPEN_PATHS]
+    guarded = [(m, p) for m, p in app_routes(app) if p not in OPEN]
     assert {p for _, p in guarded} >= {"/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize",
                                        "/detokenize", "/reset_prefix_cache"}
     for headers in ({}, {"Authorization": "Bearer wrong-key"}, {"Authorization": KEYS[0]},
@@ -65,7 +67,7 @@ def test_every_route_but_the_probes_needs_a_key(app):
             error = assert_openai_error(responses[route], 401)
             assert error["type"] == "AuthenticationError", (route, headers, error)
         for route, response in responses.items():
-            if route[1] in OPEN_PATHS:
+            if route[1] in OPEN:
                 assert response.status_code != 401, (route, headers)
 
 

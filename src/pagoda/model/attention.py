@@ -52,7 +52,9 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     # Decodes (one query token each) are batched: keys gathered into [num_decodes, max_seq_len].
     decode_token_index: torch.Tensor  # [num_decodes] their rows in the flat batch
-    decode_key_slots: torch.Tensor  # [num_decodes, max_seq_len]; padding points at valid but unused slots
+    # [num_decodes, max_seq_len]; a shorter sequence's padding repeats its first key's slot (written, masked):
+    # the pool is not zero-filled, and an unwritten slot's NaN would survive a zero attention weight.
+    decode_key_slots: torch.Tensor
     decode_seq_lens: torch.Tensor  # [num_decodes]
     decode_masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_seq_len]
     prefills: list[PrefillSeq] = field(default_factory=list)
@@ -105,11 +107,17 @@ def build_metadata(
         positions=positions,
         slot_mapping=slot_mapping,
         decode_token_index=query_starts[decode_seqs],
-        decode_key_slots=all_slots[decode_seqs, :decode_width],
+        decode_key_slots=_written_slots_only(all_slots[decode_seqs, :decode_width], decode_lens),
         decode_seq_lens=decode_lens,
         decode_masks=decode_masks,
         prefills=prefills,
     )
+
+
+def _written_slots_only(key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """key_slots [num_seqs, width] with each row's positions at or past its length pointed at its first slot."""
+    padding = torch.arange(key_slots.shape[1])[None, :] >= seq_lens[:, None]
+    return torch.where(padding, key_slots[:, :1], key_slots)
 
 
 class DecodeRunner(Protocol):

@@ -85,7 +85,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         runtime = runtime or ModelRuntime()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # No random init (the checkpoint overwrites it): on the meta device, nn.Embedding's normal_ imports
+        # torch._dynamo, which stays resident (~70 MB, six times the built-in model).
+        embedding = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
         self.layers = nn.ModuleList(DecoderLayer(config, i, runtime.kernels) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)

@@ -7,6 +7,9 @@ unsupported architecture, rope type or field fails here, naming the file or fiel
 from __future__ import annotations
 
 import json
+import math
+import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +33,36 @@ SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
 
 class ModelLoadError(ValueError):
     pass
+
+
+CHECKPOINT_NEEDS = (
+    "pagoda loads a local Hugging Face checkpoint directory: config.json, *.safetensors weights and the "
+    "tokenizer (tokenizer.json, tokenizer_config.json)"
+)
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def check_model_dir(model: str | Path) -> Path:
+    """The model directory, or a ModelLoadError that says what pagoda needs and how to get it: for a hub id,
+    a GGUF file or a directory without config.json, before anything is loaded."""
+    path = Path(model)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path}: no config.json; {CHECKPOINT_NEEDS}")
+        return path
+    if path.suffix.lower() == ".gguf":
+        raise ModelLoadError(
+            f"{model} is a GGUF file; {CHECKPOINT_NEEDS}, not GGUF.\n"
+            "Download the original model's repository instead: hf download <org>/<model> --local-dir models/<model>"
+        )
+    if not path.exists() and HUB_ID.fullmatch(str(model)):
+        local = f"models/{str(model).split('/')[1]}"
+        raise ModelLoadError(
+            f"{model} is not a local directory, and pagoda does not download models; {CHECKPOINT_NEEDS}.\n"
+            f"Get this one with:  hf download {model} --local-dir {local}   then: --model {local}\n"
+            "Seeded benchmark models (no download): python scripts/make_bench_models.py"
+        )
+    raise ModelLoadError(f"{model}: not a directory; {CHECKPOINT_NEEDS}")
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -167,6 +200,16 @@ def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ModelLoadError(f"{file}: cannot read safetensors ({error})") from error
 
 
+def checkpoint_num_parameters(model_dir: str | Path) -> int:
+    """The checkpoint's parameter count, from the safetensors headers (no tensor is read)."""
+    total = 0
+    for file in safetensors_files(model_dir):
+        with safe_open(str(file), framework="pt") as reader:
+            for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                total += math.prod(reader.get_slice(name).get_shape())
+    return total
+
+
 def load_model(
     model_dir: str | Path,
     dtype: torch.dtype = torch.float32,
@@ -188,8 +231,23 @@ def load_model(
     runtime = create_runtime(config, dtype, kernels)
     with torch.device("meta"):
         model = LlamaModel(config, runtime)
-    model.load_weights(iter_weights(model_dir), dtype=dtype, device=device)
+    model.load_weights(_with_progress(iter_weights(model_dir), model_dir), dtype=dtype, device=device)
     prepare_linears(model, quantization, runtime.gemv_kernels)
     model.backend.bind(model)  # the weights are final: the native decode stack, where chosen, is built now
     return model.eval(), config
 
+
+def _with_progress(
+    weights: Iterator[tuple[str, torch.Tensor]], model_dir: str | Path
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights, with a progress bar in checkpoint bytes on stderr when it is a terminal (logs stay clean)."""
+    if not sys.stderr.isatty():
+        yield from weights
+        return
+    from tqdm import tqdm  # type: ignore[import-untyped]
+
+    total = sum(file.stat().st_size for file in safetensors_files(model_dir))
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading weights", file=sys.stderr) as bar:
+        for name, tensor in weights:
+            bar.update(tensor.numel() * tensor.element_size())
+            yield name, tensor

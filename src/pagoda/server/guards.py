@@ -105,13 +105,15 @@ class ApiKeys:
 
 
 class ApiKeyGuard:
-    """401 for a guarded route without a valid key, before the body is read."""
+    """401 for a guarded route without a valid key, before the body is read. `public_paths`: static files
+    that hold no data (the web UI's pages, which ask for the key and send it with their own calls)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
-        self.app, self.keys = app, keys
+    def __init__(self, app: ASGIApp, keys: ApiKeys, public_paths: frozenset[str] = frozenset()) -> None:
+        self.app, self.keys, self.public_paths = app, keys, public_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and self.keys.guards(scope["path"])
+        path = scope.get("path", "")
+        guarded = scope["type"] == "http" and path not in self.public_paths and self.keys.guards(path)
         if guarded and not self.keys.accepts(_raw_header(scope, b"authorization")):
             error = OpenAIError(401, "invalid or missing API key", headers={"WWW-Authenticate": "Bearer"})
             await _send_error(error, scope, receive, send)

@@ -1,0 +1,87 @@
+"""The web UI: a chat page at /, a live dashboard at /dashboard, and the JSON the dashboard polls.
+
+The pages are static files shipped in the package (pagoda/server/web/), read once when the app is built and
+served from memory under fixed paths: no CDN, no build step, no path taken from the request. They hold no
+data, so they are served without an API key; the page asks for the key and sends it with its API calls,
+and the stats route is guarded like the API.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+
+if TYPE_CHECKING:
+    from pagoda.server.api import ServerState
+
+WEB_DIR = Path(__file__).resolve().parent / "web"
+PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
+ASSETS_PATH = "/web"  # every other file of WEB_DIR is served at /web/<name>
+STATS_PATH = "/dashboard/stats"
+CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
+                 ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
+# Model text is only ever inserted as text; this policy is the second line: no inline script, nothing
+# fetched from anywhere but this server, no framing.
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+                               "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",  # revalidate: a pagoda upgrade must not leave an old script cached
+}
+
+
+def static_files(directory: Path = WEB_DIR) -> dict[str, Path]:
+    """URL path -> file, for every file the UI serves."""
+    files = {path: directory / name for path, name in PAGES.items()}
+    pages = set(PAGES.values())
+    for file in sorted(directory.iterdir()):
+        if file.is_file() and file.name not in pages and file.suffix in CONTENT_TYPES:
+            files[f"{ASSETS_PATH}/{file.name}"] = file
+    return files
+
+
+def mount_web_ui(app: FastAPI, state: ServerState) -> frozenset[str]:
+    """Adds the pages, their assets and the stats route; returns the paths served without a key."""
+    files = static_files()
+    for path, file in files.items():
+        app.add_api_route(path, _static_endpoint(file), methods=["GET", "HEAD"], include_in_schema=False)
+
+    async def dashboard_stats() -> dict:
+        return stats_body(state)
+
+    app.add_api_route(STATS_PATH, dashboard_stats, methods=["GET"], include_in_schema=False)
+    return frozenset(files)
+
+
+def _static_endpoint(file: Path) -> Callable[[], Coroutine[Any, Any, Response]]:
+    body, media_type = file.read_bytes(), CONTENT_TYPES[file.suffix]
+
+    async def serve_file() -> Response:
+        return Response(body, media_type=media_type, headers=SECURITY_HEADERS)
+
+    return serve_file
+
+
+def stats_body(state: ServerState) -> dict:
+    """The dashboard's poll: the engine's gauges and counters now, and the last minutes of latencies and
+    tokens (pagoda.server.activity). Reads snapshots only: cheap on the event loop."""
+    loaded = state.require_ready()
+    stats = loaded.engine.stats
+    return {
+        "model": state.model_name,
+        "time": time.time(),
+        "max_model_len": loaded.engine.max_model_len,
+        "running": stats.num_running,
+        "waiting": stats.num_waiting,
+        "kv_cache_usage": stats.kv_cache_usage,
+        "num_preemptions": stats.num_preemptions,
+        "prefix_cache_queries": stats.prefix_cache_queries,
+        "prefix_cache_hits": stats.prefix_cache_hits,
+        "recent": loaded.metrics.recent.snapshot(),
+    }

@@ -1,0 +1,60 @@
+"""What start-up says once the model is loaded: one block a person reads to know what is running and why."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
+    from pagoda.engine.engine import LLMEngine
+
+
+def native_kernels_status(config: EngineConfig) -> str:
+    """'on', or 'off: <why>' (the reasons pagoda.kernels.cpu_kernels returns None for, and the user's own)."""
+    from pagoda.kernels import REQUIRED_CPU_FLAGS, cpu_has_kernel_features, cpu_kernels
+
+    if not config.use_kernels:
+        return "off: --no-use-kernels"
+    if torch.device(config.device).type != "cpu":
+        return f"off: they are CPU kernels, the model is on {config.device}"
+    if os.environ.get("PAGODA_DISABLE_KERNELS") == "1":
+        return "off: PAGODA_DISABLE_KERNELS=1"
+    if not cpu_has_kernel_features():
+        return f"off: the CPU lacks AVX-512 with BF16 and VNNI ({', '.join(sorted(REQUIRED_CPU_FLAGS))}); torch path"
+    if cpu_kernels() is None:
+        return "off: they did not build or load (see the warning above); torch path"
+    return "on"
+
+
+def human_count(count: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= size:
+            return f"{count / size:.1f}{unit}"
+    return str(count)
+
+
+def startup_summary(engine: LLMEngine, model_name: str, url: str | None = None) -> str:
+    """The block `pagoda serve` logs when it turns ready."""
+    from pagoda.model.loader import checkpoint_num_parameters
+
+    config, pool = engine.config, engine.kv_pool
+    block_size = config.cache.block_size
+    rows = [
+        ("model", model_name if model_name == config.model else f"{model_name} ({config.model})"),
+        ("parameters", human_count(checkpoint_num_parameters(config.model))),
+        ("dtype", str(config.dtype).removeprefix("torch.")),
+        ("quantization", config.quantization or "none"),
+        ("KV cache", f"{pool.num_blocks} blocks x {block_size} tokens = {pool.num_blocks * block_size} tokens, "
+                     f"{engine.kv_pool_bytes / 2**20:.1f} MiB ({pool.reason}); pages touched as they fill"),
+        ("max_model_len", str(engine.max_model_len)),
+        ("max_num_seqs", str(config.scheduler.max_num_seqs)),
+        ("threads", str(torch.get_num_threads())),
+        ("native kernels", native_kernels_status(config)),
+    ]
+    if url is not None:
+        rows.append(("URL", f"{url}  (OpenAI API under {url}/v1)"))
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
