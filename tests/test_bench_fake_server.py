@@ -246,3 +246,7 @@ def test_cli_compare_sweep_writes_one_table_json_and_png(tmp_path, capsys):
             assert point["warmup"] == ({"requests": 1, "errors": 0} if point["level"] == 1 else {"requests": 0,
                                                                                               "errors": 0})
     assert out.with_suffix(".png").stat().st_size > 10_000
+    quick_capacity, slow_capacity = (e["slo_capacity"] for e in doc["endpoints"])
+    assert (quick_capacity["level"], quick_capacity["unit"], slow_capacity["level"]) == (2, "concurrency", None)
+    assert "quick: capacity at the SLO (>= 90% of requests within ttft <= 150.0 ms): 2 concurrency" in table
+    assert "slow: capacity at the SLO (>= 90% of requests within ttft <= 150.0 ms): none" in table

@@ -24,7 +24,7 @@ from pagoda.bench.metrics import (
     tpot,
 )
 from pagoda.bench.records import RequestRecord
-from pagoda.bench.sweep import doubling_levels, parse_levels, saturation_reason
+from pagoda.bench.sweep import doubling_levels, parse_levels, saturation_reason, slo_capacity
 from pagoda.bench.tokens import ClientTokenizer
 from pagoda.bench.workloads import Conversation, Turn, WorkloadSpec, build_workload, sample_lengths
 
@@ -175,6 +175,21 @@ def test_sweep_levels_and_saturation_rule():
     assert saturation_reason([*flat_once, point(8, 25.0)], 0.05, 0.1) is None  # it grew again
     assert "failed" in saturation_reason([point(1, 10.0, errors=2)], 0.05, 0.1)
     assert "client fell behind" in saturation_reason([point(1, 10.0), point(2, 30.0, behind=True)], 0.05, 0.1)
+
+
+def test_capacity_at_the_slo_is_the_highest_rate_before_the_first_level_that_misses_it():
+    def point(level, fraction):
+        goodput = {"fraction": fraction, "requests_per_s": (level or 0) * fraction, "slo_s": {"ttft": 2.0}}
+        return {"level": level, "load": {"mode": "open"}, "summary": {"goodput": goodput}}
+
+    capacity = slo_capacity([point(1, 1.0), point(2, 0.95), point(4, 0.9), point(8, 0.6)], 0.9)
+    assert (capacity["level"], capacity["unit"], capacity["goodput_requests_per_s"]) == (4, "req/s", 3.6)
+    # A noisy pass above a level that missed is not capacity.
+    assert slo_capacity([point(1, 1.0), point(2, 0.8), point(4, 0.95)], 0.9)["level"] == 1
+    assert slo_capacity([point(1, 0.5), point(2, 0.95)], 0.9)["level"] is None
+    assert slo_capacity([point(2, 0.92), point(1, 1.0)], 0.95)["level"] == 1, "levels are taken in order"
+    no_slo = {"level": 1, "load": {"mode": "open"}, "summary": {}}
+    assert slo_capacity([no_slo], 0.9) is None
 
 
 # --- workloads -------------------------------------------------------------------------------------------

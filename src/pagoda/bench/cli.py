@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     out = parser.add_argument_group("metrics and output")
     out.add_argument("--slo", help="goodput bounds, e.g. ttft=500ms,tpot=50ms,e2e=10s (bare numbers are ms)")
+    out.add_argument("--slo-min-fraction", type=float, default=0.9,
+                     help="a sweep's capacity at the SLO is the highest level where at least this fraction of "
+                          "requests met it (0.9)")
     out.add_argument("--lag-tolerance-ms", type=float, default=20.0,
                      help="client lag (dispatch or event loop, p99) above which the run says it fell behind (20)")
     out.add_argument("--lag-relative", type=float, default=0.05,
@@ -121,6 +124,8 @@ def loads_from(args: argparse.Namespace) -> tuple[LoadSpec, ...]:
 
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
+    if not 0 < args.slo_min_fraction <= 1:
+        raise ValueError(f"--slo-min-fraction must be in (0, 1], got {args.slo_min_fraction}")
     workload = WorkloadSpec(
         kind=args.workload, input_len=args.input_len, input_dist=args.input_dist, input_spread=args.input_spread,
         output_len=args.output_len, output_dist=args.output_dist, output_spread=args.output_spread,
@@ -130,7 +135,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         workload=workload, loads=loads_from(args), num_requests=args.num_requests, waves=args.waves,
         warmup=args.warmup, seed=args.seed,
-        slo=parse_slo(args.slo), options=RequestOptions(args.temperature, args.ignore_eos, args.extra_body),
+        slo=parse_slo(args.slo), slo_min_fraction=args.slo_min_fraction,
+        options=RequestOptions(args.temperature, args.ignore_eos, args.extra_body),
         timeout_s=args.timeout, lag_tolerance_s=args.lag_tolerance_ms / 1e3,
         lag_relative=args.lag_relative,
         stop_at_saturation=not args.no_stop_at_saturation, min_gain=args.saturation_gain,

@@ -1,6 +1,8 @@
 """PNG plots of a benchmark: one figure, four panels, one line per endpoint.
 
 throughput vs load | TTFT percentiles vs load | TPOT percentiles vs load | latency vs throughput.
+With an SLO, the throughput panel also draws goodput (requests/s that met it, right axis) and marks the
+capacity at the SLO with a dotted vertical line.
 Levels where the client fell behind are marked with a red x: their numbers are not the server's alone.
 """
 
@@ -33,6 +35,7 @@ def plot_benchmark(endpoints: list[dict], path: str | Path, title: str = "") -> 
     (throughput_ax, ttft_ax), (tpot_ax, curve_ax) = axes
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     levels = sorted({p["level"] for e in endpoints for p in _points(e)})
+    goodput_ax = None
     for index, endpoint in enumerate(endpoints):
         color, name, points = colors[index % len(colors)], endpoint["name"], _points(endpoint)
         if not points:
@@ -54,6 +57,12 @@ def plot_benchmark(endpoints: list[dict], path: str | Path, title: str = "") -> 
             if throughput is not None and s["e2e"]["p50"] is not None:
                 curve_ax.annotate(f"{level:g}", (throughput, s["e2e"]["p50"]), textcoords="offset points",
                                   xytext=(4, 4), fontsize=8)
+        if any(s.get("goodput") for s in summaries):
+            if goodput_ax is None:
+                goodput_ax = throughput_ax.twinx()
+                if not closed:  # every request within the SLO: goodput = offered rate
+                    goodput_ax.plot(levels, levels, ":", color="gray", label="offered rate")
+            _plot_goodput(goodput_ax, x, summaries, endpoint.get("slo_capacity"), color, name)
         behind = [(p["level"], _f(p["summary"]["output_throughput"])) for p in points if p["client"]["behind"]]
         if behind:
             throughput_ax.plot(*zip(*behind), "x", color="red", markersize=12, label="client fell behind")
@@ -73,7 +82,10 @@ def plot_benchmark(endpoints: list[dict], path: str | Path, title: str = "") -> 
     curve_ax.set_title("Latency vs throughput (labels: load level)")
     for ax in axes.flat:
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left")
+    if goodput_ax is not None:
+        goodput_ax.set_ylabel("goodput (requests / s within the SLO)")
+        goodput_ax.legend(fontsize=7, loc="lower right")
     if title:
         figure.suptitle(title, fontsize=10)
     figure.tight_layout()
@@ -82,6 +94,14 @@ def plot_benchmark(endpoints: list[dict], path: str | Path, title: str = "") -> 
     figure.savefig(path, dpi=110)
     plt.close(figure)
     return path
+
+
+def _plot_goodput(ax, x: list[float], summaries: list[dict], capacity: dict | None, color: str, name: str) -> None:
+    goodputs = [_f((s.get("goodput") or {}).get("requests_per_s")) for s in summaries]
+    ax.plot(x, goodputs, "^-.", color=color, label=f"{name} goodput")
+    if capacity and capacity["level"] is not None:
+        ax.axvline(capacity["level"], color=color, linestyle=":", alpha=0.8,
+                   label=f"{name} capacity at SLO: {capacity['level']:g} {capacity['unit']}")
 
 
 def _ms(value: float | None) -> float:

@@ -92,6 +92,17 @@ def warnings_of(endpoint: dict, point: dict) -> list[str]:
     return notes
 
 
+def capacity_line(endpoint: dict) -> str:
+    """`capacity at SLO ...: 4 req/s` (the sweep's highest level where enough requests met the SLO)."""
+    capacity = endpoint["slo_capacity"]
+    bounds = ", ".join(f"{name} <= {_ms(value)} ms" for name, value in capacity["slo_s"].items())
+    share = f">= {capacity['min_fraction']:.0%} of requests within {bounds}"
+    if capacity["level"] is None:
+        return f"{endpoint['name']}: capacity at the SLO ({share}): none; even the lowest level missed it"
+    return (f"{endpoint['name']}: capacity at the SLO ({share}): {capacity['level']:g} {capacity['unit']} "
+            f"(goodput there {_num(capacity['goodput_requests_per_s'])} req/s)")
+
+
 def render(endpoints: list[dict]) -> str:
     parts = [results_table(endpoints)]
     single = [(e, p) for e in endpoints for p in e["levels"]]
@@ -99,6 +110,9 @@ def render(endpoints: list[dict]) -> str:
         parts.append(detail_table(single[0][1]))
     notes = [note for e, p in single for note in warnings_of(e, p)]
     notes += [f"{e['name']}: sweep stopped: {e['stop_reason']}" for e in endpoints if e.get("stop_reason")]
+    capacities = [capacity_line(e) for e in endpoints if e.get("slo_capacity") and len(e["levels"]) > 1]
+    if capacities:
+        parts.append("\n".join(capacities))
     if notes:
         parts.append("\n".join(f"WARNING: {note}" if "CLIENT FELL BEHIND" in note else f"note: {note}"
                                for note in notes))

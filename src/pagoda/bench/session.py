@@ -17,7 +17,7 @@ import httpx
 from pagoda.bench.client import Endpoint, RequestOptions, make_http_client, make_sender
 from pagoda.bench.load import LoadResult, LoadSpec, run_load
 from pagoda.bench.metrics import client_verdict, summarize
-from pagoda.bench.sweep import saturation_reason
+from pagoda.bench.sweep import saturation_reason, slo_capacity
 from pagoda.bench.tokens import ClientTokenizer, ServerTokenizer
 from pagoda.bench.workloads import Conversation, WorkloadSpec, build_workload
 
@@ -33,6 +33,7 @@ class BenchConfig:
     warmup: int = 2
     seed: int = 0
     slo: dict = field(default_factory=dict)
+    slo_min_fraction: float = 0.9  # the capacity at the SLO: the highest level where this share met it
     options: RequestOptions = field(default_factory=RequestOptions)
     timeout_s: float = 600.0
     lag_tolerance_s: float = 0.02
@@ -53,7 +54,8 @@ class BenchConfig:
         return {
             "workload": self.workload.to_dict(), "levels": [load.to_dict() for load in self.loads],
             "num_requests": self.num_requests, "waves": self.waves, "warmup": self.warmup, "seed": self.seed,
-            "slo_s": self.slo, "temperature": self.options.temperature, "ignore_eos": self.options.ignore_eos,
+            "slo_s": self.slo, "slo_min_fraction": self.slo_min_fraction,
+            "temperature": self.options.temperature, "ignore_eos": self.options.ignore_eos,
             "extra_body": self.options.extra_body, "timeout_s": self.timeout_s,
             "lag_tolerance_s": self.lag_tolerance_s, "lag_relative": self.lag_relative,
             "stop_at_saturation": self.stop_at_saturation, "min_gain": self.min_gain, "patience": self.patience,
@@ -162,7 +164,8 @@ async def bench_endpoint(endpoint: Endpoint, config: BenchConfig, tokenizer: Cli
                                                 config.patience)
                 if stop_reason:
                     break
-    return {"name": endpoint.name, "root": endpoint.root, **info, "levels": levels, "stop_reason": stop_reason}
+    return {"name": endpoint.name, "root": endpoint.root, **info, "levels": levels, "stop_reason": stop_reason,
+            "slo_capacity": slo_capacity(levels, config.slo_min_fraction)}
 
 
 def _progress(config: BenchConfig, total: int, description: str):

@@ -59,3 +59,30 @@ def saturation_reason(points: list[dict], min_gain: float, max_error_fraction: f
         return (f"saturated: output throughput at levels {levels} grew {gains} over the best earlier level "
                 f"({best:.4g} tok/s), less than {min_gain:.0%}")
     return None
+
+
+def slo_capacity(points: list[dict], min_fraction: float) -> dict | None:
+    """The highest load level at which at least `min_fraction` of the requests met the SLO, counting only
+    levels below the first one that missed it (a noisy pass above a failure is no capacity). None when no
+    SLO was given; level None when even the lowest level missed it.
+
+    Each point is {"level", "load": {"mode"}, "summary": {"goodput": {"fraction", "requests_per_s"}}}; a
+    level of None (rate `inf`) ends the walk.
+    """
+    measured = [p for p in points if p["summary"].get("goodput") is not None]
+    if not measured:
+        return None
+    best = None
+    for point in sorted(measured, key=lambda p: math.inf if p["level"] is None else p["level"]):
+        fraction = point["summary"]["goodput"]["fraction"]
+        if point["level"] is None or fraction is None or fraction < min_fraction:
+            break
+        best = point
+    closed = measured[0]["load"]["mode"] == "closed"
+    return {
+        "min_fraction": min_fraction,
+        "unit": "concurrency" if closed else "req/s",
+        "level": None if best is None else best["level"],
+        "goodput_requests_per_s": None if best is None else best["summary"]["goodput"]["requests_per_s"],
+        "slo_s": measured[0]["summary"]["goodput"]["slo_s"],
+    }

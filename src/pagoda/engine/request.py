@@ -42,6 +42,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0
     cache_salt: str | None = None  # separates tenants in the prefix cache
+    priority: int = 0  # under the "priority" policy, lower runs first (vLLM's convention)
     # Where the output stands in its constraint's grammar; advanced only by tokens appended to the output.
     grammar: GrammarMatcher | None = None
 
@@ -56,7 +57,10 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # The request's timeline on time.monotonic()'s clock, recorded once, where each moment happens.
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -92,6 +96,19 @@ class Request:
             return room
         return min(self.params.max_tokens, room)
 
+    def record_new_tokens(self, now: float) -> None:
+        """Notes when the step that gave the request new output tokens ended."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.last_token_time = now
+
+    def timeline(self) -> RequestTimeline:
+        return RequestTimeline(
+            arrival=self.arrival_time, first_scheduled=self.first_scheduled_time,
+            first_token=self.first_token_time, last_token=self.last_token_time,
+            num_prompt_tokens=self.num_prompt_tokens, num_output_tokens=self.num_output_tokens,
+        )
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
@@ -118,3 +135,47 @@ class Request:
         if num_output >= self.max_output_tokens:
             return FinishReason.LENGTH
         return None
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+@dataclass(frozen=True)
+class RequestTimeline:
+    """One sample's moments (monotonic seconds) and sizes: what vLLM's per-request histograms observe.
+
+    queue: arrival to first scheduling; prefill: first scheduling to first token; decode: first token to
+    last token; inference: first scheduling to last token; time per output token: decode / (outputs - 1).
+    A moment that has not happened yet (or a request with one output token, for the last) gives None.
+    """
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def queue_time(self) -> float | None:
+        return _between(self.arrival, self.first_scheduled)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _between(self.first_scheduled, self.first_token)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _between(self.first_token, self.last_token)
+
+    @property
+    def inference_time(self) -> float | None:
+        return _between(self.first_scheduled, self.last_token)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        decode = self.decode_time
+        if decode is None or self.num_output_tokens < 2:
+            return None
+        return decode / (self.num_output_tokens - 1)

@@ -2,23 +2,30 @@
 
 Each step hands out `max_num_batched_tokens`: running requests first (a decode costs one token, an
 unfinished prefill its next chunk), then waiting requests in arrival order, whose prompts may be cut
-into chunks. When blocks run out, the newest running request is preempted (its blocks freed, to be
-recomputed later) and goes back to the front of the queue. Speculative drafts come after the running
-requests, from what is left of the budget and the free blocks: speculation never preempts anyone.
+into chunks. When blocks run out, the last running request in the policy's order (fcfs: the newest) is
+preempted (its blocks freed, to be recomputed later) and goes back to the queue. Speculative drafts come
+after the running requests, from what is left of the budget and the free blocks: speculation never
+preempts anyone. While requests decode, the prefill tokens of a step are capped so that the step stays
+within its time target (step_budget.py); the policy (queues.py) orders the waiting and running requests.
 Pure Python; no torch.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.kv_cache import KVCacheManager
+from pagoda.engine.queues import make_waiting_queue
 from pagoda.engine.request import FinishReason, Request, RequestStatus
 from pagoda.engine.speculative import DraftSource, SpecDecodeCounters, accept_drafts
+from pagoda.engine.step_budget import LinearStepCost, StepCostModel, prefill_token_cap
+
+# vLLM's buckets for vllm:iteration_tokens_total (tokens computed per engine step).
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 @dataclass
@@ -65,13 +72,42 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class StepTokenHistogram:
+    """Cumulative counts of steps by tokens computed, in `bounds` buckets (Prometheus's `le`, plus +Inf)."""
+
+    bounds: tuple[int, ...] = ITERATION_TOKENS_BUCKETS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(ITERATION_TOKENS_BUCKETS) + 1))
+    total: int = 0  # tokens over all steps (the histogram's sum)
+
+    def observe(self, num_tokens: int) -> None:
+        self.counts[bisect.bisect_left(self.bounds, num_tokens)] += 1
+        self.total += num_tokens
+
+
+@dataclass
+class PrefillAllowance:
+    """One step's limits on prefill work: all chunks together (`left`) and each request's (`per_request`)."""
+
+    left: int
+    per_request: int
+
+    def chunk(self, wanted: int, budget: int) -> int:
+        return min(wanted, budget, self.left, self.per_request)
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, drafts: DraftSource | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv_cache: KVCacheManager, drafts: DraftSource | None = None,
+        step_cost: StepCostModel | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.draft_source = drafts  # None: no speculative decoding
-        self.waiting: deque[Request] = deque()
+        self.step_cost: StepCostModel = step_cost if step_cost is not None else LinearStepCost()
+        self.waiting = make_waiting_queue(config)
         self.running: list[Request] = []
+        self.iteration_tokens = StepTokenHistogram()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # prompt tokens of admitted requests (vLLM counts in tokens)
@@ -79,10 +115,7 @@ class Scheduler:
         self.spec_decode = SpecDecodeCounters()
 
     def add_request(self, request: Request, front: bool = False) -> None:
-        if front:
-            self.waiting.appendleft(request)
-        else:
-            self.waiting.append(request)
+        self.waiting.push(request, front)
         self.requests[request.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
@@ -95,12 +128,28 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         # Drafts are asked for before anything moves: for the requests running as the step starts.
         drafts = {} if self.draft_source is None else self.draft_source.drafts(self.running)
-        budget = self._schedule_running(output, budget)
+        prefill = self._prefill_allowance(budget)
+        budget = self._schedule_running(output, budget, prefill)
         # After a preemption the pool is tight: admitting new work (or speculating) would only thrash.
         if not output.preempted:
             budget = self._schedule_drafts(output, budget, drafts)
-            self._schedule_waiting(output, budget)
+            self._schedule_waiting(output, budget, prefill)
+        if output.scheduled:
+            self.iteration_tokens.observe(output.num_batched_tokens)
         return output
+
+    def _prefill_allowance(self, budget: int) -> PrefillAllowance:
+        """While requests decode, prefill gets what keeps the step within max_step_ms; else the whole budget.
+        Decodes are counted as the step starts (a preemption can only make the step cheaper)."""
+        num_decodes = sum(1 for request in self.running if request.num_tokens - request.num_computed_tokens == 1)
+        cap = prefill_token_cap(self.step_cost, num_decodes, self.config.max_step_ms / 1e3)
+        total = budget - num_decodes if cap is None else min(cap, budget - num_decodes)
+        per_request = self.config.long_prefill_token_threshold or budget
+        return PrefillAllowance(left=max(total, 0), per_request=per_request)
+
+    def observe_step(self, output: SchedulerOutput, seconds: float) -> None:
+        """The wall time a scheduled step took, schedule to outputs: what the step-time target is about."""
+        self.step_cost.observe(output.num_batched_tokens, seconds)
 
     def _schedule_drafts(self, output: SchedulerOutput, budget: int, drafts: Mapping[str, Sequence[int]]) -> int:
         """Adds drafts to the step's decodes from the budget and the free blocks the running requests left."""
@@ -115,13 +164,17 @@ class Scheduler:
             budget -= len(draft)
         return budget
 
-    def _schedule_running(self, output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, output: SchedulerOutput, budget: int, prefill: PrefillAllowance) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_tokens = min(request.num_tokens - request.num_computed_tokens, budget)
+            wanted = request.num_tokens - request.num_computed_tokens
+            num_tokens = min(wanted, budget) if wanted == 1 else prefill.chunk(wanted, budget)
+            if num_tokens == 0:  # a prefill with no allowance left this step: it keeps its place
+                index += 1
+                continue
             while self.kv_cache.allocate_slots(request, num_tokens) is None:
-                victim = self.running.pop()  # the newest running request
+                victim = self.running.pop()  # last in the policy's order: fcfs the newest, priority the lowest
                 self._preempt(victim)
                 output.preempted.append(victim)
                 if victim is request:
@@ -129,27 +182,59 @@ class Scheduler:
             else:
                 output.scheduled.append(ScheduledRequest(request, num_tokens))
                 budget -= num_tokens
+                if wanted > 1:
+                    prefill.left -= num_tokens
                 index += 1
         return budget
 
-    def _schedule_waiting(self, output: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_tokens = min(request.num_tokens - num_hit_tokens, budget)
-            if self.kv_cache.allocate_slots(request, num_tokens, hit_blocks) is None:
-                break  # FCFS: nobody overtakes the head of the queue
-            self.waiting.popleft()
-            if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = num_hit_tokens
-                request.first_scheduled_time = time.monotonic()
-            self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            output.scheduled.append(ScheduledRequest(request, num_tokens))
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, prefill: PrefillAllowance) -> None:
+        while self.waiting and budget > 0 and prefill.left > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            admitted = self._admit(request, output, budget, prefill)
+            if admitted is None:
+                break  # nobody overtakes the head of the queue
+            num_tokens, preempted = admitted
             budget -= num_tokens
+            prefill.left -= num_tokens
+            if preempted:
+                break  # the pool is tight: admit no more this step
+
+    def _admit(
+        self, request: Request, output: SchedulerOutput, budget: int, prefill: PrefillAllowance
+    ) -> tuple[int, bool] | None:
+        """Gives the head of the queue its first chunk: (tokens scheduled, whether running requests were
+        preempted for it), or None when there is no room. Under "priority" it may preempt running requests
+        that rank after it, the lowest first, until its chunk fits."""
+        preempted = False
+        while True:
+            hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
+            num_tokens = prefill.chunk(request.num_tokens - num_hit_tokens, budget)
+            if self.kv_cache.allocate_slots(request, num_tokens, hit_blocks) is not None:
+                break
+            if not self.running or not self.waiting.outranks(request, self.running[-1]):
+                return None
+            budget += self._preempt_scheduled(self.running[-1], output)
+            preempted = True
+        self.waiting.pop()
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_hit_tokens
+            request.first_scheduled_time = time.monotonic()
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens
+        request.status = RequestStatus.RUNNING
+        self.waiting.add_running(self.running, request)
+        output.scheduled.append(ScheduledRequest(request, num_tokens))
+        return num_tokens, preempted
+
+    def _preempt_scheduled(self, victim: Request, output: SchedulerOutput) -> int:
+        """Preempts a running request that this step may already have scheduled; returns the tokens freed."""
+        self.running.remove(victim)
+        freed = sum(item.num_tokens for item in output.scheduled if item.request is victim)
+        output.scheduled = [item for item in output.scheduled if item.request is not victim]
+        self._preempt(victim)
+        output.preempted.append(victim)
+        return freed
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)
@@ -157,7 +242,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.push(request, front=True)
 
     # --- update ------------------------------------------------------------------------------------
 
@@ -169,6 +254,7 @@ class Scheduler:
         requests that got new tokens this step (finished ones included), each with how many.
         """
         advanced = []
+        now = time.monotonic()
         for item in output.scheduled:
             request = item.request
             token_ids = sampled.get(request.request_id)
@@ -180,6 +266,7 @@ class Scheduler:
             if item.draft_token_ids:
                 self.spec_decode.record(len(item.draft_token_ids), len(kept) - 1)
             reason, num_new = self._append(request, kept)
+            request.record_new_tokens(now)
             # Every token but the newest now has its KV (a kept draft's was computed this step, after only
             # kept tokens); a rejected draft's KV does not count, and blocks are cached only below this.
             request.num_computed_tokens = request.num_tokens - 1

@@ -216,6 +216,7 @@ class SamplingRequest(WireModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     cache_salt: str | None = Field(default=None, min_length=1)
+    priority: int = 0  # vLLM's: lower runs first; only under --scheduling-policy priority (else a 400)
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's; checked by StructuredOutputsParams
 
