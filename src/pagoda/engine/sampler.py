@@ -7,13 +7,17 @@ recomputes it. Greedy rows draw nothing.
 
 A speculating request samples several rows in one step, one per position; each row sees the output as
 it would stand at its position (the drafts before it counted as output), so each samples what
-non-speculative decoding would sample there.
+non-speculative decoding would sample there. A random row that checks a model's draft (a `Proposal`: the
+token and the distribution q the draft model drew it from) instead keeps the draft with probability
+min(1, p/q) and otherwise draws from normalise(max(0, p - q)): the kept token is then distributed as p.
+`sample_draft` is the draft model's side: the same processing (penalties, bias, grammar mask, temperature,
+top-k/p, min-p) on its logits, its own noise, and q.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +27,9 @@ from pagoda.sampling import GREEDY_EPS
 from pagoda.structured.bitmask import apply_bitmask
 
 _MASK64 = (1 << 64) - 1
+# Independent random streams derived from a row's (seed, position) draw seed.
+_DRAFT_STREAM = 1  # the draft model's Gumbel noise
+_ACCEPT_STREAM = 2  # the uniform that accepts or rejects a model draft
 
 
 @dataclass
@@ -40,6 +47,17 @@ class SamplingMetadata:
     # Rows under a grammar, and their allowed tokens: row i of the bitmask is the mask of grammar_rows[i].
     grammar_rows: list[int]
     grammar_bitmask: torch.Tensor | None  # int32 [len(grammar_rows), words]; None when no row is constrained
+    # Random rows that check a model's draft, as indices into random_rows, with each one's proposal.
+    proposal_rows: list[int] = field(default_factory=list)
+    proposals: list[Proposal] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft model's token at one position and the distribution q it was drawn from ([V] float32)."""
+
+    token_id: int
+    probs: torch.Tensor
 
 
 @dataclass
@@ -58,6 +76,7 @@ class SampleRow:
 
     request: Request
     drafts_before: Sequence[int] = ()
+    proposal: Proposal | None = None  # a model draft checked at this position (used by random rows only)
 
     @property
     def position(self) -> int:
@@ -91,6 +110,7 @@ def build_sampling_metadata(
     use_top_k = any(0 < p.top_k < vocab_size for p in params)
     use_top_p = any(p.top_p < 1.0 for p in params)
     use_min_p = any(p.min_p > 0.0 for p in params)
+    proposal_rows = [index for index, row in enumerate(random) if sample_rows[row].proposal is not None]
     return SamplingMetadata(
         random_rows=torch.tensor(random, dtype=torch.long),
         temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
@@ -102,7 +122,14 @@ def build_sampling_metadata(
         penalties=_build_penalties(sample_rows, vocab_size),
         grammar_rows=[i for i, r in enumerate(requests) if r.grammar is not None],
         grammar_bitmask=grammar_bitmask,
+        proposal_rows=proposal_rows,
+        proposals=[_proposal(sample_rows[random[index]]) for index in proposal_rows],
     )
+
+
+def _proposal(row: SampleRow) -> Proposal:
+    assert row.proposal is not None
+    return row.proposal
 
 
 def _draw_seed(seed: int, position: int) -> int:
@@ -196,17 +223,72 @@ def _filter(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
     """logits: [B, V] float32 for the rows that sample this step."""
-    raw_logits = logits
+    logits, raw_logits = _processed(logits, meta), logits
+    token_ids = logits.argmax(dim=-1)
+    if meta.random_rows.numel():
+        scaled = _scaled(logits, meta)
+        noise = gumbel_noise(meta.draw_seeds, logits.shape[1])
+        drawn = (scaled + noise).argmax(dim=-1)
+        if meta.proposal_rows:
+            drawn[meta.proposal_rows] = _check_proposals(scaled, noise, meta)
+        token_ids[meta.random_rows] = drawn
+    return SamplerOutput(token_ids.tolist(), _logprobs(raw_logits, token_ids, meta))
+
+
+def sample_draft(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[list[int], torch.Tensor]:
+    """A draft model's tokens: as `sample` would draw them from these logits, with the draft's own noise.
+    Returns the token ids and q, the distribution each random row drew from ([R, V], in random-row order)."""
+    logits = _processed(logits, meta)
+    token_ids = logits.argmax(dim=-1)
+    probs = torch.empty(0, logits.shape[1])
+    if meta.random_rows.numel():
+        scaled = _scaled(logits, meta)
+        noise = gumbel_noise([_stream_seed(seed, _DRAFT_STREAM) for seed in meta.draw_seeds], logits.shape[1])
+        token_ids[meta.random_rows] = (scaled + noise).argmax(dim=-1)
+        probs = scaled.softmax(dim=-1)
+    return token_ids.tolist(), probs
+
+
+def _processed(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Penalties, bias and grammar masks applied: what the argmax and the random rows start from."""
     if meta.penalties is not None:
         logits = apply_penalties(logits, meta.penalties)
     if meta.grammar_bitmask is not None:
         logits = _apply_grammar_masks(logits, meta.grammar_bitmask, meta.grammar_rows)
-    token_ids = logits.argmax(dim=-1)
-    if meta.random_rows.numel():
-        scaled = _filter(logits[meta.random_rows] / meta.temperature[:, None], meta)
-        noise = gumbel_noise(meta.draw_seeds, logits.shape[1])
-        token_ids[meta.random_rows] = (scaled + noise).argmax(dim=-1)
-    return SamplerOutput(token_ids.tolist(), _logprobs(raw_logits, token_ids, meta))
+    return logits
+
+
+def _scaled(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """The random rows' logits over temperature, top-k/p and min-p applied: softmax of this is p."""
+    return _filter(logits[meta.random_rows] / meta.temperature[:, None], meta)
+
+
+def _check_proposals(scaled: torch.Tensor, noise: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Rejection sampling of the model drafts at meta.proposal_rows: keep draft x with probability
+    min(1, p(x)/q(x)), else draw from normalise(max(0, p - q)) with the row's own noise. Either way the
+    token is distributed as p; each row's randomness is a function of its (seed, position) only."""
+    rows = torch.tensor(meta.proposal_rows, dtype=torch.long)
+    p = scaled[rows].softmax(dim=-1)
+    q = torch.stack([proposal.probs for proposal in meta.proposals])
+    drafts = torch.tensor([proposal.token_id for proposal in meta.proposals], dtype=torch.long)
+    p_draft, q_draft = p.gather(1, drafts[:, None])[:, 0], q.gather(1, drafts[:, None])[:, 0]
+    uniform = torch.tensor([_uniform(_stream_seed(meta.draw_seeds[row], _ACCEPT_STREAM)) for row in meta.proposal_rows])
+    accept = uniform * q_draft < p_draft  # u < p/q without dividing: q(x) > 0 for a drawn x, bar underflow
+    residual = (p - q).clamp(min=0.0)
+    # p == q up to rounding leaves no residual mass; a rejection is then (nearly) impossible: draw from p.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
+    resampled = (residual.log() + noise[rows]).argmax(dim=-1)
+    return torch.where(accept, drafts, resampled)
+
+
+def _stream_seed(draw_seed: int, stream: int) -> int:
+    return _draw_seed(draw_seed, stream)
+
+
+def _uniform(seed: int) -> float:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return float(torch.rand(1, generator=generator))
 
 
 def _apply_grammar_masks(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -7,8 +7,13 @@ token there equals it, and ends the run with the target's token at the first mis
 matches, the bonus token after the last draft). The kept tokens are the tokens decoding one at a time
 gives, whatever the drafts were: speculation changes how many tokens a step yields, never which.
 
-Pure Python; no torch. The proposers here need no model: "ngram" (prompt lookup) copies what followed an
-earlier occurrence of the request's last few tokens.
+That is the rule for greedy rows and for n-gram drafts. A model draft on a sampled row is checked by
+rejection sampling instead (engine/sampler.py): the row's token is the draft, kept with probability
+min(1, p/q), or a draw from normalise(max(0, p - q)), which differs from the draft; `accept_drafts` then
+keeps the same run. The output follows the target's distribution, not the seed's exact tokens.
+
+Pure Python; no torch. The proposer here needs no model: "ngram" (prompt lookup) copies what followed an
+earlier occurrence of the request's last few tokens. "draft_model" is engine/draft_model.py.
 """
 
 from __future__ import annotations
@@ -93,6 +98,8 @@ def build_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None  # resolved by config
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "draft_model":
+        raise ValueError("a draft_model proposer holds a model: the engine loads it (engine/draft_model.py)")
     raise ValueError(f"speculative decoding method {config.method!r} is not supported yet")
 
 

@@ -1,0 +1,244 @@
+"""Draft-model speculation: a smaller or cheaper model that shares the target's vocabulary proposes each
+speculating request's next k tokens, one batched draft forward per token.
+
+KV: the draft has its own KV tensors, laid out like the target's: slot s holds the draft's K/V of the token
+whose target K/V is at slot s. `write_kv` runs the draft over every step's batch (prefill chunks, decodes
+and checked drafts: the same tokens at the same slots, with the same attention metadata), so the draft's
+cache is valid exactly where the target's is, whatever happens to the blocks afterwards: a rollback of
+rejected drafts, a preemption, a prefix-cache hit on a block another request computed. No per-request state.
+
+Proposing writes K/V only past a request's computed tokens: into its own blocks where it has them (not
+yet full, so never shared or cached, and rewritten by the next step's `write_kv` before anything reads
+them) and, past its last block, into scratch blocks after the pool's end, which only proposals use.
+
+Sampled requests keep q, the distribution each draft was drawn from, for the target's rejection sampling
+(`sampler.Proposal`). Constrained requests draft under their grammar's mask (the matcher advances along
+the drafts and is rolled back), so every draft is valid before verification and q is the masked one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagoda.config import ModelConfig, SpeculativeConfig, parse_dtype
+from pagoda.engine.request import Request
+from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample_draft
+from pagoda.engine.speculative import draft_room
+from pagoda.engine.structured import StructuredOutputs
+from pagoda.model.attention import AttentionMetadata, build_metadata
+from pagoda.model.llama import LlamaModel
+from pagoda.model.loader import ModelLoadError, load_model, load_model_config
+from pagoda.model.tokenizer import load_tokenizer
+from pagoda.sampling import GREEDY_EPS
+
+logger = logging.getLogger(__name__)
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class DraftMismatch(ModelLoadError):
+    """The draft model cannot draft for this target (another vocabulary, too short a context)."""
+
+
+def check_draft_config(draft: ModelConfig, target: ModelConfig, path: str) -> None:
+    """A draft must share the target's vocabulary: its token ids are checked as the target's."""
+    if draft.vocab_size != target.vocab_size:
+        raise DraftMismatch(
+            f"draft model {path}: vocab size {draft.vocab_size}, the target's is {target.vocab_size}; "
+            "a draft model must share the target's vocabulary"
+        )
+
+
+def check_draft_tokenizer(draft_tokenizer: Any | None, target_tokenizer: Any, path: str) -> None:
+    """Where both models ship a tokenizer, the two must map the same strings to the same ids."""
+    if draft_tokenizer is None:
+        return
+    draft_vocab, target_vocab = draft_tokenizer.get_vocab(), target_tokenizer.get_vocab()
+    if draft_vocab != target_vocab:
+        differing = sorted(set(draft_vocab.items()) ^ set(target_vocab.items()))[:3]
+        raise DraftMismatch(
+            f"draft model {path}: its tokenizer's vocabulary differs from the target's (e.g. {differing}); "
+            "a draft model must share the target's vocabulary"
+        )
+
+
+def load_draft_model(
+    spec: SpeculativeConfig, target: ModelConfig, target_tokenizer: Any, dtype: torch.dtype, device: str,
+    use_kernels: bool,
+) -> tuple[LlamaModel, ModelConfig]:
+    """The draft model of a "draft_model" config, through the target's own loader, validated against it.
+    dtype: the target's, unless the config names the draft's own."""
+    assert spec.model is not None  # SpeculativeConfig requires it for this method
+    draft_config = load_model_config(spec.model)  # a bad directory fails here, naming the file
+    check_draft_config(draft_config, target, spec.model)
+    check_draft_tokenizer(_optional_tokenizer(spec.model), target_tokenizer, spec.model)
+    draft_dtype = parse_dtype(spec.dtype) if spec.dtype is not None else dtype
+    model, config = load_model(
+        spec.model, dtype=draft_dtype, device=device, quantization=spec.quantization, use_kernels=use_kernels
+    )
+    logger.info("draft model %s: %d layers, %s, quantization %s", spec.model, config.num_layers,
+                draft_dtype, spec.quantization)
+    return model, config
+
+
+def _optional_tokenizer(path: str) -> Any | None:
+    directory = Path(path)
+    if not (directory / "tokenizer.json").is_file() and not (directory / "tokenizer_config.json").is_file():
+        return None
+    return load_tokenizer(directory)
+
+
+@dataclass
+class _Drafting:
+    """One request's proposal in progress."""
+
+    request: Request
+    room: int  # drafts wanted
+    block_table: list[int]
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor] = field(default_factory=list)  # q per draft (random requests only)
+    grammar_steps: int = 0  # tokens its matcher advanced along the drafts (rolled back at the end)
+
+    @property
+    def next_position(self) -> int:
+        """The position of the token this forward feeds: the last known token, then each draft."""
+        return self.request.num_tokens - 1 + len(self.tokens)
+
+    @property
+    def next_input(self) -> int:
+        return self.tokens[-1] if self.tokens else self.request.all_token_ids[-1]
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.room
+
+
+class DraftModelProposer:
+    """Proposes with a draft model (a `Proposer`) and keeps its KV cache in step with the target's."""
+
+    def __init__(
+        self, model: LlamaModel, config: SpeculativeConfig, num_blocks: int, block_size: int, max_num_seqs: int,
+        max_model_len: int, structured: StructuredOutputs | None = None, device: str = "cpu",
+    ) -> None:
+        if model.config.max_position_embeddings < max_model_len:
+            raise DraftMismatch(
+                f"draft model {config.model}: max_position_embeddings {model.config.max_position_embeddings} is "
+                f"below max_model_len {max_model_len}; pass a max_model_len the draft can hold"
+            )
+        self.model = model
+        self.k = config.num_speculative_tokens
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.structured = structured
+        self.device = device
+        self.windows = set(model.config.sliding_windows) or {None}
+        # Scratch: a request needs at most ceil(k / block_size) blocks past its own to propose k tokens.
+        num_drafting = min(max_num_seqs, config.disable_by_batch_size or max_num_seqs)
+        self.num_scratch_blocks = num_drafting * -(-self.k // block_size)
+        shape = (
+            (num_blocks + self.num_scratch_blocks) * block_size, model.config.num_kv_heads, model.config.head_dim
+        )
+        # Not zero-filled (as the target's): attention reads only slots written before.
+        self.kv_caches: list[KVCache] = [
+            (torch.empty(shape, dtype=model.dtype, device=device), torch.empty(shape, dtype=model.dtype, device=device))
+            for _ in range(model.config.num_layers)
+        ]
+        self._proposals: dict[str, list[Proposal]] = {}
+
+    # --- the runner's side: the draft's KV follows the target's ------------------------------------
+
+    @torch.inference_mode()
+    def write_kv(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
+        """The draft over the step's batch, for its K/V only: the same tokens at the same slots as the target."""
+        self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta)
+
+    def proposal(self, request_id: str, index: int, token_id: int) -> Proposal | None:
+        """The proposal behind a sampled request's draft number `index` (None for a greedy request)."""
+        proposals = self._proposals.get(request_id)
+        if proposals is None:
+            return None
+        proposal = proposals[index]
+        assert proposal.token_id == token_id, "a checked draft is not the one proposed"
+        return proposal
+
+    # --- the speculator's side: proposing ----------------------------------------------------------
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[Request]) -> list[list[int]]:
+        """Up to k drafts for each decoding request: room-limited, and cut where a grammar ends."""
+        drafting = self._start(requests)
+        active = [d for d in drafting if not d.done]
+        try:
+            while active:
+                self._draft_one_token(active)
+                active = [d for d in active if not d.done]
+        finally:
+            for d in drafting:
+                if d.grammar_steps:
+                    assert d.request.grammar is not None
+                    d.request.grammar.rollback(d.grammar_steps)
+        self._proposals = {
+            d.request.request_id: [Proposal(t, q) for t, q in zip(d.tokens, d.probs)]
+            for d in drafting if d.probs
+        }
+        return [d.tokens for d in drafting]
+
+    def _start(self, requests: Sequence[Request]) -> list[_Drafting]:
+        drafting, next_scratch = [], self.num_blocks
+        scratch_end = self.num_blocks + self.num_scratch_blocks
+        for request in requests:
+            room = draft_room(request, self.k)
+            # Positions num_tokens - 1 ... num_tokens - 2 + room are written: that many slots must exist.
+            num_slots = request.num_tokens - 1 + room
+            missing = max(0, -(-num_slots // self.block_size) - len(request.block_ids))
+            if next_scratch + missing > scratch_end:
+                room, missing = 0, 0  # cannot happen with the scratch sized for max_num_seqs; no drafts
+            scratch = list(range(next_scratch, next_scratch + missing))
+            next_scratch += missing
+            drafting.append(_Drafting(request, room, [*request.block_ids, *scratch]))
+        return drafting
+
+    def _draft_one_token(self, active: list[_Drafting]) -> None:
+        """One draft forward: each active request's newest token in, its next draft out."""
+        seq_lens = [d.next_position + 1 for d in active]
+        meta = build_metadata([1] * len(active), seq_lens, [d.block_table for d in active], self.block_size,
+                              self.windows)
+        input_ids = torch.tensor([d.next_input for d in active], dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta)
+        logits = self.model.compute_logits(hidden)
+        rows = [SampleRow(d.request, d.tokens) for d in active]
+        token_ids, probs = sample_draft(logits, build_sampling_metadata(rows, logits.shape[1], self._masks(active)))
+        random_index = 0
+        for d, token_id in zip(active, token_ids):
+            if d.request.params.temperature >= GREEDY_EPS:
+                d.probs.append(probs[random_index])
+                random_index += 1
+            d.tokens.append(token_id)
+            self._advance_grammar(d, token_id)
+
+    def _masks(self, active: list[_Drafting]) -> torch.Tensor | None:
+        """The constrained requests' masks after their drafts so far (their matchers stand there)."""
+        matchers = [d.request.grammar for d in active if d.request.grammar is not None]
+        if not matchers or self.structured is None:
+            return None
+        return self.structured.fill_bitmask(matchers)
+
+    @staticmethod
+    def _advance_grammar(d: _Drafting, token_id: int) -> None:
+        grammar = d.request.grammar
+        if grammar is None:
+            return
+        if not grammar.accept_tokens([token_id]):  # the mask allowed it; refused anyway: draft no further
+            d.tokens.pop()
+            d.probs = d.probs[: len(d.tokens)]
+            d.room = len(d.tokens)
+            return
+        d.grammar_steps += 1
+        if grammar.is_terminated():  # nothing may follow the grammar's end
+            d.room = len(d.tokens)
