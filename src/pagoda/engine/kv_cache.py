@@ -9,24 +9,28 @@ NOTE invariant: num_in_use + num_free == num_blocks, always (free counts cached 
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from pagoda.block_hash import hash_block
 from pagoda.engine.request import Request
 
+__all__ = ["Block", "BlockPool", "KVCacheManager", "KVEventSink", "hash_block"]
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None = None) -> bytes:
-    """A stable hash (sha256) chaining the parent block's hash, this block's tokens and extra keys.
 
-    Stable across processes (never Python's hash()), so a router can compute the same values.
-    """
-    hasher = hashlib.sha256(parent_hash or b"pagoda-root")
-    if extra_key is not None and parent_hash is None:
-        hasher.update(b"salt:" + extra_key.encode())
-    hasher.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
-    return hasher.digest()
+class KVEventSink(Protocol):
+    """Where the KV manager reports what its prefix cache holds (KV events: vLLM's BlockStored, BlockRemoved,
+    AllBlocksCleared). Chosen at construction; the transport (ZMQ, msgpack) is the server's. Called on the
+    engine thread, so an implementation only queues."""
+
+    def blocks_stored(self, block_hashes: Sequence[bytes], parent_hash: bytes | None, token_ids: Sequence[int],
+                      block_size: int) -> None: ...
+
+    def blocks_removed(self, block_hashes: Sequence[bytes]) -> None: ...
+
+    def all_blocks_cleared(self) -> None: ...
 
 
 def _root(request: Request) -> str:
@@ -56,7 +60,8 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, events: KVEventSink | None = None) -> None:
+        self.events = events
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, Block] = {}
@@ -67,16 +72,19 @@ class BlockPool:
 
     def take_new(self, count: int) -> list[Block]:
         """Pops `count` blocks from the LRU front, evicting their cached content."""
-        taken = []
+        taken, evicted = [], []
         for _ in range(count):
             block_id, _ = self.free_queue.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
+                evicted.append(block.block_hash)
                 del self.cached[block.block_hash]
                 block.block_hash, block.token_ids, block.parent = None, (), None
             block.generation += 1
             block.ref_count = 1
             taken.append(block)
+        if evicted and self.events is not None:
+            self.events.blocks_removed(evicted)
         return taken
 
     def share(self, blocks: Sequence[Block]) -> None:
@@ -116,21 +124,28 @@ class BlockPool:
 
     def reset_cache(self) -> int:
         """Forgets every cached hash of free blocks (blocks in use keep theirs). Returns how many."""
-        forgotten = 0
+        forgotten = []
         for block_hash, block in list(self.cached.items()):
             if block.ref_count == 0:
                 del self.cached[block_hash]
                 block.block_hash, block.token_ids, block.parent = None, (), None
-                forgotten += 1
-        return forgotten
+                forgotten.append(block_hash)
+        if self.events is not None and forgotten:
+            if self.cached:  # blocks in use keep their hashes: only the forgotten ones are gone
+                self.events.blocks_removed(forgotten)
+            else:
+                self.events.all_blocks_cleared()
+        return len(forgotten)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 events: KVEventSink | None = None) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.events = events
+        self.pool = BlockPool(num_blocks, events)
         self._blocks: dict[str, list[Block]] = {}
         self._block_hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full blocks
         # per request: for each registered full block, the cached block standing for its content
@@ -190,9 +205,15 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         hashes = self._hashes_for(request, num_full)
         chain = self._chains.setdefault(request.request_id, [])
+        stored: list[int] = []  # blocks whose content entered the cache now (not equal to a cached one)
         for index in range(len(chain), num_full):
             parent = chain[-1].identity if chain else _root(request)
+            is_new = blocks[index].block_hash is None and hashes[index] not in self.pool.cached
             chain.append(self.pool.register(blocks[index], hashes[index], self._block_tokens(request, index), parent))
+            if is_new:
+                stored.append(index)
+        if stored and self.events is not None:
+            self._report_stored(request, hashes, stored)
 
     def rollback(self, request: Request, num_tokens: int) -> None:
         """Frees the request's blocks past those that hold its first `num_tokens` positions: after a
@@ -255,6 +276,19 @@ class KVCacheManager:
             assert block.block_hash == block_hash
 
     # --- helpers -----------------------------------------------------------------------------------
+
+    def _report_stored(self, request: Request, hashes: Sequence[bytes], stored: Sequence[int]) -> None:
+        """One BlockStored per run of consecutive new blocks, hanging from the block before the run."""
+        assert self.events is not None
+        start = 0
+        for position in range(1, len(stored) + 1):
+            if position < len(stored) and stored[position] == stored[position - 1] + 1:
+                continue
+            run = stored[start:position]
+            tokens = request.all_token_ids[run[0] * self.block_size : (run[-1] + 1) * self.block_size]
+            parent = hashes[run[0] - 1] if run[0] > 0 else None
+            self.events.blocks_stored([hashes[i] for i in run], parent, tokens, self.block_size)
+            start = position
 
     def _block_tokens(self, request: Request, index: int) -> list[int]:
         start = index * self.block_size

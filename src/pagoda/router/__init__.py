@@ -1,0 +1,1 @@
+"""`pagoda route`: a cache-aware router over replicas (docs/router.md). Imports no engine and no torch."""

@@ -1,0 +1,88 @@
+"""`pagoda route`'s flags. Each RouterConfig flag defaults to None ("not given"): RouterConfig holds the defaults.
+
+Imports neither httpx nor the model code: `pagoda --help` stays cheap; `run_route` loads what routing needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from pagoda.router.config import POLICIES, RouterConfig
+
+# flag -> (RouterConfig field, type, help)
+CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--policy": ("policy", str, "how a replica is chosen (default cache_aware)"),
+    "--hit-weight": ("hit_weight", float, "cost weight of each uncached prompt token (default 2)"),
+    "--queue-weight-tokens": ("queue_weight_tokens", float,
+                              "cost, in tokens, of each request waiting at a replica (default 256)"),
+    "--kv-weight-tokens": ("kv_weight_tokens", float, "cost, in tokens, of a full KV cache (default 256)"),
+    "--max-replica-waiting": ("max_waiting_requests", int,
+                              "skip a replica with this many requests waiting (default 64)"),
+    "--max-replica-kv-usage": ("max_kv_usage", float, "skip a replica whose KV usage reaches this (default 0.95)"),
+    "--hot-prefix-share": ("hot_prefix_share", float,
+                           "most share of one prefix's requests in flight on one replica (default 0.5)"),
+    "--index-ttl": ("index_ttl_s", float, "seconds a routed block stays in a replica's index (default 120)"),
+    "--block-size": ("default_block_size", int,
+                     "block size until a replica publishes vllm:cache_config_info (default 16)"),
+    "--poll-interval": ("poll_interval_s", float, "seconds between health/metrics polls (default 1)"),
+    "--breaker-failures": ("breaker_failures", int,
+                           "consecutive connection failures or 5xx that eject a replica (default 3)"),
+    "--breaker-cooldown": ("breaker_cooldown_s", float, "seconds an ejected replica sits out (default 5)"),
+    "--max-retries": ("max_retries", int, "other replicas tried before the client sees a failure (default 2)"),
+    "--retry-backoff": ("retry_backoff_s", float, "first retry's backoff in seconds, jittered (default 0.05)"),
+    "--request-timeout": ("request_timeout_s", float, "seconds a replica may take to answer (default 600)"),
+    "--seed": ("seed", int, "seed of the random and power_of_two policies (default 0)"),
+}
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    route = commands.add_parser("route", help="OpenAI-compatible router over several replicas (docs/router.md)")
+    route.add_argument("--replica", action="append", required=True, metavar="URL",
+                       help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each)")
+    route.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
+                       help="the replicas' model directory, for its tokenizer and chat template (needed for "
+                            "cache_aware to see chat and text prompts)")
+    route.add_argument("--replica-kv-events", action="append", default=None, metavar="URL=ENDPOINT",
+                       help="a replica that publishes KV events (serve --kv-events-config), and where: "
+                            "http://10.0.0.5:8000=tcp://10.0.0.5:5557; its index then follows them exactly")
+    route.add_argument("--kv-events-topic", default="", help="the replicas' KV events topic (default: all)")
+    route.add_argument("--host", default="127.0.0.1")
+    route.add_argument("--port", type=int, default=8080)
+    route.add_argument("--uvicorn-log-level", default="warning")
+    for flag, (field, kind, text) in CONFIG_FLAGS.items():
+        choices = POLICIES if field == "policy" else None
+        route.add_argument(flag, dest=field, type=kind, default=None, choices=choices, help=text)
+    route.set_defaults(func=run_route)
+
+
+def router_config_from(args: argparse.Namespace) -> RouterConfig:
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig)
+             if getattr(args, f.name, None) is not None}
+    return RouterConfig(**given)
+
+
+def event_endpoints(pairs: list[str] | None) -> dict[str, str]:
+    """--replica-kv-events URL=ENDPOINT, each."""
+    endpoints = {}
+    for pair in pairs or ():
+        url, separator, endpoint = pair.partition("=")
+        if not separator or not url or not endpoint:
+            raise ValueError(f"--replica-kv-events takes URL=ENDPOINT, not {pair!r}")
+        endpoints[url] = endpoint
+    return endpoints
+
+
+def run_route(args: argparse.Namespace) -> int:
+    try:
+        config = router_config_from(args)
+        endpoints = event_endpoints(args.replica_kv_events)
+    except ValueError as error:
+        raise SystemExit(f"pagoda route: {error}") from None
+    unknown = sorted(set(endpoints) - set(args.replica))
+    if unknown:
+        raise SystemExit(f"pagoda route: --replica-kv-events for URLs not given as --replica: {', '.join(unknown)}")
+    from pagoda.router.launcher import serve_router
+
+    return serve_router(config, args.replica, tokenizer_dir=args.tokenizer, host=args.host, port=args.port,
+                        log_level=args.uvicorn_log_level, event_endpoints=endpoints, events_topic=args.kv_events_topic)

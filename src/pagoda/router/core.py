@@ -1,0 +1,178 @@
+"""The router's state and decisions, without any I/O: the proxy and the simulation tests drive the same object.
+
+`choose` picks a replica for a prompt (or says why none can take it), `begin` records the decision (load and
+index), and the returned `Lease` is finished on every path the request can take: success, error, retry,
+client disconnect. What a replica reports back (a failure, a 429, its cached tokens, a restart) goes through
+the `record_*` / `observe_*` methods.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from pagoda.router.config import RouterConfig
+from pagoda.router.metrics import RouterMetrics
+from pagoda.router.policies import RoutedPrompt, RoutingPolicy, make_policy
+from pagoda.router.replica import PolledStats, Replica
+
+
+class NoReplicaAvailable(Exception):
+    """No replica can take the request: 503 when none is up, 429 (with Retry-After) when all are saturated."""
+
+    def __init__(self, status: int, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True)
+class Decision:
+    replica: Replica
+    prompt: RoutedPrompt
+    matched_blocks: int  # leading blocks of the prompt the replica's index holds
+
+    @property
+    def expected_hit_tokens(self) -> int:
+        return self.matched_blocks * self.replica.block_size
+
+
+@dataclass
+class Lease:
+    """One request in flight on one replica, as the router counts it. Its load is the work it brings: the
+    prompt tokens the replica must compute (hits are nearly free) until its first output arrives (the prefill
+    is then done), then each output token as it streams. `finish` is idempotent."""
+
+    decision: Decision
+    prefix_key: int | None
+    new_blocks: list[int]  # blocks this request put into the index (forgotten if it fails)
+    prefill_tokens: int
+    output_tokens: int = 0
+    finished: bool = field(default=False)
+
+    def first_output(self) -> None:
+        """The replica has computed the prompt: its prefill no longer weighs on the replica."""
+        if not self.finished:
+            self.decision.replica.active_tokens -= self.prefill_tokens
+            self.prefill_tokens = 0
+
+    def add_output_tokens(self, count: int) -> None:
+        if not self.finished:
+            self.output_tokens += count
+            self.decision.replica.active_tokens += count
+
+    def finish(self, succeeded: bool = True) -> None:
+        if self.finished:
+            return
+        self.finished = True
+        replica = self.decision.replica
+        replica.active_requests -= 1
+        replica.active_tokens -= self.prefill_tokens + self.output_tokens
+        if self.prefix_key is not None:
+            remaining = replica.active_by_prefix[self.prefix_key] - 1
+            if remaining:
+                replica.active_by_prefix[self.prefix_key] = remaining
+            else:
+                del replica.active_by_prefix[self.prefix_key]
+        if not succeeded:  # the replica may never have computed the prompt
+            replica.index.forget(self.new_blocks)
+
+
+class Router:
+    def __init__(self, urls: Sequence[str], config: RouterConfig, policy: RoutingPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic, event_endpoints: Mapping[str, str] | None = None) -> None:
+        """event_endpoints: replica URL -> where it publishes KV events, for the replicas that do."""
+        urls = [url.rstrip("/") for url in urls]
+        if not urls:
+            raise ValueError("a router needs at least one replica")
+        if len(set(urls)) != len(urls):
+            raise ValueError("replica URLs must be distinct")
+        endpoints = {url.rstrip("/"): endpoint for url, endpoint in (event_endpoints or {}).items()}
+        unknown = sorted(set(endpoints) - set(urls))
+        if unknown:
+            raise ValueError(f"KV event endpoints given for URLs that are not replicas: {', '.join(unknown)}")
+        self.config = config
+        self.replicas = [Replica(url, config, endpoints.get(url)) for url in urls]
+        self.policy = policy or make_policy(config)
+        self.clock = clock
+        self.metrics = RouterMetrics(lambda: self.replicas, clock)
+
+    # --- decisions ---------------------------------------------------------------------------------
+
+    def choose(self, prompt: RoutedPrompt, exclude: Sequence[Replica] = ()) -> Decision:
+        now = self.clock()
+        up = [r for r in self.replicas if r not in exclude and r.routable(now)]
+        if not up:
+            self.metrics.rejected.labels("503").inc()
+            raise NoReplicaAvailable(503, "no replica is available (all are down or ejected)")
+        candidates = [r for r in up if not r.saturated(now)]
+        if not candidates:
+            self.metrics.rejected.labels("429").inc()
+            waits = [r.saturated_until - now for r in up if r.saturated_until > now]
+            retry_after = min(waits) if len(waits) == len(up) else self.config.retry_after_s
+            raise NoReplicaAvailable(429, "every replica is saturated; retry later", max(retry_after, 0.0))
+        replica = self.policy.choose(prompt, candidates, now)
+        matched = replica.index.match(prompt.cacheable(replica.block_size), now)
+        return Decision(replica, prompt, matched)
+
+    def begin(self, decision: Decision) -> Lease:
+        """Counts the request on its replica and records its blocks there (the replica will cache them)."""
+        replica, prompt = decision.replica, decision.prompt
+        # A replica publishing events says itself what it caches; for the others, the router's guess.
+        blocks = [] if replica.learns_from_events else prompt.block_hashes(replica.block_size)
+        replica.index.insert(blocks, self.clock())
+        key = prompt.prefix_key(replica.block_size)
+        work_tokens = prompt.num_tokens - decision.expected_hit_tokens
+        replica.active_requests += 1
+        replica.active_tokens += work_tokens
+        if key is not None:
+            replica.active_by_prefix[key] = replica.active_by_prefix.get(key, 0) + 1
+        labels = replica.url
+        self.metrics.requests.labels(labels).inc()
+        self.metrics.prompt_tokens.labels(labels).inc(prompt.num_tokens)
+        self.metrics.expected_hit_tokens.labels(labels).inc(decision.expected_hit_tokens)
+        return Lease(decision, key, blocks[decision.matched_blocks:], work_tokens)
+
+    # --- what replicas report ----------------------------------------------------------------------
+
+    def record_success(self, replica: Replica) -> None:
+        replica.breaker.record_success()
+
+    def record_failure(self, replica: Replica) -> None:
+        """A connection failure or a 5xx (never a 4xx): counts toward the replica's circuit breaker."""
+        if replica.breaker.record_failure(self.clock()):
+            self.metrics.ejections.labels(replica.url).inc()
+
+    def record_saturated(self, replica: Replica, retry_after_s: float | None) -> None:
+        """A 429: the replica is skipped until its Retry-After has passed. Not a failure."""
+        wait = retry_after_s if retry_after_s is not None else self.config.retry_after_s
+        replica.saturated_until = max(replica.saturated_until, self.clock() + wait)
+
+    def record_retry(self, replica: Replica, reason: str) -> None:
+        self.metrics.retries.labels(replica.url, reason).inc()
+
+    def observe_cached_tokens(self, decision: Decision, cached_tokens: int) -> None:
+        """The replica's own count of prompt tokens it served from cache (usage.prompt_tokens_details). None of
+        the blocks the router expected: the replica lost its cache (a reset, a restart between polls), so the
+        index keeps only this prompt, which the replica has just computed. Some of them: evicted there, and
+        recomputed by this very request, so the index is right again."""
+        replica = decision.replica
+        if replica.learns_from_events:
+            return
+        if decision.matched_blocks > 0 and cached_tokens < replica.block_size:
+            self.reset_index(replica)
+            replica.index.insert(decision.prompt.block_hashes(replica.block_size), self.clock())
+
+    def set_health(self, replica: Replica, healthy: bool) -> None:
+        if not healthy and replica.healthy:
+            self.reset_index(replica)  # it may come back restarted, with an empty cache
+        replica.healthy = healthy
+
+    def update_stats(self, replica: Replica, stats: PolledStats) -> None:
+        if replica.update_stats(stats):
+            self.reset_index(replica)
+
+    def reset_index(self, replica: Replica) -> None:
+        replica.index.clear()
+        self.metrics.index_resets.labels(replica.url).inc()

@@ -1,0 +1,167 @@
+"""`pagoda serve --data-parallel-size N`: data parallelism on one machine without a launcher to write.
+
+N engine processes (`pagoda serve` each, on loopback ports of their own, `--threads` split evenly between
+them) behind the router on the port the user asked for. Every other serve flag given passes to each engine
+as it was given. With --kv-events-config, engine i publishes on the endpoint's port + i (vLLM's
+convention for data-parallel ranks) and the router follows every engine's events.
+
+SIGTERM or SIGINT stops the router (which finishes what it has in flight), then each engine (which drains for
+--shutdown-timeout). An engine that exits on its own is down to the router; when all have, the router stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from pagoda.router.config import RouterConfig
+
+logger = logging.getLogger("pagoda.serve")
+
+LOOPBACK = "127.0.0.1"
+PR_SET_PDEATHSIG = 1  # prctl(2)
+# Flags the parent decides for each engine, or that only the parent uses.
+PARENT_ONLY = {"host", "port", "threads", "data_parallel_size", "kv_events_config", "func", "command", "help"}
+
+
+def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: set[str]) -> list[str]:
+    """The options of `args` that differ from the parser's defaults, written as a command line again."""
+    argv: list[str] = []
+    for action in parser._actions:
+        if not action.option_strings or action.dest in skip:
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse.BooleanOptionalAction):
+            positive = action.option_strings[0]  # then its --no- form
+            argv.append(positive if value else f"--no-{positive[2:]}")
+        elif action.nargs == 0:  # store_true and its kind
+            argv.append(flag)
+        elif isinstance(value, list):  # append
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
+    return argv
+
+
+def offset_port(endpoint: str, rank: int) -> str:
+    """tcp://host:PORT -> tcp://host:PORT+rank, as vLLM offsets a data-parallel rank's KV-event endpoint."""
+    base, _, port = endpoint.rpartition(":")
+    if not base.startswith("tcp://") or not port.isdigit():
+        raise ValueError(f"--data-parallel-size with KV events needs a tcp://host:port endpoint, not {endpoint!r}")
+    return f"{base}:{int(port) + rank}"
+
+
+def split_threads(total: int, size: int) -> int:
+    return max(1, total // size)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def _stop_with_parent() -> None:
+    """In the engine, before it runs (Linux): SIGTERM when the parent dies, however it dies (even SIGKILL),
+    so that no engine outlives the router it served."""
+    with contextlib.suppress(OSError, AttributeError):  # not Linux: the engines outlive a killed parent
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Engines:
+    """The engine processes: started, watched, stopped."""
+
+    def __init__(self, commands: Sequence[list[str]], drain_timeout: float) -> None:
+        self.drain_timeout = drain_timeout
+        # Sessions of their own: a terminal's Ctrl-C reaches the parent only, which then stops each engine once
+        # (a second signal would make an engine skip its drain). Started before any thread of the parent's.
+        self.processes = [subprocess.Popen(command, start_new_session=True, preexec_fn=_stop_with_parent)
+                          for command in commands]
+        self.stopping = False
+
+    def watch(self) -> None:
+        """Runs in a thread: when every engine has exited (and no stop was asked), stop the router too."""
+        while not self.stopping and any(p.poll() is None for p in self.processes):
+            time.sleep(0.5)
+        if not self.stopping:
+            logger.error("every engine process has exited: stopping")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def stop(self) -> int:
+        """SIGTERM to each (they drain), then wait; the first nonzero exit code, else 0."""
+        self.stopping = True
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.drain_timeout + 10
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        return next((p.returncode for p in self.processes if p.returncode), 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EnginePlan:
+    """What the parent starts: one command per engine, their URLs, and where each publishes KV events."""
+
+    commands: list[list[str]]
+    urls: list[str]
+    event_endpoints: dict[str, str]
+    events_topic: str
+
+
+def plan_engines(serve_parser: argparse.ArgumentParser, args: argparse.Namespace) -> EnginePlan:
+    """Raises ValueError for a configuration that cannot be split (before anything starts)."""
+    from pagoda.server.kv_events import KVEventsConfig
+
+    size = args.data_parallel_size
+    threads = split_threads(args.threads or os.cpu_count() or 1, size)
+    shared = given_flags(serve_parser, args, PARENT_ONLY)
+    events = KVEventsConfig.from_dict(args.kv_events_config) if args.kv_events_config is not None else None
+    urls = [f"http://{LOOPBACK}:{free_port()}" for _ in range(size)]
+    commands, endpoints = [], {}
+    for rank, url in enumerate(urls):
+        command = [sys.executable, "-m", "pagoda", "serve", *shared, "--host", LOOPBACK,
+                   "--port", url.rsplit(":", 1)[1], "--threads", str(threads)]
+        if events is not None:
+            endpoint = offset_port(events.endpoint, rank)
+            command += ["--kv-events-config", json.dumps({**dataclasses.asdict(events), "endpoint": endpoint})]
+            if events.publishes:
+                endpoints[url] = endpoint.replace("*", LOOPBACK)
+        commands.append(command)
+    return EnginePlan(commands, urls, endpoints, events.topic if events is not None else "")
+
+
+def serve_data_parallel(plan: EnginePlan, args: argparse.Namespace) -> int:
+    from pagoda.router.launcher import serve_router
+
+    logger.info("data parallel: %d engines behind the router on %s:%d", len(plan.urls), args.host, args.port)
+    engines = Engines(plan.commands, args.shutdown_timeout)
+    threading.Thread(target=engines.watch, name="pagoda-engines", daemon=True).start()
+    try:
+        serve_router(RouterConfig(), plan.urls, tokenizer_dir=args.model, host=args.host, port=args.port,
+                     log_level=args.uvicorn_log_level, event_endpoints=plan.event_endpoints,
+                     events_topic=plan.events_topic)
+    finally:
+        code = engines.stop()
+    return code

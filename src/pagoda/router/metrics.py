@@ -1,0 +1,68 @@
+"""The router's own Prometheus metrics (`pagoda_router_*`), per replica where it matters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from pagoda.router.replica import Replica
+
+
+class _ReplicaGauges:
+    """Read at scrape time from the replicas' state."""
+
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], clock: Callable[[], float]) -> None:
+        self.replicas = replicas
+        self.clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        replicas, now = self.replicas(), self.clock()
+        for name, doc, value_of in (
+            ("pagoda_router_replica_up", "1 while the replica is healthy and not ejected.",
+             lambda r: float(r.routable(now))),
+            ("pagoda_router_replica_saturated", "1 while the replica is skipped as saturated.",
+             lambda r: float(r.saturated(now))),
+            ("pagoda_router_active_requests", "Requests the router has in flight on the replica.",
+             lambda r: float(r.active_requests)),
+            ("pagoda_router_index_blocks", "Blocks the router believes the replica's prefix cache holds.",
+             lambda r: float(len(r.index))),
+            ("pagoda_router_replica_block_size", "The block size prompts are hashed with for the replica.",
+             lambda r: float(r.block_size)),
+        ):
+            gauge = GaugeMetricFamily(name, doc, labels=["replica"])
+            for replica in replicas:
+                gauge.add_metric([replica.url], value_of(replica))
+            yield gauge
+        active = [r.active_requests for r in replicas]
+        imbalance = GaugeMetricFamily("pagoda_router_imbalance",
+                                      "Most requests in flight on one replica over the mean (1: even; 0: idle).")
+        mean = sum(active) / len(active) if active else 0.0
+        imbalance.add_metric([], max(active) / mean if mean else 0.0)
+        yield imbalance
+
+
+class RouterMetrics:
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], clock: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_ReplicaGauges(replicas, clock))
+
+        def counter(name: str, doc: str, labels: Sequence[str] = ("replica",)) -> Counter:
+            return Counter(name, doc, list(labels), registry=self.registry)
+
+        self.requests = counter("pagoda_router_requests", "Requests sent to the replica (retries included).")
+        self.prompt_tokens = counter("pagoda_router_prompt_tokens", "Prompt tokens routed to the replica.")
+        self.expected_hit_tokens = counter("pagoda_router_expected_hit_tokens",
+                                           "Prompt tokens the router expected the replica's prefix cache to hold.")
+        self.retries = counter("pagoda_router_retries", "Requests retried on another replica after this one "
+                                                        "failed or refused, by reason.", ("replica", "reason"))
+        self.ejections = counter("pagoda_router_ejections", "Times the replica's circuit breaker opened.")
+        self.index_resets = counter("pagoda_router_index_resets",
+                                    "Times the replica's index was dropped (restart, cache reset, outage).")
+        self.rejected = counter("pagoda_router_rejected", "Requests the router answered itself, by status.",
+                                ("status",))
+        self.event_gaps = counter("pagoda_router_kv_event_gaps", "KV event batches lost (sequence gaps).")
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

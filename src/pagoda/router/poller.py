@@ -1,0 +1,68 @@
+"""Health and load polling: every replica's /health and /metrics, every poll interval.
+
+/health 200 means up. /metrics gives the load gauges (vllm:num_requests_waiting, vllm:kv_cache_usage_perc),
+the block size (vllm:cache_config_info, as vLLM labels it) and a counter whose going back means a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from pagoda.router.core import Router
+from pagoda.router.replica import PolledStats, Replica
+
+logger = logging.getLogger("pagoda.route")
+
+
+def parse_stats(text: str) -> PolledStats:
+    """The gauges the router uses, summed over a replica's label sets (one per served model)."""
+    values: dict[str, float] = {}
+    block_size = num_blocks = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "vllm:cache_config_info":
+                block_size = _int_label(sample.labels, "block_size") or block_size
+                num_blocks = _int_label(sample.labels, "num_gpu_blocks") or num_blocks
+            else:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    return PolledStats(
+        num_waiting=values.get("vllm:num_requests_waiting", 0.0),
+        kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
+        block_size=block_size, num_blocks=num_blocks,
+        prefix_cache_queries=values.get("vllm:prefix_cache_queries_total", 0.0),
+    )
+
+
+def _int_label(labels: dict[str, str], name: str) -> int | None:
+    try:
+        value = int(labels.get(name, ""))
+    except ValueError:
+        return None
+    return value if value > 0 else None
+
+
+async def poll_replica(router: Router, replica: Replica, client: httpx.AsyncClient) -> None:
+    timeout = router.config.poll_timeout_s
+    try:
+        health = await client.get(f"{replica.url}/health", timeout=timeout)
+        healthy = health.status_code == 200
+        if healthy:
+            metrics = await client.get(f"{replica.url}/metrics", timeout=timeout)
+            if metrics.status_code == 200:
+                router.update_stats(replica, parse_stats(metrics.text))
+    except (httpx.HTTPError, ValueError) as error:  # unreachable, or a /metrics that is not Prometheus text
+        logger.debug("poll of %s failed: %s", replica.url, error)
+        healthy = False
+    if healthy != replica.healthy:
+        logger.warning("replica %s is %s", replica.url, "up" if healthy else "down")
+    router.set_health(replica, healthy)
+
+
+async def poll_forever(router: Router, client: httpx.AsyncClient) -> None:
+    while True:
+        await asyncio.gather(*(poll_replica(router, r, client) for r in router.replicas))
+        await asyncio.sleep(router.config.poll_interval_s)
