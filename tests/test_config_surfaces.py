@@ -29,6 +29,10 @@ OPTIONS = {
     "max_model_len": 512,
     "max_num_seqs": 8,
     "max_num_batched_tokens": 1024,
+    "max_step_ms": 50.0,
+    "long_prefill_token_threshold": 256,
+    "scheduling_policy": "priority",
+    "priority_aging_s": 2.5,
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
                            "prompt_lookup_max": 4, "disable_by_batch_size": 8},
 }
@@ -36,7 +40,9 @@ FLAGS = [
     "--dtype", "bfloat16", "--device", "meta", "--seed", "7", "--quantization", "int8", "--no-use-kernels",
     "--block-size", "32", "--kv-cache-memory-bytes", "3M", "--num-kv-blocks", "100",
     "--no-enable-prefix-caching", "--max-model-len", "512", "--max-num-seqs", "8",
-    "--max-num-batched-tokens", "1024", "--speculative-config", json.dumps(OPTIONS["speculative_config"]),
+    "--max-num-batched-tokens", "1024", "--max-step-ms", "50", "--long-prefill-token-threshold", "256",
+    "--scheduling-policy", "priority", "--priority-aging-s", "2.5",
+    "--speculative-config", json.dumps(OPTIONS["speculative_config"]),
 ]
 
 
@@ -59,7 +65,9 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
     assert given.dtype == torch.bfloat16
     assert given.cache == CacheConfig(block_size=32, kv_cache_memory_bytes=3 << 20, num_blocks=100,
                                       enable_prefix_caching=False)
-    assert given.scheduler == SchedulerConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=1024)
+    assert given.scheduler == SchedulerConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=1024,
+                                              max_step_ms=50.0, long_prefill_token_threshold=256,
+                                              scheduling_policy="priority", priority_aging_s=2.5)
     assert given.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
                                                          prompt_lookup_max=4, disable_by_batch_size=8)
 
@@ -108,10 +116,9 @@ def test_speculative_config_resolves_vllms_lookup_defaults_the_same_everywhere(g
 
 
 @pytest.mark.parametrize(("options", "message"), [
-    ({"method": "draft_model", "model": "some/draft", "num_speculative_tokens": 3},
-     "'draft_model' is not supported yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, 'needs "model"'),
     ({"method": "eagle", "num_speculative_tokens": 3}, "'eagle' is not supported yet"),
-    ({"model": "some/draft", "num_speculative_tokens": 3}, "a draft model is not supported yet"),
+    ({"model": "some/draft", "num_speculative_tokens": 3}, 'a draft model needs "method": "draft_model"'),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be positive"),
     ({"method": "ngram", "num_speculative_tokens": 2.5}, "must be an integer"),

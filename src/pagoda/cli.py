@@ -1,4 +1,4 @@
-"""`pagoda serve | generate | calc | bench`: the command line, with vLLM's flag names where vLLM has one."""
+"""`pagoda serve | generate | chat | calc | bench`: the command line, with vLLM's flag names where vLLM has one."""
 
 from __future__ import annotations
 
@@ -18,6 +18,34 @@ def default_model() -> str:
     return str(DEMO_MODEL_DIR)
 
 
+# The name the built-in model is served under, wherever the package is installed.
+DEMO_SERVED_NAME = "pagoda-demo"
+
+
+def model_to_load(model: str | None, command: str) -> str:
+    """The --model to load: the built-in model when none is given. Anything but a local checkpoint directory
+    (a hub id, a GGUF file) ends the command here, exit 2, saying what pagoda needs and how to get it."""
+    if model is None:
+        return default_model()
+    from pagoda.model.loader import ModelLoadError, check_model_dir
+
+    try:
+        check_model_dir(model)
+    except ModelLoadError as error:
+        print(f"pagoda {command}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return model
+
+
+def served_model_name(model: str, given: str | None = None) -> str:
+    """The name given (--served-model-name), else `pagoda-demo` for the built-in model, else --model as written."""
+    from pathlib import Path
+
+    if given:
+        return given
+    return DEMO_SERVED_NAME if Path(model).resolve() == Path(default_model()).resolve() else model
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags, with vLLM's names. Each defaults to None, "not given": build_engine_config fills in
     pagoda.config's defaults (reading them here would import torch before `--help` could answer)."""
@@ -32,14 +60,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--max-num-seqs", type=int)
     parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--max-step-ms", type=float,
+                        help="while requests decode, cap each step's prefill so the step is predicted to take at "
+                             "most this long (default 200; 0: no cap; docs/scheduling.md)")
+    parser.add_argument("--long-prefill-token-threshold", type=int,
+                        help="most prefill tokens one request computes per step (default 0: no cap)")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                        help="fcfs (default) or priority: the request's `priority`, lower first")
+    parser.add_argument("--priority-aging-s", type=float,
+                        help="priority: each level counts as this many seconds of later arrival, bounding how "
+                             "long lower levels wait (default 10; 0: strict order, no bound)")
     parser.add_argument("--block-size", type=int)
     parser.add_argument("--kv-cache-memory-bytes", type=_bytes,
-                        help="KV pool size in bytes (suffixes K, M, G: 2G = 2 GiB)")
+                        help="most bytes the KV pool may take (suffixes K, M, G: 2G = 2 GiB; default 2G); the pool "
+                             "is what --max-num-seqs x --max-model-len can use, up to this")
     parser.add_argument("--num-kv-blocks", type=int, help="explicit pool size in blocks")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
     parser.add_argument("--speculative-config", type=_json_object,
                         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_max": 4}\' (docs/speculative.md)')
+                             '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
+                             '"num_speculative_tokens": 3}\' (docs/speculative.md)')
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice, one per physical core)")
 
@@ -50,6 +90,13 @@ def _bytes(text: str) -> int:
     if text and text[-1] in units:
         return int(float(text[:-1]) * units[text[-1]])
     return int(text)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
 
 
 def _json_object(text: str) -> dict:
@@ -83,20 +130,46 @@ def run_serve(args: argparse.Namespace) -> int:
         api_keys = ApiKeys.gather(args.api_key or (), args.api_key_file, guard_metrics=args.guard_metrics)
         given = {name: getattr(args, name) for name in SERVER_LIMITS if getattr(args, name) is not None}
         limits = ServerLimits(**given)
+        kv_events = kv_events_config(args.kv_events_config)
     except (OSError, ValueError) as error:
         raise SystemExit(f"pagoda serve: {error}") from None
     if args.guard_metrics and not api_keys.enabled:
         raise SystemExit("pagoda serve: --guard-metrics needs an API key (--api-key, --api-key-file or PAGODA_API_KEY)")
-    args.model = args.model or default_model()
+    args.model = model_to_load(args.model, "serve")
+    if args.data_parallel_size > 1:
+        exit_now(run_data_parallel(args))
     code = serve(
         engine_config_from(args),
-        model_name=args.served_model_name or args.model,
+        model_name=served_model_name(args.model, args.served_model_name),
         host=args.host, port=args.port, api_keys=api_keys, limits=limits,
         max_waiting_requests=args.max_waiting_requests, drain_timeout=args.shutdown_timeout,
         log_level=args.uvicorn_log_level,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        web_ui=not args.disable_web_ui,
+        kv_events=kv_events,
     )
     exit_now(code)
+
+
+def run_data_parallel(args: argparse.Namespace) -> int:
+    """--data-parallel-size N: N engine processes behind the router (pagoda.router.data_parallel)."""
+    from pagoda.router.data_parallel import plan_engines, serve_data_parallel
+
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    try:
+        plan = plan_engines(commands.choices["serve"], args)
+    except ValueError as error:
+        raise SystemExit(f"pagoda serve: {error}") from None
+    return serve_data_parallel(plan, args)
+
+
+def kv_events_config(values: dict | None):
+    """--kv-events-config (vLLM's KVEventsConfig as JSON), or None when not given."""
+    if values is None:
+        return None
+    from pagoda.server.kv_events import KVEventsConfig
+
+    return KVEventsConfig.from_dict(values)
 
 
 # The `serve` flags that bound one request (pagoda.server.guards.ServerLimits' fields, defaults there).
@@ -106,18 +179,29 @@ SERVER_LIMITS = ("max_request_body_bytes", "max_chars_per_token", "max_sequences
 
 def run_generate(args: argparse.Namespace) -> int:
     from pagoda.engine.engine import LLMEngine
+    from pagoda.model.loader import ModelLoadError
     from pagoda.model.tokenizer import ChatTemplateError, encode_chat
     from pagoda.sampling import SamplingParams
 
-    args.model = args.model or default_model()
-    engine = LLMEngine(engine_config_from(args))
-    prompt = args.prompt
-    if args.chat:
+    args.model = model_to_load(args.model, "generate")
+    try:
+        engine = LLMEngine(engine_config_from(args))
+    except ModelLoadError as error:  # a broken checkpoint, or a draft model that cannot draft for it
+        print(f"pagoda generate: {error}", file=sys.stderr)
+        return 2
+    prompt: str | list[int] = args.prompt
+    has_template = bool(getattr(engine.tokenizer, "chat_template", None))
+    if args.chat or (has_template and not args.raw):
         try:
-            prompt = encode_chat(engine.tokenizer, [{"role": "user", "content": prompt}])
+            prompt = encode_chat(engine.tokenizer, [{"role": "user", "content": args.prompt}])
         except ChatTemplateError as error:
             print(f"pagoda generate: {error}", file=sys.stderr)
             return 2
+        print("pagoda generate: the prompt goes through the model's chat template (--raw: plain completion)",
+              file=sys.stderr)
+    else:
+        why = "--raw" if args.raw else "the model has no chat template"
+        print(f"pagoda generate: plain completion ({why})", file=sys.stderr)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.gen_seed,
                             max_tokens=args.max_tokens)
     engine.add_request("cli", prompt, params)
@@ -165,16 +249,28 @@ def build_parser() -> argparse.ArgumentParser:
                             "answered 504 (default 600; 0: no limit)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
     serve.add_argument("--uvicorn-log-level", default="warning")
+    serve.add_argument("--disable-web-ui", action="store_true",
+                       help="no chat page at / and no dashboard at /dashboard (docs/web-ui.md)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
     serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                        help="the model's tool-call format, as its chat template teaches it")
+    serve.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
+                       help="engine processes on this machine, behind pagoda's router on --port; --threads is "
+                            "split evenly between them (docs/router.md)")
+    serve.add_argument("--kv-events-config", type=_json_object, default=None,
+                       help='publish KV cache events as vLLM does (docs/router.md), vLLM\'s JSON: '
+                            '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'')
     serve.set_defaults(func=run_serve)
 
     generate = commands.add_parser("generate", help="stream one completion to the terminal")
     add_engine_args(generate)
     generate.add_argument("prompt")
-    generate.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    template = generate.add_mutually_exclusive_group()
+    template.add_argument("--chat", action="store_true",
+                          help="the model's chat template, or an error if it has none (default: the template "
+                               "when the model has one)")
+    template.add_argument("--raw", action="store_true", help="plain completion: the prompt as given, no template")
     generate.add_argument("--max-tokens", type=int, default=64)
     generate.add_argument("--temperature", type=float, default=0.0)
     generate.add_argument("--top-p", type=float, default=1.0)
@@ -183,9 +279,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(func=run_generate)
 
     from pagoda.calc.cli import add_parser as add_calc
+    from pagoda.chat import add_parser as add_chat
+    from pagoda.router.cli import add_parser as add_route
 
+    add_chat(commands)
     add_calc(commands)
     add_bench_command(commands)
+    add_route(commands)
     return parser
 
 

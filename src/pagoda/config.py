@@ -75,7 +75,8 @@ def _require_positive(config: object, *names: str) -> None:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # The pool is sized from bytes unless num_blocks is given (tests give explicit counts).
+    # Unless num_blocks is given (tests give explicit counts), the pool holds max_num_seqs x max_model_len
+    # tokens, at most this many bytes (engine.kv_pool_size).
     kv_cache_memory_bytes: int = 2 * GiB
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
@@ -86,27 +87,57 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
+    """How each step's token budget is handed out (docs/scheduling.md).
+
+    max_step_ms: while any request decodes, prefill work in a step is capped so that the step's predicted
+    time stays within this many milliseconds (a stalled step is every decoding stream's inter-token gap);
+    0 turns the cap off. long_prefill_token_threshold: vLLM's cap on one request's prefill chunk per step
+    (0: none). scheduling_policy: "fcfs" or "priority" (lower `priority` first, FCFS within a level).
+    priority_aging_s: under "priority", each level of priority counts as this many seconds of later
+    arrival, which bounds how long lower levels can be passed over; 0 is vLLM's strict order (no bound).
+    """
+
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    max_step_ms: float = 200.0
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    priority_aging_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+        for name in ("max_step_ms", "long_prefill_token_threshold", "priority_aging_s"):
+            if not getattr(self, name) >= 0:  # written so that nan fails too
+                raise ValueError(f"{name} must be at least 0, got {getattr(self, name)!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
 
 
-# The speculative decoding methods built; vLLM's others ("draft_model", "eagle", ...) are refused by name.
-SPECULATIVE_METHODS = ("ngram",)
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+# The speculative decoding methods built; vLLM's others ("eagle", "medusa", ...) are refused by name.
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # vLLM's default n-gram length when neither prompt_lookup_min nor prompt_lookup_max is given.
 DEFAULT_PROMPT_LOOKUP = 5
+# Keys that belong to one method only: given with another, they are refused by name.
+_NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
+_DRAFT_MODEL_KEYS = ("model", "quantization", "dtype")
+_STRING_KEYS = _DRAFT_MODEL_KEYS
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding, with vLLM's `speculative_config` names (docs/speculative.md). Speculation
-    never changes the output: it only lets one step produce several of the tokens decoding would give.
+    never changes the output: it only lets one step produce several of the tokens decoding would give
+    (a model draft keeps the output distribution of sampled requests; see docs/speculative.md).
 
-    prompt_lookup_min/max: the n-gram lengths the "ngram" method tries, longest first. As in vLLM, when
-    only one is given the other takes its value, and when neither is, both are 5.
+    prompt_lookup_min/max ("ngram" only): the n-gram lengths tried, longest first. As in vLLM, when only
+    one is given the other takes its value, and when neither is, both are 5.
+    model, quantization, dtype ("draft_model" only): the draft checkpoint, which must share the target's
+    vocabulary, its own weight quantization (None: unquantized) and its dtype (None: the target's).
     disable_by_batch_size: no drafts in a step that starts with more running requests than this.
     """
 
@@ -114,11 +145,23 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None
+    quantization: str | None = None
+    dtype: str | None = None
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         _check_speculative_method(self.method)
         _require_positive(self, "num_speculative_tokens")
+        if self.method == "ngram":
+            self._resolve_lookup()
+        else:
+            self._check_draft_model()
+        if self.disable_by_batch_size is not None:
+            _require_positive(self, "disable_by_batch_size")
+
+    def _resolve_lookup(self) -> None:
+        _refuse_keys(self, _DRAFT_MODEL_KEYS)
         given_min, given_max = self.prompt_lookup_min, self.prompt_lookup_max
         low = given_min if given_min is not None else given_max if given_max is not None else DEFAULT_PROMPT_LOOKUP
         high = given_max if given_max is not None else low
@@ -128,15 +171,22 @@ class SpeculativeConfig:
         _require_positive(self, "prompt_lookup_min")
         if high < low:
             raise ValueError(f"prompt_lookup_max ({high}) must be at least prompt_lookup_min ({low})")
-        if self.disable_by_batch_size is not None:
-            _require_positive(self, "disable_by_batch_size")
+
+    def _check_draft_model(self) -> None:
+        _refuse_keys(self, _NGRAM_KEYS)
+        if not self.model:
+            raise ValueError('speculative_config: method "draft_model" needs "model", the draft checkpoint\'s path')
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"speculative_config: quantization must be \"int8\" or absent, got {self.quantization!r}")
+        if self.dtype is not None:
+            parse_dtype(self.dtype)
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> SpeculativeConfig:
         """vLLM's JSON object. Keys pagoda does not take are refused by name, never ignored."""
         method = options.get("method")
         if not isinstance(method, str):
-            hint = "; a draft model is not supported yet" if "model" in options else ""
+            hint = '; a draft model needs "method": "draft_model"' if "model" in options else ""
             raise ValueError(f"speculative_config needs a method, one of: {', '.join(SPECULATIVE_METHODS)}{hint}")
         _check_speculative_method(method)  # before the keys: another method's keys are not the problem
         names = [f.name for f in fields(cls)]
@@ -149,9 +199,20 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs num_speculative_tokens")
         for name in names[1:]:
             value = options.get(name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is None:
+                continue
+            if name in _STRING_KEYS:
+                if not isinstance(value, str):
+                    raise ValueError(f"speculative_config: {name} must be a string, got {value!r}")
+            elif isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"speculative_config: {name} must be an integer, got {value!r}")
         return cls(**options)
+
+
+def _refuse_keys(config: SpeculativeConfig, names: tuple[str, ...]) -> None:
+    given = [name for name in names if getattr(config, name) is not None]
+    if given:
+        raise ValueError(f"speculative_config: {', '.join(given)} cannot be used with method {config.method!r}")
 
 
 def _check_speculative_method(method: str) -> None:

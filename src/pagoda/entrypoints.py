@@ -17,7 +17,8 @@ Prompt = str | list[int]
 # The engine options, by vLLM's names, grouped by the part of EngineConfig they set.
 TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "use_kernels", "speculative_config")
 CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching")
-SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens")
+SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_step_ms",
+                     "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s")
 ENGINE_OPTIONS = TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS
 FIELD_NAMES = {"num_kv_blocks": "num_blocks"}  # options whose config field has another name
 
@@ -60,20 +61,25 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids."""
+        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids. `priority`
+        (vLLM's): one per prompt, lower first; only with scheduling_policy="priority"."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("need one SamplingParams, or one per prompt")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError("need one priority per prompt")
         ids = []
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p, level in zip(prompts, params_list, priorities):
                 request_id = f"offline-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(request_id, prompt, p)
+                self.engine.add_request(request_id, prompt, p, priority=level)
                 ids.append(request_id)
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: a rejected prompt leaves no orphans behind

@@ -73,19 +73,20 @@ class AsyncEngine:
         """The engine's gauges and counters as of its last step (or idle wake-up)."""
         return self._stats
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raises RequestRejected for a request that can never run. Reads only config: safe on any thread."""
-        self._engine.validate(prompt_ids, params)
+        self._engine.validate(prompt_ids, params, priority)
 
     async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative RequestOutputs until the last (finished) one. Closing the iterator aborts."""
         if self.is_dead:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._submit(lambda: self._add(request_id, prompt, params, cache_salt))
+        self._submit(lambda: self._add(request_id, prompt, params, cache_salt, priority))
         finished = False
         try:
             while True:
@@ -134,9 +135,11 @@ class AsyncEngine:
 
     # --- engine thread -----------------------------------------------------------------------------
 
-    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None) -> None:
+    def _add(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, priority: int
+    ) -> None:
         try:
-            self._engine.add_request(request_id, prompt, params, cache_salt)
+            self._engine.add_request(request_id, prompt, params, cache_salt, priority)
         except Exception as error:  # a bad request must not touch the loop
             self._fail(request_id, error)
 

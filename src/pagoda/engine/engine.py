@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from pagoda.config import EngineConfig, ModelConfig
-from pagoda.engine.kv_cache import KVCacheManager
+from pagoda.config import CacheConfig, EngineConfig, ModelConfig
+from pagoda.engine.draft_model import DraftModelProposer, load_draft_model
+from pagoda.engine.kv_cache import KVCacheManager, KVEventSink
 from pagoda.engine.output import IncrementalDetokenizer, RequestOutput, SequenceText, Tokenizer
 from pagoda.engine.request import FinishReason, Request
 from pagoda.engine.runner import ModelRunner, PromptLogprobsChunk
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.speculative import SpecDecodeStats, Speculator
+from pagoda.engine.step_budget import StepCostModel
 from pagoda.engine.structured import StructuredOutputs
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model
@@ -34,10 +37,29 @@ class RequestRejected(ValueError):
         self.param = param
 
 
-def _num_kv_blocks(config: EngineConfig, bytes_per_token: int) -> int:
-    if config.cache.num_blocks is not None:
-        return config.cache.num_blocks
-    return config.cache.kv_cache_memory_bytes // (bytes_per_token * config.cache.block_size)
+@dataclass(frozen=True)
+class KVPoolSize:
+    """The KV pool's size in blocks, and why it has that size (the start-up log says both)."""
+
+    num_blocks: int
+    reason: str
+
+
+def kv_pool_size(cache: CacheConfig, max_num_seqs: int, max_model_len: int, bytes_per_token: int) -> KVPoolSize:
+    """An explicit block count is taken as given. Otherwise the pool is what the engine can use at once,
+    max_num_seqs sequences of max_model_len tokens (each in whole blocks), at most kv_cache_memory_bytes:
+    a 3M-parameter model with a 512-token context gets its 128 MiB, not the whole 2 GiB budget."""
+    if cache.num_blocks is not None:
+        return KVPoolSize(cache.num_blocks, "num_kv_blocks given")
+    needed = max_num_seqs * -(-max_model_len // cache.block_size)
+    affordable = cache.kv_cache_memory_bytes // (bytes_per_token * cache.block_size)
+    if needed <= affordable:
+        return KVPoolSize(needed, f"max_num_seqs {max_num_seqs} x max_model_len {max_model_len} tokens")
+    return KVPoolSize(
+        affordable,
+        f"capped by kv_cache_memory_bytes {cache.kv_cache_memory_bytes / 2**20:.0f} MiB "
+        f"(max_num_seqs {max_num_seqs} x max_model_len {max_model_len} would take {needed} blocks)",
+    )
 
 
 def _derive_seed(seed: int, sample_index: int) -> int:
@@ -90,10 +112,17 @@ class EngineStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM counts in tokens)
     prefix_cache_hits: int = 0  # of which served from the prefix cache
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is not configured
+    # vllm:iteration_tokens_total: steps by tokens computed (bucket upper bounds, counts with +Inf last, sum)
+    iteration_token_buckets: tuple[int, ...] = ()
+    iteration_token_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, step_cost: StepCostModel | None = None,
+                 kv_events: KVEventSink | None = None) -> None:
+        """step_cost: how the scheduler predicts a step's time (default: LinearStepCost, learnt online).
+        kv_events: where the KV cache reports blocks stored and removed (default: nowhere)."""
         torch.manual_seed(config.seed)
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
         model_max_len = config.scheduler.max_model_len
@@ -103,25 +132,47 @@ class LLMEngine:
         )
         self.model: LlamaModel = model
         self.model_config: ModelConfig = model_config
-        bytes_per_token = self.model_config.kv_bytes_per_token(config.dtype)
-        num_blocks = _num_kv_blocks(config, bytes_per_token)
-        max_model_len = self._fit_max_model_len(model_max_len, num_blocks * config.cache.block_size)
-        self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
-        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching)
         speculative = config.speculative_config
-        self.speculator = None if speculative is None else Speculator(speculative)
-        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache, self.speculator)
+        draft = self._load_draft_model(config)
+        # A draft model's KV mirrors the target's slot for slot: the pool's bytes pay for both.
+        bytes_per_token = self.model_config.kv_bytes_per_token(config.dtype) + (
+            0 if draft is None else draft.config.kv_bytes_per_token(draft.dtype)
+        )
+        wanted_len = min(model_max_len, self.model_config.max_position_embeddings)
+        self.kv_pool = kv_pool_size(config.cache, config.scheduler.max_num_seqs, wanted_len, bytes_per_token)
+        num_blocks = self.kv_pool.num_blocks
+        self.kv_pool_bytes = num_blocks * config.cache.block_size * bytes_per_token
+        max_model_len = self._fit_max_model_len(wanted_len, num_blocks * config.cache.block_size)
+        self.config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
+        self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
+                                       kv_events)
         self.eos_token_ids = self._eos_token_ids()
         self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
-        self.runner = ModelRunner(self.model, num_blocks, config.cache.block_size, config.device, self.structured)
+        self.draft_proposer = None if draft is None or speculative is None else DraftModelProposer(
+            draft, speculative, num_blocks, config.cache.block_size, config.scheduler.max_num_seqs, max_model_len,
+            self.structured, config.device,
+        )
+        self.speculator = None if speculative is None else Speculator(speculative, self.draft_proposer)
+        self.scheduler = Scheduler(self.config.scheduler, self.kv_cache, self.speculator, step_cost)
+        self.runner = ModelRunner(
+            self.model, num_blocks, config.cache.block_size, config.device, self.structured, self.draft_proposer
+        )
         self._seed_source = random.Random(config.seed)
         self._groups: dict[str, RequestGroup] = {}  # by user request id; removed when finished or aborted
         self._failed: list[RequestGroup] = []  # failed (and aborted) since the last pop_failures()
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB), max_model_len %d",
-            num_blocks, config.cache.block_size, num_blocks * config.cache.block_size * bytes_per_token / 2**20,
-            max_model_len,
+            "KV cache: %d blocks of %d tokens (%.1f MiB; %s), max_model_len %d",
+            num_blocks, config.cache.block_size, self.kv_pool_bytes / 2**20, self.kv_pool.reason, max_model_len,
         )
+
+    def _load_draft_model(self, config: EngineConfig) -> LlamaModel | None:
+        """The speculative config's draft model, checked against the target (None: no draft model)."""
+        speculative = config.speculative_config
+        if speculative is None or speculative.method != "draft_model":
+            return None
+        draft, _ = load_draft_model(speculative, self.model_config, self.tokenizer, config.dtype, config.device,
+                                    config.use_kernels)
+        return draft
 
     def _fit_max_model_len(self, requested: int, pool_tokens: int) -> int:
         """One full-length sequence must fit in the pool, or preemption could livelock."""
@@ -147,12 +198,13 @@ class LLMEngine:
     # --- the vLLM-shaped API -----------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids, prompt_text = self._tokenize(prompt)
-        self.validate(prompt_ids, params)
+        self.validate(prompt_ids, params, priority)
         constraint = params.structured_outputs
         grammar = None if constraint is None else self.structured.compile(constraint)  # cached by validate
         seed = params.seed if params.seed is not None else self._seed_source.getrandbits(63)
@@ -168,6 +220,7 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
                 cache_salt=cache_salt,
+                priority=priority,
                 grammar=None if grammar is None else grammar.matcher(),
             )
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
@@ -185,11 +238,15 @@ class LLMEngine:
             return self.tokenizer.encode(prompt, add_special_tokens=True), prompt
         return list(prompt), None
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raises RequestRejected for a request that can never run. Thread-safe: reads only config, and
         compiles the request's grammar (into a thread-safe cache) so that a bad constraint fails here."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")
+        if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
+            # vLLM's rule: a priority the scheduler would ignore is an error, not a silent no-op.
+            raise RequestRejected(f"got priority {priority}, but priority scheduling is not enabled "
+                                  "(--scheduling-policy priority)", "priority")
         vocab_size = self.model_config.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_ids):
             raise RequestRejected(f"prompt token ids must be in [0, {vocab_size})")
@@ -220,13 +277,17 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
         runner_output = self.runner.execute(scheduler_output)
         self._record_prompt_logprobs(runner_output.prompt_logprobs)
         advanced = self.scheduler.update(scheduler_output, runner_output.sampled)
-        return self._make_outputs(advanced, runner_output.logprobs)
+        outputs = self._make_outputs(advanced, runner_output.logprobs)
+        # The whole step, as a decoding stream waits for it, teaches the scheduler's step-time model.
+        self.scheduler.observe_step(scheduler_output, time.perf_counter() - started)
+        return outputs
 
     def _record_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
         for request_id, (start, logprobs) in chunks.items():
@@ -246,6 +307,9 @@ class LLMEngine:
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
             spec_decode=self._spec_decode_stats(),
+            iteration_token_buckets=scheduler.iteration_tokens.bounds,
+            iteration_token_counts=tuple(scheduler.iteration_tokens.counts),
+            iteration_tokens_sum=scheduler.iteration_tokens.total,
         )
 
     def _spec_decode_stats(self) -> SpecDecodeStats | None:

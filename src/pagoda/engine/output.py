@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagoda.engine.request import FinishReason, Request
+from pagoda.engine.request import FinishReason, Request, RequestTimeline
 
 
 class Tokenizer(Protocol):
@@ -87,6 +87,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
+    timeline: RequestTimeline | None = None  # once the sample has finished: its moments, for metrics
 
 
 @dataclass
@@ -155,6 +156,7 @@ class SequenceText:
             stop_reason=request.stop_reason,
             logprobs=logprobs,
             cumulative_logprob=cumulative,
+            timeline=request.timeline() if request.is_finished else None,
         )
 
 

@@ -5,19 +5,24 @@ prefill chunk that reaches the end of the prompt, every decode, and a speculatin
 token and each of its drafts. A speculating request's tokens attend as that many one-token decodes, each
 seeing the keys up to its own position: every position is then computed exactly as decoding computes it
 (same path, same rounding, in every dtype), and a decode-only step stays one for the native decode stack.
+
+With a draft model (engine/draft_model.py), the draft runs over every step's batch too, after the target,
+so that its KV cache holds the same tokens at the same slots; a sampled request's checked drafts carry the
+distributions the draft drew them from, for the sampler's rejection rule.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from pagoda.engine.sampler import SampleRow, build_sampling_metadata, sample, top_logprobs
+from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.engine.structured import StructuredOutputs
-from pagoda.model.attention import build_metadata
+from pagoda.model.attention import AttentionMetadata, build_metadata
 from pagoda.model.llama import LlamaModel
 
 # A chunk of one request's prompt logprobs: (index of the first prompt position covered, logprobs of the
@@ -33,13 +38,28 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # by request id
 
 
+class DraftModel(Protocol):
+    """A draft model beside the target (`draft_model.DraftModelProposer`)."""
+
+    windows: set[int | None]  # its attention windows: the step's metadata must hold masks for them too
+
+    def write_kv(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
+        """Computes the draft's K/V of the step's tokens at their slots, as the target just did."""
+        ...
+
+    def proposal(self, request_id: str, index: int, token_id: int) -> Proposal | None:
+        """The proposal behind a request's draft number `index`; None where there is no q (greedy)."""
+        ...
+
+
 class ModelRunner:
     def __init__(
         self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu",
-        structured: StructuredOutputs | None = None,
+        structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
     ) -> None:
         self.model = model
         self.structured = structured
+        self.draft = draft  # None: no draft model (no speculation, or n-gram)
         # Grammar masks are filled here while the forward runs: step t's mask depends only on tokens known
         # before step t (llguidance releases the GIL while it computes).
         self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
@@ -47,26 +67,26 @@ class ModelRunner:
         self.device = device
         config = model.config
         shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        # Not zero-filled: a page of the pool becomes resident when a token's K/V is first written there, so an
+        # idle engine's memory is its model's. Attention reads only slots it has written (build_metadata).
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=device), torch.zeros(shape, dtype=model.dtype, device=device))
+            (torch.empty(shape, dtype=model.dtype, device=device), torch.empty(shape, dtype=model.dtype, device=device))
             for _ in range(config.num_layers)
         ]
-        self.windows = set(config.sliding_windows) or {None}
+        self.windows = (set(config.sliding_windows) or {None}) | (draft.windows if draft is not None else set())
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         scheduled = scheduler_output.scheduled
         input_ids = [token_id for item in scheduled for token_id in item.input_token_ids()]
-        rows = _sample_rows(scheduled)
+        rows = self._sample_rows(scheduled)
         masks = self._start_grammar_masks(scheduled)
         query_lens, seq_lens, block_tables = _attention_layout(scheduled)
         meta = build_metadata(query_lens, seq_lens, block_tables, self.block_size, self.windows)
-        hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            meta.positions.to(self.device),
-            self.kv_caches,
-            meta,
-        )
+        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids_t, meta.positions.to(self.device), self.kv_caches, meta)
+        if self.draft is not None:
+            self.draft.write_kv(input_ids_t, meta)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         if not rows:
             return ModelRunnerOutput({}, {}, prompt_logprobs)
@@ -81,6 +101,21 @@ class ModelRunner:
             if row_logprobs is not None:
                 logprobs.setdefault(request_id, []).append(row_logprobs)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _sample_rows(self, scheduled: list[ScheduledRequest]) -> list[SampleRow]:
+        """The step's rows to sample, in batch order: one per sampled position of each request, each with
+        the model draft it checks, if any."""
+        return [
+            SampleRow(item.request, item.draft_token_ids[:position], self._proposal(item, position))
+            for item in scheduled
+            for position in range(item.num_samples)
+        ]
+
+    def _proposal(self, item: ScheduledRequest, position: int) -> Proposal | None:
+        drafts = item.draft_token_ids
+        if self.draft is None or position >= len(drafts):
+            return None
+        return self.draft.proposal(item.request.request_id, position, drafts[position])
 
     def _start_grammar_masks(self, scheduled: list[ScheduledRequest]) -> Future[torch.Tensor] | None:
         """The constrained rows' masks, being filled on the mask thread (None: nobody is constrained)."""
@@ -125,15 +160,6 @@ def _attention_layout(scheduled: list[ScheduledRequest]) -> tuple[list[int], lis
             seq_lens.append(start)
             block_tables.append(block_ids)
     return query_lens, seq_lens, block_tables
-
-
-def _sample_rows(scheduled: list[ScheduledRequest]) -> list[SampleRow]:
-    """The step's rows to sample, in batch order: one per sampled position of each request."""
-    return [
-        SampleRow(item.request, item.draft_token_ids[:position])
-        for item in scheduled
-        for position in range(item.num_samples)
-    ]
 
 
 def _sampling_indices(scheduled: list[ScheduledRequest]) -> list[int]:

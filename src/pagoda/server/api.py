@@ -44,6 +44,7 @@ from pagoda.server.protocol import (
 )
 from pagoda.server.tokenizers import TokenizerPool
 from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
+from pagoda.server.web import mount_web_ui
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -79,6 +80,7 @@ class ServerState:
     # `tool_choice: "auto"`: the parser of the model's own tool-call format (None: auto tool choice is off)
     tool_call_parser: str | None = None
     json_decoder: JsonDecoder = field(default_factory=JsonDecoder)
+    web_ui: bool = True  # the chat page at / and the dashboard (server/web.py); --disable-web-ui
 
     @property
     def engine(self) -> AsyncEngine | None:
@@ -142,8 +144,10 @@ def build_app(state: ServerState) -> FastAPI:
     app.router.route_class = _WireRoute
     app.state.pagoda = state
     _install_error_handlers(app)
+    web_pages = mount_web_ui(app, state) if state.web_ui else frozenset()  # static: served without a key
     app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_request_body_bytes)
-    app.add_middleware(ApiKeyGuard, keys=state.api_keys)  # outermost: a request without a key is not read
+    # outermost: a request without a key is not read
+    app.add_middleware(ApiKeyGuard, keys=state.api_keys, public_paths=web_pages)
 
     @app.get("/health")
     async def health() -> Response:
@@ -175,13 +179,13 @@ def build_app(state: ServerState) -> FastAPI:
         params = _sampling_params(body, body.logprobs)
         with _holding(_reserve(state, len(inputs), params.n)) as slots:
             prompts = await _encode_prompts(loaded, inputs)
-            await _validate(state, loaded.engine, prompts, params)
+            await _validate(state, loaded.engine, prompts, params, body.priority)
             echo = await _echo_texts(loaded, inputs) if body.echo else None
             generation = Generation(
                 kind="completion", response_id=random_id("cmpl"), model_name=state.model_name,
                 engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
                 prompts=prompts, params=params, echo_texts=echo, include_usage=body.include_usage,
-                cache_salt=body.cache_salt, deadline=state.deadline(arrival),
+                cache_salt=body.cache_salt, deadline=state.deadline(arrival), priority=body.priority,
             )
         return await _respond(generation, body.stream, raw)
 
@@ -194,12 +198,12 @@ def build_app(state: ServerState) -> FastAPI:
         conversation = _conversation(state, loaded, body.messages)
         with _holding(_reserve(state, 1, params.n)) as slots:
             prompt = await _render_chat(state, loaded, conversation, body.add_generation_prompt, tools)
-            await _validate(state, loaded.engine, [prompt], params)
+            await _validate(state, loaded.engine, [prompt], params, body.priority)
             generation = Generation(
                 kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name,
                 engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
                 prompts=[prompt], params=params, include_usage=body.include_usage, cache_salt=body.cache_salt,
-                tool_reader=tool_reader, deadline=state.deadline(arrival),
+                tool_reader=tool_reader, deadline=state.deadline(arrival), priority=body.priority,
             )
         return await _respond(generation, body.stream, raw)
 
@@ -348,23 +352,25 @@ async def _render_chat(state: ServerState, loaded: LoadedModel, conversation: li
     return result
 
 
-async def _validate(state: ServerState, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> None:
+async def _validate(
+    state: ServerState, engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, priority: int = 0
+) -> None:
     """RequestRejected is a 400. A constrained request's validation compiles its grammar, which can take
     seconds, and a long prompt's walks every token: those run off the event loop, and the door is checked
     again after them, as the wait may have let the server start draining."""
     try:
         if params.structured_outputs is None and sum(map(len, prompts)) <= INLINE_VALIDATION_MAX_TOKENS:
-            _validate_all(engine, prompts, params)
+            _validate_all(engine, prompts, params, priority)
         else:
-            await asyncio.to_thread(_validate_all, engine, prompts, params)
+            await asyncio.to_thread(_validate_all, engine, prompts, params, priority)
             state.require_ready()
     except RequestRejected as error:
         raise OpenAIError(400, str(error), error.param) from error
 
 
-def _validate_all(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams) -> None:
+def _validate_all(engine: AsyncEngine, prompts: list[list[int]], params: SamplingParams, priority: int) -> None:
     for prompt in prompts:
-        engine.validate(prompt, params)
+        engine.validate(prompt, params, priority)
 
 
 async def _respond(generation: Generation, stream: bool, raw: Request):

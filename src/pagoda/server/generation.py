@@ -39,6 +39,7 @@ class ChoiceProgress:
 class PromptTiming:
     arrival: float
     last_token: float | None = None
+    num_tokens: int = 0  # generated so far, over the prompt's n choices
 
 
 class TokenTexts:
@@ -124,6 +125,7 @@ class Generation:
         cache_salt: str | None = None,
         tool_reader: ToolCallReader | None = None,
         deadline: float | None = None,
+        priority: int = 0,
     ) -> None:
         self.kind, self.response_id, self.model_name = kind, response_id, model_name
         self.engine, self.token_text, self.metrics = engine, token_texts, metrics
@@ -131,6 +133,7 @@ class Generation:
         self.echo_texts = echo_texts
         self.include_usage = include_usage
         self.cache_salt = cache_salt
+        self.priority = priority
         self.tool_reader = tool_reader  # chat with tools: which text is a tool call
         self.created = now()
         self.finals: dict[int, RequestOutput] = {}
@@ -150,7 +153,8 @@ class Generation:
             finished = False
             try:
                 request_id = f"{self.response_id}-{index}"
-                async for output in self.engine.generate(request_id, prompt, self.params, self.cache_salt):
+                async for output in self.engine.generate(request_id, prompt, self.params, self.cache_salt,
+                                                           self.priority):
                     self._slots.release(index)
                     finished = output.finished
                     await queue.put((index, output))
@@ -199,18 +203,22 @@ class Generation:
         timing, moment = self.timings[index], time.monotonic()
         if output.prompt_logprobs is not None:
             self._prompt_logprobs[index] = output.prompt_logprobs
+        num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
+        new_tokens, timing.num_tokens = num_tokens - timing.num_tokens, num_tokens
         if timing.last_token is None:
             self.metrics.ttft.observe(moment - timing.arrival)
+            self.metrics.recent.first_token(moment - timing.arrival, len(output.prompt_token_ids), new_tokens)
         else:
             self.metrics.itl.observe(moment - timing.last_token)
+            self.metrics.recent.next_tokens(moment - timing.last_token, new_tokens)
         timing.last_token = moment
         if output.finished:
             self.finals[index] = output
             self.metrics.e2e.observe(moment - timing.arrival)
-            if output.queue_time is not None:
-                self.metrics.queue_time.observe(output.queue_time)
             self.metrics.prompt_tokens.inc(len(output.prompt_token_ids))
             for completion in output.outputs:
+                if completion.timeline is not None:
+                    self.metrics.observe_timeline(completion.timeline)
                 self.metrics.generation_tokens.inc(len(completion.token_ids))
                 self.metrics.request_finished(completion.finish_reason or "abort")
 

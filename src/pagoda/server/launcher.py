@@ -24,13 +24,17 @@ import uvicorn
 from pagoda.config import EngineConfig
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import LLMEngine
+from pagoda.engine.kv_cache import KVEventSink
+from pagoda.model.loader import ModelLoadError
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.server.api import LoadedModel, ServerState, build_app
 from pagoda.server.generation import Admission
 from pagoda.server.guards import ApiKeys, ServerLimits
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.kv_events import KVEventsConfig, make_publisher
+from pagoda.server.metrics import ServerMetrics, cache_config_info
 from pagoda.server.tokenizers import TokenizerPool
+from pagoda.startup import startup_summary
 
 logger = logging.getLogger("pagoda.serve")
 
@@ -68,17 +72,24 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Callable[[], None]) -> None:
-    """Runs in a thread while the port already answers 503."""
+def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Callable[[], None],
+                url: str | None = None, kv_events: KVEventSink | None = None) -> None:
+    """Runs in a thread while the port already answers 503. Ends with the start-up summary (served at url)."""
     try:
         started = time.monotonic()
-        engine = LLMEngine(engine_config)
+        engine = LLMEngine(engine_config, kv_events=kv_events)
         tokenizer = load_tokenizer(engine_config.model)
         _warm_up(engine)  # before the engine thread exists: only one thread may ever step an engine
         async_engine = AsyncEngine(engine)
-        metrics = ServerMetrics(state.model_name, lambda: async_engine.stats)
+        metrics = ServerMetrics(state.model_name, lambda: async_engine.stats, cache_config_info(engine),
+                                max_model_len=engine.max_model_len)
         state.loaded = LoadedModel(async_engine, tokenizer, metrics, TokenizerPool(tokenizer))
-        logger.info("model %s ready in %.1f s", state.model_name, time.monotonic() - started)
+        logger.info("model %s ready in %.1f s\n%s", state.model_name, time.monotonic() - started,
+                    startup_summary(engine, state.model_name, url))
+    except ModelLoadError as error:  # the checkpoint's fault, named in the message: no traceback to read
+        logger.error("model load failed: %s", error)
+        state.load_error = f"model load failed: {error}"
+        on_error()
     except Exception as error:
         logger.exception("model load failed")
         state.load_error = f"model load failed: {error}"
@@ -94,9 +105,10 @@ def _warm_up(engine: LLMEngine) -> None:
 
 def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int, api_keys: ApiKeys,
           limits: ServerLimits, max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info",
-          tool_call_parser: str | None = None) -> int:
+          tool_call_parser: str | None = None, web_ui: bool = True, kv_events: KVEventsConfig | None = None) -> int:
     state = ServerState(model_name=model_name, api_keys=api_keys, limits=limits,
-                        admission=Admission(max_waiting_requests), tool_call_parser=tool_call_parser)
+                        admission=Admission(max_waiting_requests), tool_call_parser=tool_call_parser,
+                        web_ui=web_ui)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
     server = DrainingServer(config, state, drain_timeout)
@@ -106,13 +118,16 @@ def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int,
         failed.set()
         server.should_exit = True
 
+    publisher = make_publisher(kv_events)  # before the engine: a taken events port fails the start at once
     threading.Thread(
-        target=load_engine, args=(state, engine_config, on_error), name="pagoda-load",
-        daemon=True,
+        target=load_engine, args=(state, engine_config, on_error, f"http://{host}:{port}"), name="pagoda-load",
+        daemon=True, kwargs={"kv_events": publisher},
     ).start()
     server.run()
     if state.engine is not None:
         state.engine.shutdown()
+    if publisher is not None:
+        publisher.shutdown()
     return 1 if failed.is_set() else 0
 
 

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
-from pagoda.engine.engine import EngineStats
+from pagoda.engine.engine import EngineStats, LLMEngine
+from pagoda.engine.request import RequestTimeline
 from pagoda.engine.speculative import SpecDecodeStats
+from pagoda.server.activity import RecentActivity
 
 # vLLM's buckets, trimmed: CPU latencies run longer, so the top buckets go further.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -17,6 +20,20 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                7.5, 10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0, 960.0, 1920.0, 7680.0)
+# vLLM's buckets for vllm:request_time_per_output_token_seconds.
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                80.0)
+
+
+def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's 1-2-5 buckets for per-request token counts: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_model_len:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class _EngineCollector:
@@ -44,6 +61,17 @@ class _EngineCollector:
         ))
         if stats.spec_decode is not None:
             yield from self._spec_decode(stats.spec_decode)
+        yield self._iteration_tokens(stats)
+
+    def _iteration_tokens(self, stats: EngineStats) -> HistogramMetricFamily:
+        """Steps by tokens computed, counted by the scheduler: Prometheus wants cumulative bucket counts."""
+        family = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens computed per engine step.",
+                                       labels=["model_name"])
+        bounds = [*(floatToGoString(bound) for bound in stats.iteration_token_buckets), "+Inf"]  # "1.0", as vLLM
+        counts = stats.iteration_token_counts or (0,) * len(bounds)
+        cumulative = [sum(counts[: index + 1]) for index in range(len(counts))]
+        family.add_metric([self.model_name], list(zip(bounds, cumulative)), stats.iteration_tokens_sum)
+        return family
 
     def _spec_decode(self, stats: SpecDecodeStats):
         """Speculative decoding's counters, present only when it is configured (as in vLLM)."""
@@ -68,11 +96,36 @@ class _EngineCollector:
             yield counter
 
 
+def cache_config_info(engine: LLMEngine) -> dict[str, str]:
+    """vllm:cache_config_info's labels, under vLLM's names and spellings (str() of the value): routers read
+    block_size to hash prompts as this server does. num_gpu_blocks is the KV pool's size, whatever the device."""
+    cache = engine.config.cache
+    return {"block_size": str(cache.block_size), "num_gpu_blocks": str(engine.kv_cache.num_blocks),
+            "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "cache_dtype": str(engine.config.dtype).removeprefix("torch.")}
+
+
+class _InfoCollector:
+    """An info gauge (value 1) whose labels carry the configuration, as vLLM exports its configs."""
+
+    def __init__(self, name: str, doc: str, labels: Mapping[str, str]) -> None:
+        self.name, self.doc, self.labels = name, doc, dict(labels)
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        gauge = GaugeMetricFamily(self.name, self.doc, labels=list(self.labels))
+        gauge.add_metric(list(self.labels.values()), 1.0)
+        yield gauge
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats],
+                 cache_info: Mapping[str, str] | None = None, max_model_len: int = 1 << 20) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(model_name, stats))
+        if cache_info is not None:
+            self.registry.register(_InfoCollector("vllm:cache_config_info", "Information of the KV cache config.",
+                                                  {"model_name": model_name, **cache_info}))
         labels = ["model_name"]
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
@@ -90,6 +143,32 @@ class ServerMetrics:
         self.e2e = histogram("vllm:e2e_request_latency_seconds", "Request latency, end to end.", E2E_BUCKETS)
         self.queue_time = histogram("vllm:request_queue_time_seconds", "Time waiting before the first step.",
                                     E2E_BUCKETS)
+        # Per sample, from the engine's timeline of it (RequestTimeline), as vLLM observes each request.
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds",
+                                      "First scheduling to first token (prefill).", E2E_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to last token (decode).",
+                                     E2E_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds",
+                                        "First scheduling to last token (running).", E2E_BUCKETS)
+        self.request_tpot = histogram("vllm:request_time_per_output_token_seconds",
+                                      "A request's decode time per output token after the first.", TPOT_BUCKETS)
+        token_buckets = token_count_buckets(max_model_len)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens of a request.",
+                                               token_buckets)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Tokens generated for a request.", token_buckets)
+        self.recent = RecentActivity()  # the same observations, over the last minutes (the web dashboard's)
+
+    def observe_timeline(self, timeline: RequestTimeline) -> None:
+        """One finished sample's per-request histograms; a phase it never reached is left out."""
+        for histogram, value in ((self.queue_time, timeline.queue_time), (self.prefill_time, timeline.prefill_time),
+                                 (self.decode_time, timeline.decode_time),
+                                 (self.inference_time, timeline.inference_time),
+                                 (self.request_tpot, timeline.time_per_output_token)):
+            if value is not None:
+                histogram.observe(value)
+        self.request_prompt_tokens.observe(timeline.num_prompt_tokens)
+        self.request_generation_tokens.observe(timeline.num_output_tokens)
 
     def request_finished(self, finish_reason: str) -> None:
         self._success.labels(self.model_name, finish_reason).inc()
