@@ -30,6 +30,7 @@ from pagoda.sampling import SamplingParams
 from pagoda.server.generation import Admission, Generation, TokenTexts, WaitingSlots
 from pagoda.server.guards import ApiKeyGuard, ApiKeys, BodySizeLimit, JsonDecoder, ServerLimits
 from pagoda.server.metrics import ServerMetrics
+from pagoda.server.openapi import install_openapi
 from pagoda.server.protocol import (
     WIRE_LIMITS,
     ChatCompletionRequest,
@@ -144,6 +145,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.router.route_class = _WireRoute
     app.state.pagoda = state
     _install_error_handlers(app)
+    install_openapi(app)
     web_pages = mount_web_ui(app, state) if state.web_ui else frozenset()  # static: served without a key
     app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_request_body_bytes)
     # outermost: a request without a key is not read
