@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import llguidance
-import llguidance.hf
 import torch
 
 from pagoda.structured.bitmask import bitmask_width
 from pagoda.structured.interface import GrammarMatcher, GrammarStateError
+from pagoda.structured.llguidance_vocab import llguidance_tokenizer
 from pagoda.structured.lru import LRUCache
 from pagoda.structured.params import CacheKey, ConstraintKind, InvalidConstraint, StructuredOutputsParams
 
@@ -83,9 +83,7 @@ class LLGuidanceBackend:
         # llguidance refuses an n_vocab below the tokenizer's own size; a model smaller than its tokenizer
         # just never produces the extra ids, so the mask may be wider than its logits.
         self._vocab_size = max(vocab_size, len(hf_tokenizer))
-        self._tokenizer = llguidance.hf.from_tokenizer(
-            hf_tokenizer, n_vocab=self._vocab_size, eos_token=list(eos_token_ids)
-        )
+        self._tokenizer = llguidance_tokenizer(hf_tokenizer, self._vocab_size, list(eos_token_ids))
         self._eos_token_ids = frozenset(eos_token_ids)
         self._cache: LRUCache[CacheKey, LLGuidanceGrammar | _CompileFailure] = LRUCache(cache_size)
         self._compile_timeout_s = compile_timeout_s
