@@ -1,13 +1,14 @@
 """Task accuracy of the demo model per numeric path, through pagoda's engine, beside `transformers`.
 
-    .venv/bin/python benchmarks/quality.py                          # fp32, bf16 and int8, 1,000 items per task
+    .venv/bin/python benchmarks/quality.py                          # every path, 1,000 items per task
     .venv/bin/python benchmarks/quality.py --limit 100 --paths fp32  # a quick look
 
 The held-out set (pagoda.demo.tasks.held_out_set) is never trained on. Every path decodes greedily the
 same chat-formatted token ids. `transformers` (fp32) is the reference: the fp32 path must produce
 exactly its tokens (a divergence is tolerated only at a near-tie, where the two tokens' reference logits
 differ by < 1e-3 * max(1, |logit|), and counted); bf16 and int8 are judged by accuracy, with their
-agreement reported. Writes benchmarks/results/quality.json.
+agreement reported. The speculative paths (fp32 with n-gram drafts, and with the model's own int8 copy
+as a draft model) must give fp32's answers token for token. Writes benchmarks/results/quality.json.
 """
 
 from __future__ import annotations
@@ -31,13 +32,18 @@ ENGINE_PATHS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
     "int8": {"dtype": "bfloat16", "quantization": "int8"},
+    # Speculation must not change a greedy answer: these are compared token for token with fp32.
+    "fp32+ngram": {"dtype": "float32", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
+    "fp32+draft": {"dtype": "float32", "speculative_config": {
+        "method": "draft_model", "model": "{model}", "quantization": "int8", "num_speculative_tokens": 3}},
 }
+SPECULATIVE_BASE = "fp32"
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEMO_MODEL_DIR)
-    parser.add_argument("--paths", default="fp32,bf16,int8", help=f"comma-separated, of {sorted(ENGINE_PATHS)}")
+    parser.add_argument("--paths", default=",".join(ENGINE_PATHS), help=f"comma-separated, of {sorted(ENGINE_PATHS)}")
     parser.add_argument("--limit", type=int, default=1000, help="held-out items per task family")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--max-num-seqs", type=int, default=128)
@@ -55,6 +61,10 @@ def run_pagoda(model_dir: Path, prompts: list[list[int]], options: dict, args: a
     from pagoda import LLM, SamplingParams
 
     # Explicit pool: ample for max_num_seqs sequences of ~200 tokens, and small (this model's KV is tiny).
+    speculative = options.get("speculative_config")
+    if speculative is not None:  # the draft is the model's own int8 copy
+        options = {**options, "speculative_config": {k: str(model_dir) if v == "{model}" else v
+                                                     for k, v in speculative.items()}}
     llm = LLM(str(model_dir), num_kv_blocks=4096, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=4096, **options)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -149,6 +159,9 @@ def main() -> int:
             if path == "fp32":  # the exact contract: every divergence must be a near-tie
                 near, real = near_tie_divergences(args.model, prompts, outputs[path], outputs[REFERENCE])
                 agreement |= {"near_tie": near, "real": real}
+            if "speculative_config" in ENGINE_PATHS[path] and SPECULATIVE_BASE in outputs:
+                agreement["identical_to_" + SPECULATIVE_BASE] = sum(
+                    a == b for a, b in zip(outputs[path], outputs[SPECULATIVE_BASE]))
             results[path]["agreement"] = agreement
 
     print_table(results, list(sets))
@@ -158,7 +171,12 @@ def main() -> int:
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"\nwrote {args.out}")
     fp32 = results.get("fp32", {}).get("agreement", {})
-    return 1 if fp32.get("real") else 0  # a real fp32 divergence from transformers is a bug
+    speculation_changed = [path for path in paths if results[path].get("agreement", {}).get(
+        "identical_to_" + SPECULATIVE_BASE, len(items)) != len(items)]
+    if speculation_changed:
+        print(f"speculation changed greedy answers: {speculation_changed}")
+    # A real fp32 divergence from transformers, or speculation changing an answer, is a bug.
+    return 1 if fp32.get("real") or speculation_changed else 0
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Train pagoda-demo: a few-million-parameter Llama that solves small, checkable tasks, on CPU, from scratch.
 
-    .venv/bin/python scripts/train_demo_model.py    # ~15 min on 2 idle cores
+    .venv/bin/python scripts/train_demo_model.py    # ~19 min on 2 idle cores with native bf16 (see below)
     .venv/bin/python scripts/train_demo_model.py --steps 300 --out /tmp/demo  # a quick trial
 
 Everything follows from --seed: the corpus (pagoda.demo.tasks), the tokenizer, the init, the batch order.
 Training runs a fixed number of steps, so a re-run reproduces the model; --max-minutes is only a guard
 that stops early (and says so) on a machine much slower than the one the default was sized for.
+On a CPU without native bf16 (no AVX512_BF16 or AMX: e.g. AMD Zen 3), torch's bf16 matmuls are ~13x slower
+than fp32 ones: train with --precision fp32 there (the script says so).
 """
 
 from __future__ import annotations
@@ -26,25 +28,65 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 from pagoda.demo import DEMO_MODEL_DIR, encode_prompts, transformers_greedy  # noqa: E402
 from pagoda.demo.tasks import TASKS, Item, held_out_set, is_correct, training_stream  # noqa: E402
 
+GROUP = 32  # batches formed at a time from GROUP * batch size items sorted by length
 PAD, BOS, EOS, IM_START = "<pad>", "<s>", "<|im_end|>", "<|im_start|>"
-# ChatML. The answer follows "<|im_start|>assistant\n" and ends with <|im_end|>, the eos token.
+# Tool calling's markers, one token each: added tokens, not special ones, so decoding keeps them (the
+# server's hermes parser reads them in the output text).
+TOOL_TOKENS = ("<tools>", "</tools>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+TOOL_INSTRUCTION = "To use one, reply with a JSON call in <tool_call></tool_call> tags."
+# ChatML. The answer follows "<|im_start|>assistant\n" and ends with <|im_end|>, the eos token. Without
+# `tools` every message renders as `<|im_start|>{role}\n{content}<|im_end|>\n`. With them (hermes, as
+# Qwen2.5): a system block first, the conversation's own system message (if any) and a blank line, then
+# `<tools>`, each tool's `function` object as one JSON line, `</tools>` and TOOL_INSTRUCTION; an assistant
+# message's tool_calls render as `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (arguments
+# as given when a string, OpenAI's shape; else as JSON), one per line after any content; `tool` messages
+# render in a user turn, each as `<tool_response>\n{content}\n</tool_response>`.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '<tools>\\n' }}"
+    "{%- for tool in tools %}"
+    "{{- (tool['function'] if tool['function'] is defined else tool) | tojson }}{{- '\\n' }}"
+    "{%- endfor %}"
+    "{{- '</tools>\\n" + TOOL_INSTRUCTION + "<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message['content'] %}{{- message['content'] + '\\n' }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}"
+    "{%- set function = call['function'] if call['function'] is defined else call %}"
+    "{{- '<tool_call>\\n{\"name\": ' }}{{- function['name'] | tojson }}{{- ', \"arguments\": ' }}"
+    "{%- if function['arguments'] is string %}{{- function['arguments'] }}"
+    "{%- else %}{{- function['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}{%- if not loop.last %}{{- '\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 # Digits are single pre-tokens, so numbers are read digit by digit (arithmetic is learnable at this size).
 # A word or punctuation mark takes at most the one space after it, never the one before: a word is then
 # the same token after a space, a newline or a quote, so copying it from the prompt is learnable, and
-# the common ", " and ": " cost one token, not two.
-PRE_TOKEN = Regex(r"[^\W\d_]+ ?|\d|[^\w\s] ?|_ ?|\s")
+# the common ", " and ": " cost one token, not two. A run of punctuation marks, single spaces between them
+# included, is one pre-token, so JSON's `", "` and `": {"` can be one token each: a tool's JSON schema costs
+# about half the tokens it would mark by mark.
+PRE_TOKEN = Regex(r"[^\W\d_]+ ?|\d|[^\w\s]+(?: [^\w\s]+)* ?|_ ?|\s")
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,6 +111,19 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
+def corpus_text(item: Item) -> str:
+    """An item's text for training the BPE: what the template writes, less its markers (the tool tokens
+    are added after training, one token each, so no merge is spent on them)."""
+    parts = [m["content"] or "" for m in item.messages()]
+    parts += [json.dumps(tool["function"]) for tool in item.tools] + ([TOOL_INSTRUCTION] if item.tools else [])
+    parts += [json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])})
+              for m in item.turns for c in m.get("tool_calls") or ()]
+    text = "\n".join([*parts, item.answer])
+    for token in TOOL_TOKENS:
+        text = text.replace(token, "\n")
+    return text
+
+
 def train_tokenizer(sample: list[Item], vocab_size: int) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -80,13 +135,15 @@ def train_tokenizer(sample: list[Item], vocab_size: int) -> PreTrainedTokenizerF
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(TOOL_TOKENS),  # the tool tokens complete the vocabulary
         special_tokens=[PAD, BOS, EOS, IM_START],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = ("\n".join(m["content"] for m in item.messages()) + "\n" + item.answer for item in sample)
-    tokenizer.train_from_iterator(itertools.chain(["system user assistant"] * 100, texts), trainer)
+    texts = (corpus_text(item) for item in sample)
+    # The role names often enough that each is one token (the template writes one or two per conversation).
+    tokenizer.train_from_iterator(itertools.chain(["system user assistant"] * 1000, texts), trainer)
+    tokenizer.add_tokens([AddedToken(token, special=False, normalized=False) for token in TOOL_TOKENS])
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD,
         additional_special_tokens=[IM_START], model_max_length=512,
@@ -109,7 +166,7 @@ def batches(
     """(token ids, role) batches, right-padded, of similar-length items (little padding). Role per token:
     1 answer, 0 prompt, -1 padding. No attention mask is needed: under a causal mask no real token can
     see the padding after it."""
-    stream, rng, group = training_stream(seed), random.Random(seed), 16
+    stream, rng, group = training_stream(seed), random.Random(seed), GROUP
     while True:
         items = list(itertools.islice(stream, batch_size * group))
         examples = sorted(encode(tokenizer, items), key=lambda example: len(example[0]))
@@ -226,8 +283,20 @@ def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path,
     (out / "training_log.json").write_text(json.dumps(log, indent=2) + "\n")
 
 
+def native_bf16() -> bool | None:
+    """Whether the CPU has bf16 matmul instructions (None: cannot tell)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def main() -> None:
     args = parse_args()
+    if args.precision == "bf16" and native_bf16() is False:
+        print("WARNING: this CPU has no native bf16 (AVX512_BF16 or AMX); bf16 matmuls run ~13x slower than "
+              "fp32 here: consider --precision fp32", flush=True)
     torch.set_num_threads(args.threads)
     random.seed(args.seed)
     began = time.monotonic()

@@ -8,7 +8,18 @@ from dataclasses import replace
 
 import pytest
 
-from pagoda.demo.tasks import TASKS, Item, generate, held_out_set, in_test_split, is_correct, training_stream
+from pagoda.demo.tasks import (
+    CITIES,
+    TASKS,
+    TOOLS,
+    Item,
+    generate,
+    held_out_set,
+    in_test_split,
+    is_correct,
+    tool_call_text,
+    training_stream,
+)
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
@@ -76,6 +87,76 @@ def test_answers_are_right() -> None:
         facts, target = item.key.removeprefix("facts:").split("|")
         assert target in item.prompt.split("?")[0].split(".")[-1]
         assert any(s.startswith(target) and s.endswith(item.answer) for s in facts.rstrip(".").split(". "))
+
+
+def _call(text: str) -> dict:
+    """The one hermes call `text` holds: `<tool_call>`, a JSON object, `</tool_call>`."""
+    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>"), text
+    return json.loads(text.removeprefix("<tool_call>").removesuffix("</tool_call>"))
+
+
+def _offered(item: Item) -> list[str]:
+    return [tool["function"]["name"] for tool in item.tools]
+
+
+def test_tool_answers_are_the_right_call() -> None:
+    calls = no_calls = 0
+    for item in generate("tool", "test", 500):
+        assert item.tools and not item.turns and len(set(_offered(item))) == len(item.tools)
+        if not item.answer.startswith("<tool_call>"):  # a question no tool answers: its own family's answer
+            kind, problem = item.key.split(":", 1)
+            if kind == "json":
+                pairs = dict(pair.split("=") for pair in problem.split(", "))
+                assert {k: str(v) for k, v in json.loads(item.answer).items()} == pairs
+            else:
+                items = problem.split(", ")
+                assert item.answer == (str(len(items)) if kind == "count" else ", ".join(items[::-1]))
+            assert problem in item.prompt
+            no_calls += 1
+            continue
+        calls += 1
+        call = _call(item.answer)
+        assert item.answer == tool_call_text(call["name"], call["arguments"])  # json.dumps spacing
+        assert call["name"] in _offered(item)
+        if call["name"] == "get_weather":
+            assert call["arguments"]["city"] in CITIES and call["arguments"]["city"] in item.prompt
+            assert item.key == f"weather:{call['arguments']['city']}|{','.join(_offered(item))}"
+        else:
+            a, b = call["arguments"]["a"], call["arguments"]["b"]
+            assert item.key == f"{a}{'+' if call['name'] == 'add' else '*'}{b}"  # the arithmetic's own key
+            assert str(a) in item.prompt and str(b) in item.prompt
+    assert calls > 400 and no_calls > 30
+    assert {_call(i.answer)["name"] for i in generate("tool", "test", 100) if i.answer.startswith("<tool")} == {
+        "add",
+        "multiply",
+        "get_weather",
+    }
+
+
+def test_tool_results_are_stated() -> None:
+    for item in generate("tool_result", "test", 300):
+        user, (assistant, tool) = item.messages()[-3], item.turns
+        assert user == {"role": "user", "content": item.prompt}
+        [call] = assistant["tool_calls"]
+        name, arguments = call["function"]["name"], json.loads(call["function"]["arguments"])
+        assert isinstance(call["function"]["arguments"], str)  # OpenAI's shape
+        assert name in _offered(item) and tool["role"] == "tool" and tool["tool_call_id"] == call["id"]
+        if name == "get_weather":
+            result = json.loads(tool["content"])
+            assert item.answer == (
+                f"It is {result['temperature']} degrees and {result['condition']} in {arguments['city']}."
+            )
+        else:
+            a, b = arguments["a"], arguments["b"]
+            assert item.answer == tool["content"] == str(a + b if name == "add" else a * b)
+
+
+def test_tools_are_openai_function_definitions() -> None:
+    assert [tool["function"]["name"] for tool in TOOLS] == ["add", "multiply", "get_weather"]
+    for tool in TOOLS:
+        assert tool["type"] == "function"
+        parameters = tool["function"]["parameters"]
+        assert parameters["type"] == "object" and parameters["required"] == list(parameters["properties"])
 
 
 def test_messages_put_the_system_prompt_first() -> None:

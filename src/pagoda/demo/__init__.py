@@ -2,7 +2,8 @@
 
 It is the model `pagoda serve` / `pagoda generate` load when no `--model` is given, and the quality gate
 for every numeric path (see benchmarks/quality.py and docs/demo-model.md). Its tokenizer carries a
-ChatML template: prompts must go through it (`render_prompt`, `encode_prompts`).
+ChatML template (with tools in the hermes form): prompts must go through it (`render_prompt`, `encode_prompts`),
+which passes an item's tools to the template.
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ def render_prompt(tokenizer: Any, item: Item) -> str:
     """The chat-formatted prompt text, ending where the assistant's answer begins."""
     from pagoda.model.tokenizer import render_chat  # here: it imports torch, which `pagoda.demo` does not need
 
-    return render_chat(tokenizer, item.messages())
+    return render_chat(tokenizer, item.messages(), tools=list(item.tools) or None)
 
 
 def encode_prompts(tokenizer: Any, items: list[Item]) -> list[list[int]]:
     """Chat-formatted prompt token ids: what every path (pagoda's and transformers') is given."""
     from pagoda.model.tokenizer import encode_chat
 
-    return [encode_chat(tokenizer, item.messages()) for item in items]
+    return [encode_chat(tokenizer, item.messages(), tools=list(item.tools) or None) for item in items]
 
 
 def transformers_greedy(

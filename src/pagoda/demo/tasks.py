@@ -13,6 +13,7 @@ import random
 import string
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 TEST_BUCKETS = 8  # 1 key in 8 is held out for testing
 SYSTEM_PROMPTS = (
@@ -56,10 +57,12 @@ class Item:
     prompt: str
     answer: str
     system: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()  # OpenAI tool definitions offered to the model (the tool families)
+    turns: tuple[dict[str, Any], ...] = ()  # messages after the prompt: the assistant's call, the tool's result
 
-    def messages(self) -> list[dict[str, str]]:
+    def messages(self) -> list[dict[str, Any]]:
         head = [{"role": "system", "content": self.system}] if self.system else []
-        return [*head, {"role": "user", "content": self.prompt}]
+        return [*head, {"role": "user", "content": self.prompt}, *self.turns]
 
 
 def is_correct(item: Item, output: str) -> bool:
@@ -72,9 +75,10 @@ def in_test_split(key: str) -> bool:
     return int.from_bytes(digest[:8], "little") % TEST_BUCKETS == 0
 
 
-# --- task families: each draws one problem from rng and returns (key, prompt, answer) -----------------
+# --- task families: each draws one problem from rng and returns (key, prompt, answer), or, for the tool
+# families, (key, prompt, answer, tools offered, turns after the prompt) -------------------------------
 
-Problem = tuple[str, str, str]
+Problem = tuple[str, str, str] | tuple[str, str, str, tuple[dict[str, Any], ...], tuple[dict[str, Any], ...]]
 
 
 def _number(rng: random.Random, max_digits: int) -> int:
@@ -159,6 +163,97 @@ def _facts(rng: random.Random) -> Problem:
     return f"facts:{text}|{target}", f"{text} {question}", answers[target]
 
 
+# --- tool calling (the "hermes" form of Qwen2.5, Hermes and others) ----------------------------------------
+# The tools the model knows, as an OpenAI client passes them (`tools=[...]`). Each tool item offers the one
+# it needs and each other one with probability 1/4, in random order: the model reads which are offered.
+
+
+def _function(name: str, description: str, properties: dict[str, str]) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": name, "description": description,
+        "parameters": {"type": "object", "properties": {p: {"type": t} for p, t in properties.items()},
+                       "required": list(properties)},
+    }}
+
+
+TOOLS: tuple[dict[str, Any], ...] = (
+    _function("add", "Add two integers.", {"a": "integer", "b": "integer"}),
+    _function("multiply", "Multiply two integers.", {"a": "integer", "b": "integer"}),
+    _function("get_weather", "Get the current weather in a city.", {"city": "string"}),
+)
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+WEATHER_CONDITIONS = ("sunny", "cloudy", "rainy", "snowy", "windy", "foggy")
+# A city is followed by punctuation, never by a word: `Oslo ` (a word takes the space after it) and the
+# answer's `Oslo` would be different tokens, which a model this size copies badly.
+_TOOL_QUESTIONS = {
+    "add": ("What is {a} + {b}?", "Add {a} and {b}.", "What is the sum of {a} and {b}?"),
+    "multiply": ("What is {a} * {b}?", "What is {a} times {b}?", "Multiply {a} by {b}."),
+    "get_weather": ("What's the weather in {city}?", "What is the weather like in {city}?",
+                    "How is the weather today in {city}?"),
+}
+# With tools offered, these questions need none: the answer is the family's own (tool_choice "auto").
+_NO_CALL_FAMILIES = ("counting", "reverse", "json")
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """One call as the model writes it (and the chat template renders it): hermes, json.dumps spacing."""
+    return f"{TOOL_CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{TOOL_CALL_CLOSE}"
+
+
+def _offer(rng: random.Random, needed: str | None) -> tuple[dict[str, Any], ...]:
+    """The tools offered: `needed` and each other with probability 1/4 (at least one), shuffled."""
+    while True:
+        offered = [t for t in TOOLS if t["function"]["name"] == needed or rng.random() < 1 / 4]
+        if offered:
+            rng.shuffle(offered)
+            return tuple(offered)
+
+
+def _call(rng: random.Random) -> tuple[str, str, str, dict[str, Any], tuple[dict[str, Any], ...]]:
+    """(key, question, name, arguments, tools offered) of one call. The calculator's key is the arithmetic
+    problem (`12+35`, as the addition family's), so a held-out sum is held out in every family; get_weather
+    has only 30 cities, so its key also names the tools offered."""
+    name = rng.choices(("add", "multiply", "get_weather"), (2, 2, 1))[0]
+    tools = _offer(rng, name)
+    if name == "get_weather":
+        city = rng.choice(CITIES)
+        offered = ",".join(t["function"]["name"] for t in tools)
+        return f"weather:{city}|{offered}", rng.choice(_TOOL_QUESTIONS[name]).format(city=city), name, \
+            {"city": city}, tools
+    a, b = _number(rng, 3), _number(rng, 3)
+    key = f"{a}{'+' if name == 'add' else '*'}{b}"
+    return key, rng.choice(_TOOL_QUESTIONS[name]).format(a=a, b=b), name, {"a": a, "b": b}, tools
+
+
+def _tool(rng: random.Random) -> Problem:
+    """Tools offered and a question: the answer is the right call, or, one time in eight, a question no
+    tool answers (counting, reverse, json), answered directly."""
+    if rng.random() < 0.125:
+        key, prompt, answer = TASKS[rng.choice(_NO_CALL_FAMILIES)](rng)  # type: ignore[misc]
+        return key, prompt, answer, _offer(rng, None), ()
+    key, question, name, arguments, tools = _call(rng)
+    return key, question, tool_call_text(name, arguments), tools, ()
+
+
+def _tool_result(rng: random.Random) -> Problem:
+    """The conversation goes on after the call: the tool's result comes back (a `tool` message) and the
+    answer states it: the calculator's number as is, the weather as a sentence."""
+    key, question, name, arguments, tools = _call(rng)
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)}}  # OpenAI's shape: arguments as text
+    if name == "get_weather":
+        temperature, condition = rng.randint(-10, 35), rng.choice(WEATHER_CONDITIONS)
+        result = json.dumps({"temperature": temperature, "condition": condition})
+        answer = f"It is {temperature} degrees and {condition} in {arguments['city']}."
+        key = f"weather:{arguments['city']}|{temperature}|{condition}"
+    else:
+        a, b = arguments["a"], arguments["b"]
+        result = answer = str(a + b if name == "add" else a * b)
+    turns = ({"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "call_0", "content": result})
+    return key, question, answer, tools, turns
+
+
 TASKS: dict[str, Callable[[random.Random], Problem]] = {
     "addition": _addition,
     "subtraction": _subtraction,
@@ -168,6 +263,8 @@ TASKS: dict[str, Callable[[random.Random], Problem]] = {
     "copy": _copying,
     "json": _to_json,
     "facts": _facts,
+    "tool": _tool,
+    "tool_result": _tool_result,
 }
 
 
@@ -181,12 +278,12 @@ def generate(task: str, split: str, count: int, seed: int = 0, system_rate: floa
     items: list[Item] = []
     seen: set[str] = set()
     for _ in range(count * 200):  # bounded: small families may hold fewer than `count` problems
-        key, prompt, answer = TASKS[task](rng)
+        key, prompt, answer, *context = TASKS[task](rng)
         if in_test_split(key) != want_test or key in seen:
             continue
         seen.add(key)
         system = rng.choice(SYSTEM_PROMPTS) if rng.random() < system_rate else None
-        items.append(Item(task, key, prompt, answer, system))
+        items.append(Item(task, key, prompt, answer, system, *context))
         if len(items) == count:
             return items
     raise ValueError(f"{task}: could not draw {count} distinct {split} problems")
@@ -197,9 +294,15 @@ def held_out_set(count_per_task: int = 1000, seed: int = 0) -> dict[str, list[It
     return {task: generate(task, "test", count_per_task, seed) for task in TASKS}
 
 
-# Share of the training mix per family, relative to the others' 1: counting and reversal are learnt in the
-# first 2,000 steps, so their items are better spent on the families that need copying and recall.
-TRAINING_WEIGHTS = {"counting": 0.5, "reverse": 0.5}
+# Share of the training mix per family, relative to the others' 1. Counting and reversal are learnt in the
+# first 2,000 steps even at half a share, and json early, so their items are better spent on the families
+# still learning when training stops: arithmetic and sorting, whose short prompts are also the cheapest.
+# The tool families' prompts are 4-5 times as long as the others' (the tools' JSON schemas), so a small
+# share of them is a large share of the training tokens; they are learnt at this share all the same.
+TRAINING_WEIGHTS = {
+    "counting": 0.25, "reverse": 0.25, "json": 0.75, "addition": 1.5, "subtraction": 1.5, "sort": 1.25,
+    "tool": 0.3, "tool_result": 0.15,
+}
 
 
 def training_stream(seed: int = 0, system_rate: float = 0.1) -> Iterator[Item]:
@@ -215,8 +318,8 @@ def training_stream(seed: int = 0, system_rate: float = 0.1) -> Iterator[Item]:
 def _train_stream(task: str, seed: int, system_rate: float) -> Iterator[Item]:
     rng = random.Random(f"{seed}/train/{task}")
     while True:
-        key, prompt, answer = TASKS[task](rng)
+        key, prompt, answer, *context = TASKS[task](rng)
         if in_test_split(key):
             continue
         system = rng.choice(SYSTEM_PROMPTS) if rng.random() < system_rate else None
-        yield Item(task, key, prompt, answer, system)
+        yield Item(task, key, prompt, answer, system, *context)
