@@ -50,21 +50,13 @@ class WaitingQueue(Protocol):
         ...
 
 
-class FcfsQueue:
-    def __init__(self) -> None:
-        self._queue: deque[Request] = deque()
+class _Queue:
+    """What both queues do alike, over a sequence of requests kept in order (`_queue`)."""
 
-    def push(self, request: Request, front: bool = False) -> None:
-        if front:
-            self._queue.appendleft(request)
-        else:
-            self._queue.append(request)
+    _queue: deque[Request] | list[Request]
 
     def peek(self) -> Request:
         return self._queue[0]
-
-    def pop(self) -> Request:
-        return self._queue.popleft()
 
     def remove(self, request: Request) -> None:
         self._queue.remove(request)
@@ -78,6 +70,20 @@ class FcfsQueue:
     def __contains__(self, request: object) -> bool:
         return request in self._queue
 
+
+class FcfsQueue(_Queue):
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+
+    def push(self, request: Request, front: bool = False) -> None:
+        if front:
+            self._queue.appendleft(request)
+        else:
+            self._queue.append(request)
+
+    def pop(self) -> Request:
+        return self._queue.popleft()
+
     def add_running(self, running: list[Request], request: Request) -> None:
         running.append(request)
 
@@ -85,7 +91,7 @@ class FcfsQueue:
         return False  # FCFS: a waiting request never preempts
 
 
-class PriorityQueue:
+class PriorityQueue(_Queue):
     def __init__(self, aging_s: float) -> None:
         self.aging_s = aging_s
         self._queue: list[Request] = []  # sorted by rank; equal ranks in the order they were queued
@@ -99,23 +105,8 @@ class PriorityQueue:
     def push(self, request: Request, front: bool = False) -> None:
         bisect.insort(self._queue, request, key=self.rank)
 
-    def peek(self) -> Request:
-        return self._queue[0]
-
     def pop(self) -> Request:
         return self._queue.pop(0)
-
-    def remove(self, request: Request) -> None:
-        self._queue.remove(request)
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._queue)
-
-    def __contains__(self, request: object) -> bool:
-        return request in self._queue
 
     def add_running(self, running: list[Request], request: Request) -> None:
         bisect.insort(running, request, key=self.rank)
