@@ -46,3 +46,10 @@ def test_a_wrong_method_is_405_with_allow(client):
     assert response.status_code == 405
     assert response.headers["allow"] == "POST"
     assert response.json()["error"]["code"] == 405
+
+
+def test_stop_token_ids_are_counted_before_they_are_validated(client):
+    response = client.post("/v1/completions", json={"prompt": "a", "stop_token_ids": [1] * 1025})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "stop_token_ids" and "at most 1024" in error["message"]

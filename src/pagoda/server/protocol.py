@@ -56,6 +56,7 @@ class WireLimits:
     max_stop_strings: int = 16
     max_stop_string_chars: int = 1024
     max_logit_bias: int = 1024
+    max_stop_token_ids: int = 1024  # fixed: more stop ids than this is no use case, only validation work
     max_items: int | None = None  # messages, or token ids to detokenize: max_model_len once a model is loaded
 
 
@@ -229,6 +230,12 @@ class SamplingRequest(WireModel):
         except ValidationError as error:
             raise PydanticCustomError("response_format", "; ".join(map(_located, error.errors()))) from None
         return parsed
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _bounded_stop_token_ids(cls, value: Any) -> Any:
+        _too_long(value, wire_limits().max_stop_token_ids, "stop_token_ids")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
