@@ -1,7 +1,8 @@
 """Fuzz `pagoda serve` through its own OpenAPI schema with schemathesis: for every operation, requests that
 follow the schema and requests that break it. A finding is any 5xx, an error whose body is not OpenAI's
-{"error": {"message", "type", "param", "code"}}, or /health failing to answer 200 within a second between
-operations.
+{"error": {"message", "type", "param", "code"}}, a response the schema does not document (status code,
+content type, headers, body schema; schemathesis's conformance checks), or /health failing to answer 200
+within a second between operations.
 
 schemathesis is not a pagoda dependency: run this script from an environment that has it (it imports
 nothing of pagoda), and point --python at the interpreter that has pagoda, which serves the model:
@@ -30,9 +31,19 @@ import schemathesis
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
+from schemathesis.checks import (
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from server_process import HOST, free_port, start_server, stop_server
 
 HEALTH_BOUND_S = 1.0
+# What the document promises about each response. Not "positive data acceptance": a request the schema
+# allows may still be refused for what its values mean (a prompt longer than the context is a 400).
+CONFORMANCE_CHECKS = [status_code_conformance, content_type_conformance, response_headers_conformance,
+                      response_schema_conformance]
 ERROR_KEYS = {"message", "type", "param", "code"}
 # Small enough that any generated request finishes quickly on the built-in model.
 SERVE_ARGS = ("--max-model-len", "512", "--max-num-seqs", "64", "--max-waiting-requests", "256",
@@ -97,6 +108,12 @@ def _fuzz_operation(operation, mode: GenerationMode, url: str, headers: dict[str
                                       "request": _jsonable(case.body)})
             return
         findings.record(operation.label, mode.value, response, _jsonable(case.body))
+        try:
+            case.validate_response(response, checks=CONFORMANCE_CHECKS, headers=headers)
+        except AssertionError as failure:  # schemathesis raises its failures as AssertionError subclasses
+            findings.problems.append({"operation": operation.label, "mode": mode.value, "status":
+                                      response.status_code, "problem": f"conformance: {str(failure)[:400]}",
+                                      "request": _jsonable(case.body)})
 
     with contextlib.suppress(Unsatisfiable):  # nothing to break: an operation without parameters, negative mode
         probe()
