@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ from pagoda.engine.structured import StructuredOutputs
 from pagoda.model.attention import AttentionMetadata, build_metadata
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import ModelLoadError, load_model, load_model_config
-from pagoda.model.tokenizer import load_tokenizer
+from pagoda.model.tokenizer import has_tokenizer, load_tokenizer
 from pagoda.sampling import GREEDY_EPS
 
 logger = logging.getLogger(__name__)
@@ -88,10 +87,7 @@ def load_draft_model(
 
 
 def _optional_tokenizer(path: str) -> Any | None:
-    directory = Path(path)
-    if not (directory / "tokenizer.json").is_file() and not (directory / "tokenizer_config.json").is_file():
-        return None
-    return load_tokenizer(directory)
+    return load_tokenizer(path) if has_tokenizer(path) else None
 
 
 @dataclass

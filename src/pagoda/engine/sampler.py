@@ -27,7 +27,7 @@ from pagoda.sampling import GREEDY_EPS
 from pagoda.structured.bitmask import apply_bitmask
 
 _MASK64 = (1 << 64) - 1
-# Independent random streams derived from a row's (seed, position) draw seed.
+# Independent random streams derived from a row's (seed, position) draw seed: _draw_seed(draw_seed, stream).
 _DRAFT_STREAM = 1  # the draft model's Gumbel noise
 _ACCEPT_STREAM = 2  # the uniform that accepts or rejects a model draft
 
@@ -243,7 +243,7 @@ def sample_draft(logits: torch.Tensor, meta: SamplingMetadata) -> tuple[list[int
     probs = torch.empty(0, logits.shape[1])
     if meta.random_rows.numel():
         scaled = _scaled(logits, meta)
-        noise = gumbel_noise([_stream_seed(seed, _DRAFT_STREAM) for seed in meta.draw_seeds], logits.shape[1])
+        noise = gumbel_noise([_draw_seed(seed, _DRAFT_STREAM) for seed in meta.draw_seeds], logits.shape[1])
         token_ids[meta.random_rows] = (scaled + noise).argmax(dim=-1)
         probs = scaled.softmax(dim=-1)
     return token_ids.tolist(), probs
@@ -272,17 +272,13 @@ def _check_proposals(scaled: torch.Tensor, noise: torch.Tensor, meta: SamplingMe
     q = torch.stack([proposal.probs for proposal in meta.proposals])
     drafts = torch.tensor([proposal.token_id for proposal in meta.proposals], dtype=torch.long)
     p_draft, q_draft = p.gather(1, drafts[:, None])[:, 0], q.gather(1, drafts[:, None])[:, 0]
-    uniform = torch.tensor([_uniform(_stream_seed(meta.draw_seeds[row], _ACCEPT_STREAM)) for row in meta.proposal_rows])
+    uniform = torch.tensor([_uniform(_draw_seed(meta.draw_seeds[row], _ACCEPT_STREAM)) for row in meta.proposal_rows])
     accept = uniform * q_draft < p_draft  # u < p/q without dividing: q(x) > 0 for a drawn x, bar underflow
     residual = (p - q).clamp(min=0.0)
     # p == q up to rounding leaves no residual mass; a rejection is then (nearly) impossible: draw from p.
     residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p)
     resampled = (residual.log() + noise[rows]).argmax(dim=-1)
     return torch.where(accept, drafts, resampled)
-
-
-def _stream_seed(draw_seed: int, stream: int) -> int:
-    return _draw_seed(draw_seed, stream)
 
 
 def _uniform(seed: int) -> float:

@@ -8,11 +8,16 @@ from typing import Any
 from pagoda.model.loader import ModelLoadError
 
 
+def has_tokenizer(model_dir: str | Path) -> bool:
+    model_dir = Path(model_dir)
+    return (model_dir / "tokenizer.json").is_file() or (model_dir / "tokenizer_config.json").is_file()
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     model_dir = Path(model_dir)
-    if not (model_dir / "tokenizer.json").is_file() and not (model_dir / "tokenizer_config.json").is_file():
+    if not has_tokenizer(model_dir):
         raise ModelLoadError(f"{model_dir / 'tokenizer.json'}: file not found (pagoda needs the model's tokenizer)")
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
