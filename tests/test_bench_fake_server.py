@@ -241,6 +241,7 @@ def test_cli_compare_sweep_writes_one_table_json_and_png(tmp_path, capsys):
         assert [p["level"] for p in endpoint["levels"]] == [1, 2]
         for point in endpoint["levels"]:
             assert point["summary"]["num_ok"] == 4 and len(point["requests"]) == 4
+            assert point["speculative"] is None  # the fake server has no /metrics (404): no section, no failure
             assert_late(point["summary"]["ttft"]["p50"], ttft, 0.06)
             assert point["summary"]["goodput"]["fraction"] == (1.0 if ttft < 0.15 else 0.0)
             assert point["warmup"] == ({"requests": 1, "errors": 0} if point["level"] == 1 else {"requests": 0,

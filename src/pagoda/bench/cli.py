@@ -21,7 +21,8 @@ from pagoda.bench.workloads import KINDS, LENGTH_DISTRIBUTIONS, WorkloadSpec
 DESCRIPTION = (
     "Load-test any OpenAI-compatible server (completions or chat, streamed): closed loop (fixed concurrency) "
     "or open loop (constant / Poisson / gamma arrivals), sweeps that stop at saturation, TTFT / TPOT / ITL / "
-    "E2E percentiles, throughputs, goodput under SLOs, and a check that the client itself kept up. "
+    "E2E percentiles, throughputs, goodput under SLOs, a check that the client itself kept up, and "
+    "speculative decoding's acceptance when the server's /metrics has vLLM's counters. "
     "Metric definitions: docs/bench.md."
 )
 EXAMPLE = ("example: pagoda bench --base-url http://127.0.0.1:8000 --tokenizer models/bench-125m "

@@ -201,3 +201,13 @@ def make_sender(http: httpx.AsyncClient, endpoint: Endpoint, options: RequestOpt
         return record, await send(http, endpoint, body, record, origin)
 
     return sender
+
+
+async def scrape_metrics(http: httpx.AsyncClient, endpoint: Endpoint) -> str | None:
+    """GET /metrics (Prometheus text) with the endpoint's key; None when the server has none or refuses:
+    what it exports is extra information, never a reason to fail a run."""
+    try:
+        response = await http.get(f"{endpoint.root}/metrics", headers=endpoint.headers)
+    except httpx.HTTPError:
+        return None
+    return response.text if response.status_code == 200 else None

@@ -127,12 +127,16 @@ class LoopLagMonitor:
 
 async def run_load(sender: Sender, conversations: Sequence[Conversation], spec: LoadSpec, *, seed: int = 0,
                    warmup: Sequence[Conversation] = (),
-                   on_done: Callable[[RequestRecord], None] | None = None) -> LoadResult:
-    """Runs the warm-up, then the measured conversations under `spec`; returns their records."""
+                   on_done: Callable[[RequestRecord], None] | None = None,
+                   before_measured: Callable[[], Awaitable[None]] | None = None) -> LoadResult:
+    """Runs the warm-up, then the measured conversations under `spec`; returns their records.
+    `before_measured` runs between the two (e.g. to read server counters that must not count the warm-up)."""
     warmup_records: list[RequestRecord] = []
     if warmup:
         width = spec.concurrency or spec.max_concurrency or len(warmup)
         await _closed(sender, warmup, min(width, len(warmup)), time.monotonic(), warmup_records, {}, None)
+    if before_measured is not None:
+        await before_measured()
     records: list[RequestRecord] = []
     outputs: dict[str, str] = {}
     dispatch_lags: list[float] = []

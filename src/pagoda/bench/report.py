@@ -8,12 +8,15 @@ import os
 import platform
 import sys
 from pathlib import Path
+from typing import Any
 
 import pagoda
 
 ROW_COLUMNS = ("endpoint", "load", "ok", "err", "req/s", "out tok/s", "total tok/s", "TTFT p50", "TTFT p99",
                "TPOT p50", "TPOT p99", "ITL p50", "E2E p50", "goodput")
 STATS = ("mean", "p50", "p90", "p95", "p99")
+SPEC_COLUMNS = ("endpoint", "load", "drafts", "draft tok", "accepted", "accept rate", "mean accept len",
+                "per-position accept rate")
 
 
 def _ms(value: float | None) -> str:
@@ -54,6 +57,26 @@ def detail_table(point: dict) -> str:
     rows = [[name.upper(), str(s[name]["count"]), *(_ms(s[name][stat]) for stat in STATS)]
             for name in ("ttft", "tpot", "itl", "e2e")]
     return format_table(("metric (ms)", "n", *STATS), rows)
+
+
+def spec_row(endpoint_name: str, point: dict[str, Any]) -> list[str]:
+    spec = point["speculative"]
+    rate = spec["acceptance_rate"]
+    positions = " ".join(f"{value:.2f}" for value in spec["per_position_acceptance_rate"]) or "-"
+    return [endpoint_name, point["label"], str(spec["num_drafts"]), str(spec["num_draft_tokens"]),
+            str(spec["num_accepted_tokens"]), "-" if rate is None else f"{rate:.1%}",
+            f"{spec['mean_acceptance_length']:.2f}", positions]
+
+
+def spec_table(endpoints: list[dict[str, Any]]) -> str | None:
+    """Speculative decoding per level, from the server's counters; None when no level has any (a server
+    that does not speculate, or exports no /metrics)."""
+    rows = [spec_row(e["name"], point) for e in endpoints for point in e["levels"] if point.get("speculative")]
+    if not rows:
+        return None
+    legend = ("speculative decoding (server counters over each level): accept rate = accepted / draft tokens, "
+              "mean accept len = 1 + accepted / drafts, per position = accepted there / drafts")
+    return format_table(SPEC_COLUMNS, rows) + "\n" + legend
 
 
 def warnings_of(endpoint: dict, point: dict) -> list[str]:
@@ -108,6 +131,9 @@ def render(endpoints: list[dict]) -> str:
     single = [(e, p) for e in endpoints for p in e["levels"]]
     if len(single) == 1:
         parts.append(detail_table(single[0][1]))
+    speculative = spec_table(endpoints)
+    if speculative:
+        parts.append(speculative)
     notes = [note for e, p in single for note in warnings_of(e, p)]
     notes += [f"{e['name']}: sweep stopped: {e['stop_reason']}" for e in endpoints if e.get("stop_reason")]
     capacities = [capacity_line(e) for e in endpoints if e.get("slo_capacity") and len(e["levels"]) > 1]
@@ -158,7 +184,9 @@ def print_level(endpoint_name: str, point: dict) -> None:
     """One line per finished level, as the run goes (stderr: stdout gets the final table)."""
     s = point["summary"]
     behind = " (CLIENT FELL BEHIND)" if point["client"]["behind"] else ""
+    spec = point.get("speculative")
+    accepted = f", mean acceptance length {spec['mean_acceptance_length']:.2f}" if spec else ""
     sys.stderr.write(f"{endpoint_name} {point['label']}: {s['num_ok']} ok, {s['num_errors']} failed, "
                      f"{_num(s['output_throughput'])} out tok/s, TTFT p50 {_ms(s['ttft']['p50'])} ms, "
-                     f"TPOT p50 {_ms(s['tpot']['p50'])} ms{behind}\n")
+                     f"TPOT p50 {_ms(s['tpot']['p50'])} ms{accepted}{behind}\n")
     sys.stderr.flush()

@@ -14,9 +14,11 @@ from dataclasses import dataclass, field, replace
 
 import httpx
 
-from pagoda.bench.client import Endpoint, RequestOptions, make_http_client, make_sender
-from pagoda.bench.load import LoadResult, LoadSpec, run_load
+from pagoda.bench.client import Endpoint, RequestOptions, make_http_client, make_sender, scrape_metrics
+from pagoda.bench.load import LoadResult, LoadSpec, Sender, run_load
 from pagoda.bench.metrics import client_verdict, summarize
+from pagoda.bench.records import RequestRecord
+from pagoda.bench.spec_decode import spec_decode_window
 from pagoda.bench.sweep import saturation_reason, slo_capacity
 from pagoda.bench.tokens import ClientTokenizer, ServerTokenizer
 from pagoda.bench.workloads import Conversation, WorkloadSpec, build_workload
@@ -130,6 +132,22 @@ def level_result(load: LoadSpec, seed: int, result: LoadResult, config: BenchCon
     }
 
 
+async def run_measured(http: httpx.AsyncClient, endpoint: Endpoint, sender: Sender,
+                       conversations: list[Conversation], load: LoadSpec, seed: int, warmup: list[Conversation],
+                       on_done: Callable[[RequestRecord], None]) -> tuple[LoadResult, dict[str, object] | None]:
+    """One level's run, with the server's speculative-decoding figures over its measured requests (None
+    when it exports none). /metrics is read after the warm-up and after the last response: outside the
+    measured window, so scraping costs the measured requests nothing."""
+    before: list[str | None] = []
+
+    async def scrape_before() -> None:
+        before.append(await scrape_metrics(http, endpoint))
+
+    result = await run_load(sender, conversations, load, seed=seed, warmup=warmup, on_done=on_done,
+                            before_measured=scrape_before)
+    return result, spec_decode_window(before[0], await scrape_metrics(http, endpoint))
+
+
 async def bench_endpoint(endpoint: Endpoint, config: BenchConfig, tokenizer: ClientTokenizer | None,
                          on_level: Callable[[Endpoint, dict], None] | None = None) -> dict:
     """Runs every level of `config` against one endpoint (stopping at saturation when asked)."""
@@ -151,11 +169,12 @@ async def bench_endpoint(endpoint: Endpoint, config: BenchConfig, tokenizer: Cli
                 await fill_prompt_counts(conversations, server, endpoint.api)
             reset = await reset_prefix_cache(http, endpoint) if config.reset_prefix_cache else None
             with _progress(config, num_requests, f"{endpoint.name} {load.label()}") as bar:
-                result = await run_load(sender, conversations, load, seed=seed, warmup=warmup,
-                                        on_done=lambda record: bar.update(1))
+                result, speculative = await run_measured(
+                    http, endpoint, sender, conversations, load, seed, warmup, lambda record: bar.update(1))
             count_outputs(result, tokenizer)
             point = level_result(load, seed, result, config)
             point["prefix_cache_reset"] = reset
+            point["speculative"] = speculative
             levels.append(point)
             if on_level is not None:
                 on_level(endpoint, point)
