@@ -28,6 +28,7 @@ CONFIGS = {
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
     "int8": ("bfloat16", "int8"),
+    "int4": ("float32", "int4"),  # fp32 activations: without native bf16 (AVX-512 BF16) bf16 GEMMs are slow
 }
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GiB = 1 << 30

@@ -1,14 +1,14 @@
-"""Logit error of the fast numeric paths (bf16, int8 W8A16) against fp32, on the bench models.
+"""Logit error of the fast numeric paths (bf16, int8 W8A16, int4 W4A16) against fp32, on the bench models.
 
 The bench models have random weights: their logits are nearly tied, so greedy agreement says little
 about them (the demo model's task accuracy is the quality gate: benchmarks/quality.py). What this
-reports is the size of the numeric error itself: the same prompts through pagoda in fp32, bf16 and
-int8 (kernels on, as served), and max / mean |logit - fp32 logit| over every vocabulary entry at each
-prompt's last position, beside the fp32 logits' own spread (their standard deviation) for scale. The
-last position is computed twice: inside one prefill of all prompts (matrix multiplications), and
-alone after its cached prefix, as a batch-1 decode step computes a token (the GEMV kernels).
+reports is the size of the numeric error itself: the same prompts through pagoda in fp32, bf16, int8
+and int4 (kernels on where the CPU has them, as served), and max / mean |logit - fp32 logit| over every
+vocabulary entry at each prompt's last position, beside the fp32 logits' own spread (their standard
+deviation) for scale. The last position is computed twice: inside one prefill of all prompts (matrix
+multiplications), and alone after its cached prefix, as a batch-1 decode step computes a token (the GEMV kernels).
 
-    python benchmarks/logit_error.py [--models bench-125m,bench-1b] [--prompts 32]
+    python benchmarks/logit_error.py [--models bench-125m,bench-1b] [--configs bf16,int8,int4] [--prompts 32]
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ def main() -> None:
     add_common_args(parser, "benchmarks/results/logit_error.json")
     parser.add_argument("--models-dir", default="models")
     parser.add_argument("--models", default="bench-125m,bench-1b")
+    parser.add_argument("--configs", default="bf16,int8,int4", help="paths compared with fp32")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     args = parser.parse_args()
@@ -81,7 +82,7 @@ def main() -> None:
             log(f"{name} {step}: fp32 reference")
             reference = last_position_logits(model_dir, "fp32", prompts, alone)
             gc.collect()
-            for config in ("bf16", "int8"):
+            for config in args.configs.split(","):
                 log(f"{name} {step}: {config}")
                 error = (last_position_logits(model_dir, config, prompts, alone) - reference).abs()
                 gc.collect()

@@ -32,6 +32,10 @@ ENGINE_PATHS: dict[str, dict[str, Any]] = {
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
     "int8": {"dtype": "bfloat16", "quantization": "int8"},
+    "int4": {"dtype": "float32", "quantization": "int4"},
+    "int4-sym": {"dtype": "float32", "quantization": "int4", "quantization_config": {"sym": True}},
+    "int4-rtn": {"dtype": "float32", "quantization": "int4", "quantization_config": {"search": False}},
+    "int4-g128": {"dtype": "float32", "quantization": "int4", "quantization_config": {"group_size": 128}},
     # Speculation must not change a greedy answer: these are compared token for token with fp32.
     "fp32+ngram": {"dtype": "float32", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
     "fp32+draft": {"dtype": "float32", "speculative_config": {

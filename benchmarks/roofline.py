@@ -11,7 +11,8 @@ torch._weight_int8pack_mm or dequantize+bf16, whichever is faster). Workloads, g
            max(bytes / bandwidth, GEMMs at M=32)
 
 fraction = floor / measured (1.0 = at the limit). Configs: fp32, bf16, int8 (weight-only W8A16, LM head
-included). Targets: bench-1b decode fp32 >= 0.85, bf16/int8 >= 0.6; prefill >= 0.7.
+included), int4 (W4A16 group 32 with fp32 activations, LM head included). Targets: bench-1b decode fp32 >= 0.85,
+bf16/int8 >= 0.6, int4 >= 0.8; prefill >= 0.7 (int4: of the fp32 GEMMs' rate).
 
     python benchmarks/roofline.py [--threads 2] [--repeats 3] [--quick]
 """
@@ -49,7 +50,10 @@ from common import (
 )
 
 TARGETS = {("decode", "bench-1b", "fp32"): 0.85, ("decode", "bench-1b", "bf16"): 0.6,
-           ("decode", "bench-1b", "int8"): 0.6, ("prefill", None, None): 0.7}
+           ("decode", "bench-1b", "int8"): 0.6, ("decode", "bench-1b", "int4"): 0.8, ("prefill", None, None): 0.7}
+# The GEMMs a config's floor is timed with, the fastest counting: int8 either of torch's two ways; int4 the dense
+# GEMM in its activation dtype (fp32), the rate its prefill should keep.
+FLOOR_KINDS = {"int8": ["int8", "int8_dequant"], "int4": ["fp32"]}
 
 
 def target_for(kind: str, model: str, config: str) -> float | None:
@@ -114,7 +118,7 @@ def prefill_workload(model_dir: str, name: str, config: str, args) -> dict:
     # The GEMM floor is measured after every repeat (a shared host drifts); each repeat's fraction uses
     # its own floor, and the figure is the median of the repeats' fractions.
     samples, repeats = [], []
-    kinds = ["int8", "int8_dequant"] if config == "int8" else [config]
+    kinds = FLOOR_KINDS.get(config, [config])
     for repeat in range(args.repeats):
         records = run_engine(engine, make_prompts(1, tokens, model_config.vocab_size, seed=repeat), 1)
         assert len(records) == 1 and records[0].num_tokens == tokens, "the prompt must be one step"
@@ -155,9 +159,9 @@ def offline_workload(model_dir: str, name: str, config: str, args) -> dict:
     del llm, engine
     gc.collect()
     bw = bandwidth(step_bytes, args)
-    kinds = ["int8", "int8_dequant"] if config == "int8" else [config]
+    kinds = FLOOR_KINDS.get(config, [config])
 
-    def best_floor(rows: int, sampled: int) -> dict:  # the faster way to run the GEMMs (int8: either)
+    def best_floor(rows: int, sampled: int) -> dict:  # the fastest way to run the GEMMs (FLOOR_KINDS)
         return min((matmul_floor(k, model_config, rows, sampled, args.repeats) for k in kinds),
                    key=lambda f: f["seconds"])
 

@@ -264,3 +264,10 @@ def test_calc_does_not_import_torch():
 def test_gpu_spec_units():
     gpu = GpuSpec("x", peak_tflops=1.0, bandwidth_tbps=2.0, memory_gb=3.0)
     assert (gpu.peak_flops, gpu.bandwidth, gpu.memory_bytes) == (1e12, 2e12, 3e9)
+
+
+def test_int4_bytes_include_group_scales_and_offsets():
+    """pagoda's int4 stores a bf16 scale and offset per group: 5 bits a weight at 32, 4.25 at 128."""
+    assert f.dtype_bytes("int4") == 0.5 + 4 / 32
+    assert f.dtype_bytes("int4-g128") == 0.5 + 4 / 128
+    assert f.weight_bytes(1e9, "int4") == 0.625e9

@@ -12,6 +12,7 @@ import torch
 from pagoda.cli import build_parser, engine_config_from
 from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.entrypoints import ENGINE_OPTIONS, FIELD_NAMES, build_engine_config
+from pagoda.model.int4 import Int4Options
 
 MODEL = "some/model-dir"
 
@@ -20,7 +21,8 @@ OPTIONS = {
     "dtype": "bfloat16",
     "device": "meta",
     "seed": 7,
-    "quantization": "int8",
+    "quantization": "int4",
+    "quantization_config": {"group_size": 64, "sym": True, "lm_head": False, "search": False},
     "use_kernels": False,
     "block_size": 32,
     "kv_cache_memory_bytes": 3 << 20,
@@ -37,7 +39,8 @@ OPTIONS = {
                            "prompt_lookup_max": 4, "disable_by_batch_size": 8},
 }
 FLAGS = [
-    "--dtype", "bfloat16", "--device", "meta", "--seed", "7", "--quantization", "int8", "--no-use-kernels",
+    "--dtype", "bfloat16", "--device", "meta", "--seed", "7", "--quantization", "int4",
+    "--quantization-config", json.dumps(OPTIONS["quantization_config"]), "--no-use-kernels",
     "--block-size", "32", "--kv-cache-memory-bytes", "3M", "--num-kv-blocks", "100",
     "--no-enable-prefix-caching", "--max-model-len", "512", "--max-num-seqs", "8",
     "--max-num-batched-tokens", "1024", "--max-step-ms", "50", "--long-prefill-token-threshold", "256",
@@ -63,6 +66,7 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
     given = build_engine_config(MODEL, **OPTIONS)
     assert cli_config("serve", *FLAGS) == given
     assert given.dtype == torch.bfloat16
+    assert given.quantization_config == Int4Options(group_size=64, sym=True, lm_head=False, search=False)
     assert given.cache == CacheConfig(block_size=32, kv_cache_memory_bytes=3 << 20, num_blocks=100,
                                       enable_prefix_caching=False)
     assert given.scheduler == SchedulerConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=1024,

@@ -139,6 +139,7 @@ def _prompt_logprobs(llm, prompts) -> list[float]:
     ("bfloat16", None, 0.05),
     ("bfloat16", "int8", 0.08),
     ("float32", "int8", 0.06),
+    ("float32", "int4", 0.9),
 ])
 def test_low_precision_logprob_error_is_bounded(make_llm, checkpoint, dtype, quantization, max_mean_error):
     """The numerics contract: mean |logprob error| against fp32 stays small.
@@ -173,8 +174,8 @@ def test_decode_kernel_path_agrees_with_torch_path(make_llm, checkpoint):
 def test_unknown_quantization_is_rejected(checkpoint):
     from pagoda import LLM
 
-    with pytest.raises(ValueError, match="quantization 'int4' is not supported"):
-        LLM(str(checkpoint("llama")), quantization="int4", num_kv_blocks=16)
+    with pytest.raises(ValueError, match="quantization 'int3' is not supported"):
+        LLM(str(checkpoint("llama")), quantization="int3", num_kv_blocks=16)
 
 
 @pytest.mark.parametrize("arch", ["mistral", "qwen2-swa", "llama-mqa"])

@@ -306,8 +306,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 # Engine flags that mean nothing with --url (--model does: the server's model name).
-_URL_IGNORES = ("dtype", "device", "quantization", "use_kernels", "seed", "max_model_len", "max_num_seqs",
-                "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "num_kv_blocks",
+_URL_IGNORES = ("dtype", "device", "quantization", "quantization_config", "use_kernels", "seed", "max_model_len",
+                "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "num_kv_blocks",
                 "enable_prefix_caching", "speculative_config", "threads")
 
 

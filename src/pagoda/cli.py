@@ -52,8 +52,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: built-in)")
     parser.add_argument("--dtype", help="float32 | bfloat16 | float16")
     parser.add_argument("--device")
-    parser.add_argument("--quantization", "-q", choices=["int8"],
-                        help="int8: weight-only W8A16, per-output-channel symmetric, quantized at load")
+    parser.add_argument("--quantization", "-q", choices=["int8", "int4"],
+                        help="weight-only, quantized at load: int8 (per output channel, symmetric) or int4 "
+                             "(group-wise); a GPTQ or AWQ checkpoint is int4 already (docs/quantization.md)")
+    parser.add_argument("--quantization-config", type=_json_object,
+                        help='int4 options: \'{"group_size": 32, "sym": false, "lm_head": true, "search": true}\' '
+                             "(those are the defaults)")
     parser.add_argument("--use-kernels", action=argparse.BooleanOptionalAction,
                         help="pagoda's native CPU kernels (compiled on first use) where they apply")
     parser.add_argument("--seed", type=int)

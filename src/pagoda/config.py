@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from pagoda.model.int4 import Int4Options
+
 GiB = 1 << 30
 
 DTYPES = {
@@ -176,8 +178,10 @@ class SpeculativeConfig:
         _refuse_keys(self, _NGRAM_KEYS)
         if not self.model:
             raise ValueError('speculative_config: method "draft_model" needs "model", the draft checkpoint\'s path')
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"speculative_config: quantization must be \"int8\" or absent, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(
+                f"speculative_config: quantization must be \"int8\", \"int4\" or absent, got {self.quantization!r}"
+            )
         if self.dtype is not None:
             parse_dtype(self.dtype)
 
@@ -237,8 +241,22 @@ class EngineConfig:
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
     seed: int = 0
-    quantization: str | None = None  # None or "int8" (weight-only, per output channel)
+    quantization: str | None = None  # None, "int8" (per output channel) or "int4" (group-wise), weight-only
     use_kernels: bool = True  # pagoda's native CPU kernels where they apply (False: the torch reference)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    quantization_config: Int4Options | None = None  # int4's quantizer options (None: its defaults)
+
+    def __post_init__(self) -> None:
+        if self.quantization_config is not None and self.quantization != "int4":
+            raise ValueError("quantization_config applies to --quantization int4 only")
+
+
+def int4_options_from(value: Int4Options | Mapping[str, Any] | None) -> Int4Options | None:
+    """`quantization_config` as LLM(...) and the CLI take it: a JSON object of int4 options, or Int4Options."""
+    if value is None or isinstance(value, Int4Options):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"quantization_config must be a JSON object, got {type(value).__name__}")
+    return Int4Options.from_dict(dict(value))

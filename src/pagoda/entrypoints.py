@@ -6,7 +6,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig, parse_dtype, speculative_config_from
+from pagoda.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    int4_options_from,
+    parse_dtype,
+    speculative_config_from,
+)
 from pagoda.engine.engine import LLMEngine
 from pagoda.engine.output import RequestOutput
 from pagoda.sampling import SamplingParams
@@ -15,7 +22,8 @@ Prompt = str | list[int]
 
 
 # The engine options, by vLLM's names, grouped by the part of EngineConfig they set.
-TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "use_kernels", "speculative_config")
+TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "quantization_config", "use_kernels",
+                     "speculative_config")
 CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching")
 SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_step_ms",
                      "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s")
@@ -35,6 +43,8 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
         options["dtype"] = parse_dtype(options["dtype"])
     if "speculative_config" in options:  # vLLM's JSON object (a dict), or a SpeculativeConfig
         options["speculative_config"] = speculative_config_from(options["speculative_config"])
+    if "quantization_config" in options:  # a JSON object of int4 options, or Int4Options
+        options["quantization_config"] = int4_options_from(options["quantization_config"])
     return EngineConfig(
         model=str(model),
         **_given(options, TOP_LEVEL_OPTIONS),

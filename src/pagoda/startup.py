@@ -29,6 +29,29 @@ def native_kernels_status(config: EngineConfig) -> str:
     return "on"
 
 
+def quantization_summary(config: EngineConfig) -> str:
+    """'none', 'int8 ...', 'int4, group 32, ...' or what a GPTQ/AWQ checkpoint brings."""
+    from pathlib import Path
+
+    from pagoda.model.int4 import Int4Options
+    from pagoda.model.loader import read_json
+    from pagoda.model.prequantized import read_prequantized_format
+
+    checkpoint = read_prequantized_format(read_json(Path(config.model) / "config.json"), config.model)
+    if checkpoint is not None:
+        groups = "one per row" if checkpoint.group_size == -1 else str(checkpoint.group_size)
+        order = ", act-order" if checkpoint.desc_act else ""
+        return f"int4 from the checkpoint ({checkpoint.method}, group {groups}{order}; torch's int4 matmul)"
+    if config.quantization == "int8":
+        return "int8 weight-only, per output channel"
+    if config.quantization == "int4":
+        options = config.quantization_config or Int4Options()
+        kind = "symmetric" if options.sym else "with offsets"
+        head = "LM head included" if options.lm_head else "LM head unquantized"
+        return f"int4 weight-only, group {options.group_size}, {kind}, {head}; torch's int4 matmul"
+    return "none"
+
+
 def human_count(count: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if count >= size:
@@ -46,7 +69,7 @@ def startup_summary(engine: LLMEngine, model_name: str, url: str | None = None) 
         ("model", model_name if model_name == config.model else f"{model_name} ({config.model})"),
         ("parameters", human_count(checkpoint_num_parameters(config.model))),
         ("dtype", str(config.dtype).removeprefix("torch.")),
-        ("quantization", config.quantization or "none"),
+        ("quantization", quantization_summary(config)),
         ("KV cache", f"{pool.num_blocks} blocks x {block_size} tokens = {pool.num_blocks * block_size} tokens, "
                      f"{engine.kv_pool_bytes / 2**20:.1f} MiB ({pool.reason}); pages touched as they fill"),
         ("max_model_len", str(engine.max_model_len)),

@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--gpu-mem-gb", type=float, help="memory per GPU in GB = 10^9 bytes")
     model.add_argument("--interconnect-gbps", type=float, help="GPU-to-GPU GB/s, one direction")
     model.add_argument("--num-gpus", "--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
-    model.add_argument("--dtype", default="bf16", help="weight dtype: fp32, bf16, fp16, fp8, int8, int4")
+    model.add_argument("--dtype", default="bf16", help="weight dtype: fp32, bf16, fp16, fp8, int8, int4 (group 32), "
+                                                        "int4-g64, int4-g128")
     model.add_argument("--kv-dtype", help="KV cache dtype (default: --dtype)")
     model.add_argument("--mem-util", type=float, default=0.9, help="fraction of GPU memory usable (0.9)")
 

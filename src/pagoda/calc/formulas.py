@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import math
 
+from pagoda.model.int4_format import bytes_per_weight
+
 GB = 10**9
 GiB = 2**30
 
-# Bytes per element. int4/fp4 ignore group-scale overhead (~3% at group size 128).
+# Bytes per element. int4 is pagoda's layout, group scales and offsets included (`int4_format`: 5 bits a weight
+# at its default group of 32; "int4-g128": 4.25); fp4 ignores its block scales (~6% for MXFP4).
 DTYPE_BYTES: dict[str, float] = {
     "fp32": 4.0,
     "float32": 4.0,
@@ -23,7 +26,9 @@ DTYPE_BYTES: dict[str, float] = {
     "half": 2.0,
     "fp8": 1.0,
     "int8": 1.0,
-    "int4": 0.5,
+    "int4": bytes_per_weight(),
+    "int4-g64": bytes_per_weight(64),
+    "int4-g128": bytes_per_weight(128),
     "fp4": 0.5,
 }
 

@@ -128,7 +128,7 @@ class LLMEngine:
         model_max_len = config.scheduler.max_model_len
         model, model_config = load_model(
             config.model, dtype=config.dtype, device=config.device, quantization=config.quantization,
-            use_kernels=config.use_kernels,
+            use_kernels=config.use_kernels, quantization_config=config.quantization_config,
         )
         self.model: LlamaModel = model
         self.model_config: ModelConfig = model_config

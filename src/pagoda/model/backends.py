@@ -60,7 +60,8 @@ class ModelRuntime:
     gemv_kernels: CpuKernels | None = None  # the linears' GEMVs, for `prepare_linears`
 
 
-def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels | None) -> ModelRuntime:
+def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels | None,
+                   quantization: str | None = None) -> ModelRuntime:
     """The implementations a model of `config` in `dtype` runs. kernels: pagoda's compiled CPU kernels for a
     model on the CPU that may use them; None: the torch reference throughout. With kernels:
 
@@ -69,7 +70,8 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     - and where the attention kernels take the shape (head_dim 16..128 in steps of 16, at most 16 query
       heads per kv head), attend through the native backend: paged attention, rope + KV write in one call;
     - and where every layer's linear runs as a GEMV too (input widths a multiple of 32), run decode-only
-      steps through the native decode stack, which the backend's `bind` builds once the weights are final.
+      steps through the native decode stack, which the backend's `bind` builds once the weights are final
+      (not for int4 weights: they run torch's int4 matmul, which the stack does not call).
     """
     fused = kernels if dtype in (torch.float32, torch.bfloat16) else None
     if fused is None:
@@ -78,5 +80,5 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     if not (config.head_dim % 16 == 0 and config.head_dim <= 128 and group <= 16):  # the attention kernels' shapes
         return ModelRuntime(kernels=fused, gemv_kernels=kernels)
     linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
-    decode_stack = all(gemv_takes(width) for width in linear_widths)
+    decode_stack = quantization != "int4" and all(gemv_takes(width) for width in linear_widths)
     return ModelRuntime(CpuAttentionBackend(fused, decode_stack), kernels=fused, gemv_kernels=kernels)

@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from pagoda.config import ModelConfig
 
 if TYPE_CHECKING:
+    from pagoda.model.int4 import Int4Options
     from pagoda.model.llama import LlamaModel
 
 SUPPORTED_ARCHITECTURES = {
@@ -216,25 +217,50 @@ def load_model(
     device: str = "cpu",
     quantization: str | None = None,
     use_kernels: bool = True,
+    quantization_config: Int4Options | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     """Builds the model for the directory and loads its weights. Returns (model, ModelConfig).
 
+    quantization: None, "int8" or "int4", applied at load; a GPTQ or AWQ checkpoint is int4 already (its own
+    codes, repacked), and refuses the others. quantization_config: the int4 quantizer's options.
     use_kernels: pagoda's native CPU kernels where they apply (`backends.create_runtime` says where),
     for a model on the CPU; without them, or elsewhere, the torch reference throughout."""
     from pagoda.kernels import cpu_kernels
     from pagoda.model.backends import create_runtime
     from pagoda.model.llama import LlamaModel
+    from pagoda.model.prequantized import read_prequantized_format
     from pagoda.model.quantization import prepare_linears
 
     config = load_model_config(model_dir)
+    prequantized = read_prequantized_format(read_json(Path(model_dir) / "config.json"), model_dir)
+    if prequantized is not None:
+        _check_prequantized_request(model_dir, prequantized.method, quantization, quantization_config)
+        quantization = "int4"
     kernels = cpu_kernels() if use_kernels and torch.device(device).type == "cpu" else None
-    runtime = create_runtime(config, dtype, kernels)
+    runtime = create_runtime(config, dtype, kernels, quantization)
     with torch.device("meta"):
         model = LlamaModel(config, runtime)
-    model.load_weights(_with_progress(iter_weights(model_dir), model_dir), dtype=dtype, device=device)
-    prepare_linears(model, quantization, runtime.gemv_kernels)
+    weights = _with_progress(iter_weights(model_dir), model_dir)
+    if prequantized is None:
+        model.load_weights(weights, dtype=dtype, device=device)
+        prepare_linears(model, quantization, runtime.gemv_kernels, quantization_config)
+    else:
+        from pagoda.model.int4_checkpoint import load_prequantized
+
+        load_prequantized(model, weights, prequantized, dtype, device, runtime.gemv_kernels)
     model.backend.bind(model)  # the weights are final: the native decode stack, where chosen, is built now
     return model.eval(), config
+
+
+def _check_prequantized_request(model_dir: str | Path, method: str, quantization: str | None,
+                                options: Int4Options | None) -> None:
+    """A GPTQ/AWQ checkpoint fixes its own quantization: another one asked for is an error, not ignored."""
+    if quantization not in (None, "int4"):
+        raise ModelLoadError(f"{model_dir} holds {method} 4-bit weights; --quantization {quantization} cannot "
+                             "apply to them (leave it out, or give int4)")
+    if options is not None:
+        raise ModelLoadError(f"{model_dir} holds {method} 4-bit weights, quantized with the checkpoint's own "
+                             "settings; --quantization-config applies only when pagoda quantizes")
 
 
 def _with_progress(

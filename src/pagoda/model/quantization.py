@@ -1,4 +1,5 @@
-"""Linear layers for the fast paths: fp32/bf16 weights and int8 weight-only (W8A16) quantization.
+"""Linear layers for the fast paths: fp32/bf16 weights and int8 weight-only (W8A16) quantization; int4
+(W4A16) is `model/int4.py`.
 
 After loading, `prepare_linears` swaps the model's nn.Linear layers for these. Decode-sized inputs
 (<= 64 rows) go to pagoda's AVX-512 GEMV kernels (kernels/cpu_gemv.cpp), which stream
@@ -20,8 +21,9 @@ from torch import nn
 
 if TYPE_CHECKING:
     from pagoda.model.backends import CpuKernels
+    from pagoda.model.int4 import Int4Options
 
-QUANTIZATIONS = (None, "int8")
+QUANTIZATIONS = (None, "int8", "int4")
 # Up to this many rows the GEMV kernels beat torch, weights streamed from memory: fp32 1.6-1.8x at 32-64
 # rows of the bench models' shapes; bf16 1.1-1.3x at 32 rows, at 64 1.16x on bench-125m's and 0.96x on
 # bench-1b's (AMX-less Zen 4; oneDNN's bf16 GEMM catches up there). Beyond, oneDNN's GEMM takes over for
@@ -87,16 +89,37 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKernels | None) -> None:
-    """Swaps nn.Linear layers (LM head included) for the fast path the dtype and quantization call for.
-    kernels: the GEMV kernels the model runs (`ModelRuntime.gemv_kernels`), or None."""
+def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKernels | None,
+                    int4: Int4Options | None = None) -> None:
+    """Swaps nn.Linear layers (LM head included, unless int4 options leave it out) for the fast path the dtype
+    and quantization call for. kernels: the GEMV kernels the model runs (`ModelRuntime.gemv_kernels`), or None.
+    int4: the int4 quantizer's options (None: its defaults)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}")
     dtype = next(model.parameters()).dtype
     if quantization is None and (kernels is None or dtype not in DenseLinear.DTYPES):
         return  # nothing to gain: torch's own layers are the path
+    fast = _layer_factory(quantization, kernels, int4)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                fast = Int8Linear(child, kernels) if quantization == "int8" else DenseLinear(child, kernels)
-                setattr(parent, name, fast)
+                setattr(parent, name, fast(child, parent is model and name == "lm_head"))
+
+
+def _layer_factory(quantization: str | None, kernels: CpuKernels | None,
+                   int4: Int4Options | None) -> Callable[[nn.Linear, bool], nn.Module]:
+    """(linear, is the LM head) -> the layer that replaces it."""
+    if quantization == "int8":
+        return lambda linear, _: Int8Linear(linear, kernels)
+    if quantization == "int4":
+        from pagoda.model.int4 import Int4Linear, Int4Options, quantize_int4
+
+        options = int4 or Int4Options()
+
+        def int4_layer(linear: nn.Linear, lm_head: bool) -> nn.Module:
+            if lm_head and not options.lm_head:
+                return DenseLinear(linear, kernels)
+            return Int4Linear(quantize_int4(linear.weight, options), linear.bias)
+
+        return int4_layer
+    return lambda linear, _: DenseLinear(linear, kernels)

@@ -1,0 +1,202 @@
+"""4-bit weight-only linear layers (W4A16): pagoda's own group-wise quantizer and the layer that runs the codes.
+
+Storage is torch's CPU int4 layout (`_convert_weight_to_int4pack_for_cpu`), half a byte per weight, plus one
+bf16 (scale, offset) pair per group of input columns (`int4_format`): W = (q - 8) * scale + offset, q in 0..15.
+Every source of 4-bit weights (this module's quantizer, GPTQ and AWQ checkpoints) arrives as `Int4Weights` and is
+converted once, so there is one runtime form and one set of numerics.
+
+Decode-sized inputs (up to `KERNEL_MAX_ROWS` rows) run torch's int4 matmul, which reads the packed nibbles
+and takes bf16 activations (its fp32 path is scalar and an order of magnitude slower), so fp32 models round
+x to bf16 for these layers. Larger inputs are matrix multiplications: the weight is dequantized to the
+input's dtype, from the same packed codes and the same bf16 scales, and goes to torch's GEMM. Both paths
+use identical weights; they differ only in how x is rounded and summed.
+
+Shapes the int4 kernel cannot take are padded at construction, never at the caller: output rows up to a
+multiple of 32 (the layout's block), input columns up to a multiple of the group size (a ragged last group
+keeps its own statistics, from its real columns only; padded columns meet zero activations).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda.model.int4_format import DEFAULT_GROUP_SIZE, GROUP_SIZES
+from pagoda.model.int4_weights import Int4Weights
+
+# Group sizes torch's int4 kernel takes; a checkpoint group that is a multiple of one is split into
+# kernel groups that repeat its scale (exact).
+KERNEL_GROUP_SIZES = (256, 128, 64, 32)
+BLOCK_ROWS = 32  # the packed layout interleaves output rows in blocks of this many
+# Above this many rows, dequantizing into a GEMM beats the int4 kernel (it re-reads the nibbles per row group).
+KERNEL_MAX_ROWS = 32
+
+
+@dataclass(frozen=True)
+class Int4Options:
+    """How pagoda quantizes a checkpoint to int4 at load (`--quantization int4`)."""
+
+    group_size: int = DEFAULT_GROUP_SIZE
+    sym: bool = False  # symmetric: no offset (zero point 8); asymmetric fits each group's [min, max]
+    lm_head: bool = True  # quantize the LM head too (the embedding is a gather and stays as loaded)
+    search: bool = True  # search each group's clipping range for the least squared error (not just min/max)
+
+    KEYS: ClassVar[tuple[str, ...]] = ("group_size", "sym", "lm_head", "search")
+
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
+        for key in ("sym", "lm_head", "search"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"int4 {key} must be true or false, got {getattr(self, key)!r}")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, object] | None) -> Int4Options:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"unknown int4 option(s) {unknown}; known: {list(cls.KEYS)}")
+        return cls(**options)  # type: ignore[arg-type]
+
+
+# --- quantizer ---------------------------------------------------------------------------------------------
+
+# Candidate clipping ranges, as fractions of each group's [min, max] (1.0 = no clipping).
+_CLIP_FRACTIONS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75)
+
+
+def quantize_int4(weight: torch.Tensor, options: Int4Options) -> Int4Weights:
+    """Group-wise round-to-nearest of a [out, in] weight; per group, the clipping range with the least squared
+    error among `_CLIP_FRACTIONS` of its full range when `options.search`."""
+    weight = weight.detach().float()
+    out_features, in_features = weight.shape
+    g = options.group_size
+    num_groups = -(-in_features // g)
+    padded = F.pad(weight, (0, num_groups * g - in_features))
+    groups = padded.view(out_features, num_groups, g)
+    real = (torch.arange(num_groups * g) < in_features).view(1, num_groups, g)  # the ragged group's real columns
+    fractions = _CLIP_FRACTIONS if options.search else (1.0,)
+    best_err = torch.full((out_features, num_groups), float("inf"))
+    best_scale = torch.zeros(out_features, num_groups)
+    best_zero = torch.zeros(out_features, num_groups)
+    for fraction in fractions:
+        scale, zero = _scale_and_zero(groups, real, fraction, options.sym)
+        codes = _codes(groups, scale, zero)
+        err = (((codes - zero[..., None]) * scale[..., None] - groups) ** 2 * real).sum(-1)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    codes = _codes(groups, best_scale, best_zero).view(out_features, -1)[:, :in_features]
+    return Int4Weights(codes=codes.to(torch.uint8), scales=best_scale,
+                       zeros=None if options.sym else best_zero, group_size=g)
+
+
+def _scale_and_zero(groups: torch.Tensor, real: torch.Tensor, fraction: float,
+                    sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group: a bf16-representable scale (the stored precision, so the codes are chosen against it) and the
+    zero point in code units."""
+    if sym:
+        absmax = torch.where(real, groups.abs(), 0).amax(-1) * fraction
+        scale = (absmax / 7.5).clamp(min=1e-10).bfloat16().float()
+        return scale, torch.full_like(scale, 8.0)
+    high = torch.where(real, groups, -torch.inf).amax(-1).clamp(min=0) * fraction
+    low = torch.where(real, groups, torch.inf).amin(-1).clamp(max=0) * fraction
+    scale = ((high - low) / 15).clamp(min=1e-10).bfloat16().float()
+    return scale, torch.round(-low / scale).clamp(0, 15)
+
+
+def _codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    return torch.clamp(torch.round(groups / scale[..., None]) + zero[..., None], 0, 15)
+
+
+# --- the layer ---------------------------------------------------------------------------------------------
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ bias) with W held as 4-bit codes in torch's CPU int4 layout."""
+
+    packed: torch.Tensor  # uint8 [padded_out, padded_in // 2], torch's int4 layout
+    scales_and_zeros: torch.Tensor  # bf16 [padded_in // kernel_group, padded_out, 2]: (scale, offset)
+    input_order: torch.Tensor | None  # int64 [in]: column order that makes the groups contiguous (act-order)
+
+    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = weights.in_features, weights.out_features
+        codes, scales, zeros, group_size, order = _contiguous_groups(weights)
+        self.kernel_group = _kernel_group(group_size)
+        self.padded_in = -(-self.in_features // group_size) * group_size
+        self.padded_out = -(-self.out_features // BLOCK_ROWS) * BLOCK_ROWS
+        pad_rows, pad_cols = self.padded_out - self.out_features, self.padded_in - self.in_features
+        codes = F.pad(codes.to(torch.int32), (0, pad_cols, 0, pad_rows), value=8)
+        zeros = torch.full_like(scales, 8.0) if zeros is None else zeros
+        offsets = F.pad((8.0 - zeros) * scales, (0, 0, 0, pad_rows))  # padded rows: weight 0
+        scales = F.pad(scales, (0, 0, 0, pad_rows))
+        repeat = group_size // self.kernel_group  # a checkpoint group spanning several kernel groups
+        scales, offsets = scales.repeat_interleave(repeat, dim=1), offsets.repeat_interleave(repeat, dim=1)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales.t(), offsets.t()], dim=-1).contiguous().bfloat16())
+        self.register_buffer("input_order", order)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
+        if self.padded_in != self.in_features:
+            x = F.pad(x, (0, self.padded_in - self.in_features))
+        if x.shape[0] <= KERNEL_MAX_ROWS:
+            y = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), self.packed, self.kernel_group,
+                                                  self.scales_and_zeros).to(x.dtype)
+        else:
+            y = F.linear(x, self.dequantize(x.dtype))
+        y = y[:, : self.out_features]
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [padded_out, padded_in] (padding included, columns in `input_order`), as the int4 kernel sees it."""
+        scale, offset = self.scales_and_zeros.float().unbind(-1)  # [groups, out] each
+        base = (offset - 8 * scale).t()[..., None].to(dtype)  # W = q * scale + (offset - 8 * scale)
+        codes = unpack_int4pack(self.packed, self.padded_out, self.padded_in).view(self.padded_out, -1,
+                                                                                   self.kernel_group)
+        weight = codes.to(dtype).mul_(scale.t()[..., None].to(dtype)).add_(base)
+        return weight.view(self.padded_out, self.padded_in)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.kernel_group}"
+
+
+def unpack_int4pack(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """torch's CPU int4 layout back to codes [rows, cols]: blocks of 32 output rows, within a block one input
+    column after another, 16 bytes per column, byte i holding row i (low nibble) and row i + 16 (high)."""
+    nibbles = packed.view(rows // BLOCK_ROWS, cols, BLOCK_ROWS // 2)
+    low, high = nibbles & 15, nibbles >> 4
+    block = torch.cat([low, high], dim=-1)  # [blocks, cols, 32]: row order 0..15, 16..31
+    return block.permute(0, 2, 1).reshape(rows, cols)
+
+
+def _kernel_group(group_size: int) -> int:
+    for size in KERNEL_GROUP_SIZES:
+        if group_size % size == 0:
+            return size
+    raise ValueError(f"int4 group size {group_size} is not a multiple of 32; pagoda's int4 layers need one")
+
+
+def _contiguous_groups(
+    weights: Int4Weights,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, torch.Tensor | None]:
+    """(codes, scales, zeros, group_size, input_order) with each group's columns side by side: a checkpoint
+    that reorders columns (GPTQ act-order, `g_idx`) has its columns sorted by group, and x gathered the same
+    way at run time. Every group but the last must then hold exactly `group_size` columns."""
+    if weights.g_idx is None:
+        return weights.codes, weights.scales, weights.zeros, weights.group_size, None
+    g_idx = weights.g_idx.long()
+    order = torch.argsort(g_idx, stable=True)
+    expected = torch.arange(weights.in_features) // weights.group_size
+    if not torch.equal(g_idx[order], expected):
+        raise ValueError("g_idx does not split the columns into groups of group_size; pagoda cannot lay them out")
+    return weights.codes[:, order], weights.scales, weights.zeros, weights.group_size, order
