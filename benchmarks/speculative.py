@@ -8,13 +8,15 @@ with n-gram drafts: both ways give the same tokens (checked).
 
   (a) the demo model, n-gram, batch 1, on its `copy` and `json` task prompts (outputs repeat the prompt),
       and `reverse` reported separately (its answer is the prompt backwards: lookup mostly fails);
-  (b) a draft-model pair at batch 1: bench-125m in fp32 with its own int8 copy (bf16 activations) drafting;
+  (b) a draft-model pair at batch 1: a bench model (`--bench-model`, default bench-125m) in fp32 with its
+      own quantized copy drafting (`--draft-quantization`: int8 with bf16 activations, or int4);
       with the acceptance per position, the measured step costs and `pagoda calc`'s predicted speed-up;
-  (c) random prompts (drafts mostly fail): the demo model with n-gram (sampled, seeded), bench-125m with
-      its draft (greedy);
+  (c) random prompts (drafts mostly fail): the demo model with n-gram (sampled, seeded), the bench model
+      with its draft (greedy);
   (d) the batch size above which speculation stops paying: the demo model, n-gram, copy prompts.
 
     python benchmarks/speculative.py [--threads 2] [--quick]
+    python benchmarks/speculative.py --sections b --bench-model bench-1b --draft-quantization int4
 """
 
 from __future__ import annotations
@@ -33,9 +35,16 @@ from pagoda.demo import DEMO_MODEL_DIR, encode_prompts
 from pagoda.demo.tasks import generate as task_items
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCH_125M = REPO_ROOT / "models" / "bench-125m"
+MODELS_DIR = REPO_ROOT / "models"
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-INT8_DRAFT = {"method": "draft_model", "model": str(BENCH_125M), "quantization": "int8", "dtype": "bfloat16"}
+# The draft's dtype per quantization: int8's matmul takes bf16 activations; int4 rounds x to bf16 itself.
+DRAFT_DTYPES = {"int8": "bfloat16", "int4": "float32"}
+
+
+def self_draft(model: Path, quantization: str) -> dict:
+    """The model's own quantized copy as its draft model."""
+    return {"method": "draft_model", "model": str(model), "quantization": quantization,
+            "dtype": DRAFT_DTYPES[quantization]}
 
 
 @dataclass
@@ -154,19 +163,20 @@ def section_a_and_c(args, ks: list[int]) -> list[dict]:
     return rows
 
 
-def section_b_and_c(args, ks: list[int]) -> list[dict]:
-    """bench-125m fp32 with its int8 copy drafting: step costs, acceptance, the calc prediction."""
+def section_b_and_c(args, ks: list[int], model: Path) -> list[dict]:
+    """A bench model in fp32 with its quantized copy drafting: step costs, acceptance, the calc prediction."""
     params = SamplingParams(temperature=0.0, max_tokens=args.bench_max_tokens, ignore_eos=True)
     prompts = make_prompts(args.bench_prompts, 32, 32000, seed=2)
     random_prompts = make_prompts(args.bench_prompts, 32, 32000, seed=3)
-    target = engine(BENCH_125M, None, num_kv_blocks=256)
-    draft_alone = engine(BENCH_125M, None, num_kv_blocks=256, quantization="int8", dtype="bfloat16")
+    draft = self_draft(model, args.draft_quantization)
+    target = engine(model, None, num_kv_blocks=256)
+    draft_alone = engine(model, None, num_kv_blocks=256, quantization=draft["quantization"], dtype=draft["dtype"])
     target_alone, draft_run = compare(target, draft_alone, prompts, params, args.repeats)
     draft_cost = target_alone.tokens_per_s / draft_run.tokens_per_s
     log(f"draft step / target step at batch 1: {draft_cost:.3f}")
     rows = []
     for k in ks:
-        spec_llm = engine(BENCH_125M, {**INT8_DRAFT, "num_speculative_tokens": k}, num_kv_blocks=256)
+        spec_llm = engine(model, {**draft, "num_speculative_tokens": k}, num_kv_blocks=256)
         base, spec = compare(target, spec_llm, prompts, params, args.repeats)
         alpha = spec.acceptance or 0.0
         # pagoda's draft runs k proposal forwards and one more over the checked tokens (its KV follows the
@@ -175,7 +185,7 @@ def section_b_and_c(args, ks: list[int]) -> list[dict]:
         rows.append(row("b", "bench", "draft_model", k, base, spec, draft_cost=round(draft_cost, 3),
                         predicted=round(predicted, 3),
                         predicted_textbook=round(spec_speedup(alpha, k, draft_cost), 3)))
-    spec_llm = engine(BENCH_125M, {**INT8_DRAFT, "num_speculative_tokens": ks[-1]}, num_kv_blocks=256)
+    spec_llm = engine(model, {**draft, "num_speculative_tokens": ks[-1]}, num_kv_blocks=256)
     rows.append(row("c", "bench-random", "draft_model", ks[-1],
                     *compare(target, spec_llm, random_prompts, params, args.repeats)))
     return rows
@@ -221,6 +231,9 @@ def main() -> None:
     parser.add_argument("--bench-prompts", type=int, default=2)
     parser.add_argument("--bench-max-tokens", type=int, default=48)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--bench-model", default="bench-125m", help="section b's model, under models/")
+    parser.add_argument("--draft-quantization", choices=sorted(DRAFT_DTYPES), default="int8",
+                        help="section b's draft: the bench model's own copy in this quantization")
     parser.add_argument("--sections", default="abcd")
     args = parser.parse_args()
     if args.quick:
@@ -232,10 +245,12 @@ def main() -> None:
     rows: list[dict] = []
     if "a" in args.sections or "c" in args.sections:
         rows += section_a_and_c(args, args.ks)
-    if "b" in args.sections and BENCH_125M.is_dir():
-        rows += section_b_and_c(args, args.ks)
+    bench_model = MODELS_DIR / args.bench_model
+    if "b" in args.sections and bench_model.is_dir():
+        rows += section_b_and_c(args, args.ks, bench_model)
     elif "b" in args.sections:
-        log(f"{BENCH_125M} missing (python scripts/make_bench_models.py --only bench-125m): section b skipped")
+        log(f"{bench_model} missing (python scripts/make_bench_models.py --only {args.bench_model}): "
+            "section b skipped")
     if "d" in args.sections:
         rows += section_d(args, args.ks[-1])
     print_table(rows)

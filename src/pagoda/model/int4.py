@@ -67,45 +67,50 @@ class Int4Options:
 
 # Candidate clipping ranges, as fractions of each group's [min, max] (1.0 = no clipping).
 _CLIP_FRACTIONS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.8, 0.75)
+_ROWS_PER_PASS = 256  # rows quantized together: the candidates' passes over them stay in cache
 
 
 def quantize_int4(weight: torch.Tensor, options: Int4Options) -> Int4Weights:
     """Group-wise round-to-nearest of a [out, in] weight; per group, the clipping range with the least squared
-    error among `_CLIP_FRACTIONS` of its full range when `options.search`."""
+    error among `_CLIP_FRACTIONS` of its full range when `options.search`. A ragged last group is padded with
+    zeros, which change no group's statistics (every range includes 0)."""
     weight = weight.detach().float()
     out_features, in_features = weight.shape
     g = options.group_size
     num_groups = -(-in_features // g)
-    padded = F.pad(weight, (0, num_groups * g - in_features))
-    groups = padded.view(out_features, num_groups, g)
-    real = (torch.arange(num_groups * g) < in_features).view(1, num_groups, g)  # the ragged group's real columns
-    fractions = _CLIP_FRACTIONS if options.search else (1.0,)
-    best_err = torch.full((out_features, num_groups), float("inf"))
-    best_scale = torch.zeros(out_features, num_groups)
-    best_zero = torch.zeros(out_features, num_groups)
-    for fraction in fractions:
-        scale, zero = _scale_and_zero(groups, real, fraction, options.sym)
+    groups = F.pad(weight, (0, num_groups * g - in_features)).view(out_features, num_groups, g)
+    parts = [_quantize_groups(rows, options) for rows in torch.split(groups, _ROWS_PER_PASS)]
+    codes, scales, zeros = (torch.cat(part) for part in zip(*parts))
+    return Int4Weights(codes=codes.view(out_features, -1)[:, :in_features].contiguous(), scales=scales,
+                       zeros=None if options.sym else zeros, group_size=g)
+
+
+def _quantize_groups(groups: torch.Tensor, options: Int4Options) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[rows, num_groups, g] -> (uint8 codes, scales, zero points) of the best candidate range per group."""
+    best_err = best_scale = best_zero = None
+    for fraction in _CLIP_FRACTIONS if options.search else (1.0,):
+        scale, zero = _scale_and_zero(groups, fraction, options.sym)
         codes = _codes(groups, scale, zero)
-        err = (((codes - zero[..., None]) * scale[..., None] - groups) ** 2 * real).sum(-1)
+        err = codes.sub_(zero[..., None]).mul_(scale[..., None]).sub_(groups).square_().sum(-1)
+        if best_err is None or best_scale is None or best_zero is None:
+            best_err, best_scale, best_zero = err, scale, zero
+            continue
         better = err < best_err
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
         best_zero = torch.where(better, zero, best_zero)
-    codes = _codes(groups, best_scale, best_zero).view(out_features, -1)[:, :in_features]
-    return Int4Weights(codes=codes.to(torch.uint8), scales=best_scale,
-                       zeros=None if options.sym else best_zero, group_size=g)
+    assert best_scale is not None and best_zero is not None
+    return _codes(groups, best_scale, best_zero).to(torch.uint8), best_scale, best_zero
 
 
-def _scale_and_zero(groups: torch.Tensor, real: torch.Tensor, fraction: float,
-                    sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_and_zero(groups: torch.Tensor, fraction: float, sym: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Per group: a bf16-representable scale (the stored precision, so the codes are chosen against it) and the
     zero point in code units."""
     if sym:
-        absmax = torch.where(real, groups.abs(), 0).amax(-1) * fraction
-        scale = (absmax / 7.5).clamp(min=1e-10).bfloat16().float()
+        scale = (groups.abs().amax(-1) * (fraction / 7.5)).clamp(min=1e-10).bfloat16().float()
         return scale, torch.full_like(scale, 8.0)
-    high = torch.where(real, groups, -torch.inf).amax(-1).clamp(min=0) * fraction
-    low = torch.where(real, groups, torch.inf).amin(-1).clamp(max=0) * fraction
+    high = groups.amax(-1).clamp(min=0) * fraction
+    low = groups.amin(-1).clamp(max=0) * fraction
     scale = ((high - low) / 15).clamp(min=1e-10).bfloat16().float()
     return scale, torch.round(-low / scale).clamp(0, 15)
 

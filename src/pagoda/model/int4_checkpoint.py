@@ -51,7 +51,12 @@ def load_prequantized(model: LlamaModel, weights: Iterable[tuple[str, torch.Tens
     for path, pieces in parts.items():
         pending = model.get_submodule(path)
         assert isinstance(pending, PendingInt4)
-        _set_module(model, path, Int4Linear(_fuse(model, path, pieces), pending.bias))
+        try:
+            _set_module(model, path, Int4Linear(_fuse(model, path, pieces), pending.bias))
+        except ValueError as error:  # a layout pagoda's int4 layer cannot take: name the layer
+            from pagoda.model.loader import ModelLoadError
+
+            raise ModelLoadError(f"{path}: {error}") from error
     if not fmt.lm_head and kernels is not None and dtype in DenseLinear.DTYPES:
         _set_module(model, "lm_head", DenseLinear(model.lm_head, kernels))
 
