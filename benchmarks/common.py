@@ -154,7 +154,12 @@ _STREAM_COUNTS = (1, 4, 8, 16, -4)  # -4: 4 runs each prefetched 2 KB ahead, as 
 
 @functools.cache
 def _native_reader():
-    """The compiled streaming reader, or None where it cannot be built (then torch's readers alone)."""
+    """The compiled streaming reader, or None where it cannot be built or run (then torch's readers alone)."""
+    from pagoda.kernels import cpu_flags
+
+    if "avx512f" not in cpu_flags():  # it would build, then die of an illegal instruction
+        log("native streaming reader needs AVX-512; torch readers only")
+        return None
     try:
         from torch.utils.cpp_extension import load_inline
 

@@ -41,7 +41,7 @@ _STALE_LOCK_SECONDS = 900  # a build lock this old belongs to a killed build: to
 REQUIRED_CPU_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"})
 
 
-def _cpu_flags() -> set[str]:
+def cpu_flags() -> set[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -53,7 +53,7 @@ def _cpu_flags() -> set[str]:
 
 
 def cpu_has_kernel_features() -> bool:
-    return not REQUIRED_CPU_FLAGS - _cpu_flags()
+    return not REQUIRED_CPU_FLAGS - cpu_flags()
 
 
 def _build_directory() -> tuple[str, Path, list[str]]:
@@ -79,7 +79,7 @@ def _build_directory() -> tuple[str, Path, list[str]]:
 def cpu_kernels():
     if os.environ.get("PAGODA_DISABLE_KERNELS") == "1":
         return None
-    missing = REQUIRED_CPU_FLAGS - _cpu_flags()
+    missing = REQUIRED_CPU_FLAGS - cpu_flags()
     if missing:
         logger.warning("native CPU kernels off: the CPU lacks %s; using torch", sorted(missing))
         return None
