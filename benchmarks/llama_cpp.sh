@@ -7,8 +7,10 @@
 #   benchmarks/llama_cpp.sh gguf models/bench-1b       # f32, bf16, q8_0 and Q4_K_M GGUFs of that model
 #   benchmarks/llama_cpp.sh server <gguf> <port> [extra llama-server flags]
 #
-# The GGUF conversion runs llama.cpp's own convert_hf_to_gguf.py with the vendored gguf-py, in the
-# caller's Python (pagoda's .venv has what it imports: torch, numpy, transformers, safetensors).
+# The GGUF conversion runs llama.cpp's own convert_hf_to_gguf.py (through gguf_convert.py, which names the
+# bench tokenizers' pre-tokenizer for it) with the vendored gguf-py, in the
+# caller's Python (pagoda's .venv has most of what it imports: torch, numpy, transformers, safetensors);
+# sentencepiece, which its Llama converter imports, goes to $LLAMA_CPP_DIR/pydeps, not into the venv.
 set -euo pipefail
 
 VERSION=0.3.36  # llama-cpp-python; its vendor/llama.cpp is the llama.cpp revision measured
@@ -32,10 +34,11 @@ build() {
 gguf() {
   local model=$1 name
   name=$(basename "$model")
+  [ -d "$DIR/pydeps/sentencepiece" ] || "$PYTHON" -m pip install -q --target "$DIR/pydeps" sentencepiece
   for type in f32 bf16 q8_0; do
     local out="$DIR/$name-$type.gguf"
-    [ -f "$out" ] || PYTHONPATH="$SRC/gguf-py" "$PYTHON" "$SRC/convert_hf_to_gguf.py" "$model" --outtype "$type" \
-      --outfile "$out"
+    [ -f "$out" ] || PYTHONPATH="$DIR/pydeps" "$PYTHON" "$(dirname "$0")/gguf_convert.py" "$SRC" "$model" \
+      --outtype "$type" --outfile "$out"
   done
   [ -f "$DIR/$name-q4_k_m.gguf" ] || "$BIN/llama-quantize" "$DIR/$name-f32.gguf" "$DIR/$name-q4_k_m.gguf" Q4_K_M
   ls -l "$DIR"/"$name"-*.gguf
