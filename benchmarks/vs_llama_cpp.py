@@ -55,10 +55,12 @@ def servers(model: Path, config: str, gguf: Path, slots: int, threads: int, logs
     return started
 
 
-def bench(endpoints: list[tuple[str, str]], model: Path, workload: str, requests: int, out: Path) -> dict:
+def bench(endpoints: list[tuple[str, str]], model: Path, workload: str, requests: int, seed: int, out: Path) -> dict:
+    """One round; its own prompts (seed), so that neither server finds them in its prompt cache."""
     compare = [f"{name}={url}" for name, url in endpoints]
     command = [str(REPO_ROOT / ".venv/bin/pagoda"), "bench", "--compare", *compare, "--tokenizer", str(model),
                *WORKLOADS[workload]["bench"], "--ignore-eos", "--num-requests", str(requests), "--warmup", "2",
+               "--seed", str(seed),
                "--out", str(out), "--no-plot"]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
     return json.loads(out.read_text())
@@ -81,7 +83,7 @@ def run_pair(args, pair: str, logs: Path) -> dict:
         for index in range(args.rounds):
             order = started if index % 2 == 0 else started[::-1]
             result = bench([(name, url) for name, _, url in order], args.model, args.workload, args.requests,
-                           logs / f"round{index}.json")
+                           1000 * (index + 1), logs / f"round{index}.json")
             for endpoint in result["endpoints"]:
                 rounds[endpoint["name"]].append(figures(endpoint))
             log(f"{pair} round {index + 1}: " + "; ".join(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import pagoda.kernels
 from pagoda.model.int4 import Int4Linear, Int4Options, quantize_int4, unpack_int4pack
 from pagoda.model.int4_weights import Int4Weights, stack_outputs
 from pagoda.sampling import SamplingParams
@@ -152,3 +153,18 @@ def test_lm_head_left_out_by_option(make_llm, checkpoint):
     llm = make_llm(checkpoint("llama"), quantization="int4", quantization_config={"lm_head": False})
     assert not isinstance(llm.engine.model.lm_head, Int4Linear)
     assert isinstance(llm.engine.model.layers[0].mlp.down_proj, Int4Linear)
+
+
+def test_int4_runs_its_own_matmul_beside_the_native_kernels(make_llm, checkpoint, monkeypatch):
+    """Where pagoda's kernels run (their torch stand-ins here), an int4 model keeps them for attention and norms
+    but decodes through its layers, not the native decode stack, whose GEMVs do not take int4 weights."""
+    from reference_kernels import ReferenceKernels
+
+    model_dir = checkpoint("llama")
+    prompts = random_prompts([6, 21], seed=9)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in make_llm(model_dir, quantization="int4").generate(prompts, params)]
+    monkeypatch.setattr(pagoda.kernels, "cpu_kernels", ReferenceKernels)
+    llm = make_llm(model_dir, quantization="int4")
+    assert llm.engine.model.backend.decode_runner is None
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
