@@ -28,10 +28,15 @@ from pathlib import Path
 from common import environment, load_average, log, save_bar_png, write_json
 from server_process import free_port, start_server, stop_server
 
+from pagoda.kernels import cpu_flags
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LLAMA_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/llama-cpp"))
+# int8's activations: bf16 where the CPU computes in bf16 (AVX-512 BF16), else fp32 (bf16 GEMMs are emulated
+# there, ~10x slower; the int8 matmul rounds x to bf16 by itself).
+INT8_DTYPE = "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
 PAGODA_CONFIGS = {"fp32": ["--dtype", "float32"], "bf16": ["--dtype", "bfloat16"],
-                  "int8": ["--dtype", "bfloat16", "--quantization", "int8"],
+                  "int8": ["--dtype", INT8_DTYPE, "--quantization", "int8"],
                   "int4": ["--dtype", "float32", "--quantization", "int4"]}
 WORKLOADS = {
     "batch1": {"bench": ["--concurrency", "1", "--input-len", "128", "--output-len", "128"], "slots": 1},

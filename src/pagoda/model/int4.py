@@ -29,6 +29,7 @@ from torch import nn
 
 from pagoda.model.int4_format import DEFAULT_GROUP_SIZE, GROUP_SIZES
 from pagoda.model.int4_weights import Int4Weights
+from pagoda.model.quantization import tiled_matmul
 
 # Group sizes torch's int4 kernel takes; a checkpoint group that is a multiple of one is split into
 # kernel groups that repeat its scale (exact).
@@ -37,7 +38,6 @@ BLOCK_ROWS = 32  # the packed layout interleaves output rows in blocks of this m
 # Up to this many rows the int4 kernel beats dequantized tiles into a GEMM (it re-reads the nibbles per few
 # rows; 0.8x the tiles' time at 64 rows, 1.05x at 128, on a bench-1b gate/up layer of an AVX2 Zen 3).
 KERNEL_MAX_ROWS = 64
-TILE_ROWS = 256  # output rows dequantized at a time for a GEMM
 
 
 @dataclass(frozen=True)
@@ -162,17 +162,10 @@ class Int4Linear(nn.Module):
             y = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), self.packed, self.kernel_group,
                                                   self.scales_and_zeros).to(x.dtype)
         else:
-            y = self._tiled_matmul(x)
+            scale, base = self._scale_and_base(x.dtype)
+            y = tiled_matmul(x, self.padded_out, lambda start, end, _: self._dequantize_rows(start, end, scale, base))
         y = y[:, : self.out_features]
         return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def _tiled_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        y = torch.empty(x.shape[0], self.padded_out, dtype=x.dtype)
-        scale, base = self._scale_and_base(x.dtype)
-        for start in range(0, self.padded_out, TILE_ROWS):
-            end = min(start + TILE_ROWS, self.padded_out)
-            torch.mm(x, self._dequantize_rows(start, end, scale, base).t(), out=y[:, start:end])
-        return y
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [padded_out, padded_in] (padding included, columns in `input_order`), as the int4 kernel sees it."""

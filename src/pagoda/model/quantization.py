@@ -82,11 +82,29 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels is not None and x.shape[0] <= KERNEL_MAX_ROWS:
             y = self.kernels.gemv_int8(x, self.qweight, self.scale)
-        elif x.dtype == torch.bfloat16 and x.shape[0] <= KERNEL_MAX_ROWS:
-            y = torch._weight_int8pack_mm(x, self.qweight, self.scale.to(x.dtype))
-        else:  # a matrix multiplication: dequantizing once costs little next to it
-            y = F.linear(x, self.qweight.to(x.dtype) * self.scale[:, None].to(x.dtype))
+        elif x.shape[0] <= KERNEL_MAX_ROWS:  # torch's int8 matmul takes bf16 x (an fp32 model's is rounded)
+            y = torch._weight_int8pack_mm(x.bfloat16(), self.qweight, self.scale.bfloat16()).to(x.dtype)
+        else:  # a matrix multiplication: dequantizing costs little next to it
+            y = tiled_matmul(x, self.qweight.shape[0], self._dequantize_rows)
         return y if self.bias is None else y + self.bias
+
+    def _dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.mul(self.qweight[start:end], self.scale[start:end, None].to(dtype))
+
+
+TILE_ROWS = 256  # output rows dequantized at a time for a GEMM
+
+
+def tiled_matmul(x: torch.Tensor, out_features: int,
+                 dequantize_rows: Callable[[int, int, torch.dtype], torch.Tensor]) -> torch.Tensor:
+    """x @ W.T for a weight kept quantized: `dequantize_rows(start, end, dtype)` gives W[start:end], a tile at a
+    time straight into its GEMM. Dequantizing a whole fp32 weight per call costs more in page faults (a fresh
+    buffer each time) than in arithmetic; a tile's buffer is reused and stays in cache."""
+    y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    for start in range(0, out_features, TILE_ROWS):
+        end = min(start + TILE_ROWS, out_features)
+        torch.mm(x, dequantize_rows(start, end, x.dtype).t(), out=y[:, start:end])
+    return y
 
 
 def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKernels | None,
