@@ -23,12 +23,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-# name -> (pagoda dtype, quantization). int8 is weight-only (W8A16: bf16 activations), LM head included.
+
+def _int8_activations() -> str:
+    """bf16 where the CPU computes in bf16 (AVX-512 BF16), else fp32: elsewhere bf16 GEMMs are emulated, ~10x
+    slower, and the int8 matmul rounds x to bf16 by itself."""
+    from pagoda.kernels import cpu_flags
+
+    return "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
+
+
+# name -> (pagoda dtype, quantization). int8 and int4 are weight-only, LM head included.
 CONFIGS = {
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
-    "int8": ("bfloat16", "int8"),
-    "int4": ("float32", "int4"),  # fp32 activations: without native bf16 (AVX-512 BF16) bf16 GEMMs are slow
+    "int8": (_int8_activations(), "int8"),
+    "int4": ("float32", "int4"),  # int4's matmul rounds x to bf16 itself; fp32 keeps prefill GEMMs fast anywhere
 }
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GiB = 1 << 30

@@ -25,19 +25,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import environment, load_average, log, save_bar_png, write_json
+from common import CONFIGS, environment, load_average, log, save_bar_png, write_json
 from server_process import free_port, start_server, stop_server
-
-from pagoda.kernels import cpu_flags
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 LLAMA_DIR = Path(os.environ.get("LLAMA_CPP_DIR", "/tmp/llama-cpp"))
-# int8's activations: bf16 where the CPU computes in bf16 (AVX-512 BF16), else fp32 (bf16 GEMMs are emulated
-# there, ~10x slower; the int8 matmul rounds x to bf16 by itself).
-INT8_DTYPE = "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
-PAGODA_CONFIGS = {"fp32": ["--dtype", "float32"], "bf16": ["--dtype", "bfloat16"],
-                  "int8": ["--dtype", INT8_DTYPE, "--quantization", "int8"],
-                  "int4": ["--dtype", "float32", "--quantization", "int4"]}
 WORKLOADS = {
     "batch1": {"bench": ["--concurrency", "1", "--input-len", "128", "--output-len", "128"], "slots": 1},
     "streams": {"bench": ["--concurrency", "32", "--input-len", "128", "--output-len", "64"], "slots": 32},
@@ -47,7 +39,9 @@ WORKLOADS = {
 def servers(model: Path, config: str, gguf: Path, slots: int, threads: int, logs: Path) -> list:
     """(name, process, url) of pagoda and llama.cpp serving the pair, both healthy."""
     context = 4096
-    pagoda = [str(REPO_ROOT / ".venv/bin/pagoda"), "serve", "--model", str(model), *PAGODA_CONFIGS[config],
+    dtype, quantization = CONFIGS[config]
+    weights = ["--dtype", dtype] + ([] if quantization is None else ["--quantization", quantization])
+    pagoda = [str(REPO_ROOT / ".venv/bin/pagoda"), "serve", "--model", str(model), *weights,
               "--threads", str(threads), "--max-num-seqs", str(slots), "--max-model-len", str(context),
               "--port", str(free_port()), "--uvicorn-log-level", "warning"]
     llama = [str(LLAMA_DIR / "build/bin/llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),

@@ -5,7 +5,7 @@ bf16 (scale, offset) pair per group of input columns (`int4_format`): W = (q - 8
 Every source of 4-bit weights (this module's quantizer, GPTQ and AWQ checkpoints) arrives as `Int4Weights` and is
 converted once, so there is one runtime form and one set of numerics.
 
-Decode-sized inputs (up to `KERNEL_MAX_ROWS` rows) run torch's int4 matmul, which reads the packed nibbles
+Decode-sized inputs (up to `MATMUL_MAX_ROWS` rows) run torch's int4 matmul, which reads the packed nibbles
 and takes bf16 activations (its fp32 path is scalar and an order of magnitude slower), so fp32 models round
 x to bf16 for these layers. Larger inputs are matrix multiplications: the weight is dequantized to the
 input's dtype, from the same packed codes and the same bf16 scales, a slice of rows at a time into a
@@ -37,7 +37,7 @@ KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 BLOCK_ROWS = 32  # the packed layout interleaves output rows in blocks of this many
 # Up to this many rows the int4 kernel beats dequantized tiles into a GEMM (it re-reads the nibbles per few
 # rows; 0.8x the tiles' time at 64 rows, 1.05x at 128, on a bench-1b gate/up layer of an AVX2 Zen 3).
-KERNEL_MAX_ROWS = 64
+MATMUL_MAX_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ class Int4Linear(nn.Module):
             x = x.index_select(-1, self.input_order)
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
-        if x.shape[0] <= KERNEL_MAX_ROWS:
+        if x.shape[0] <= MATMUL_MAX_ROWS:
             y = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), self.packed, self.kernel_group,
                                                   self.scales_and_zeros).to(x.dtype)
         else:
