@@ -3,7 +3,8 @@ model without a chat template (400 on chat, completions still served).
 
 One server for the module, as tight as it gets: --max-num-seqs 1 and --max-waiting-requests 1, so one
 long request running and one waiting fill it, deterministically; a 4096-token context lets the running one
-last as long as a test needs (it is aborted by closing its stream).
+last as long as a test needs (it is aborted by closing its stream), which also makes a client's disconnect
+certain to reach the engine long before such a request could end by itself.
 """
 
 from __future__ import annotations
@@ -210,3 +211,50 @@ def test_bursts_past_the_queue_bound_get_429s_and_the_rest_is_served(server):
     assert all(r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length" for r in rest)
     assert retries > 0  # the retries ran past the bound too, and were still all served
     server.wait_until_idle()
+
+
+# --------------------------------------------------------------------------------------------------
+# Clients that go away
+# --------------------------------------------------------------------------------------------------
+
+
+def assert_aborted_not_finished(before, after) -> None:
+    """A finished request would have moved these counters; an aborted one moves only the abort count."""
+    assert after.value("vllm:generation_tokens_total") == before.value("vllm:generation_tokens_total"), (
+        "the request ran to its end after its client had gone"
+    )
+    assert after.value("vllm:request_success_total", finished_reason="length") == before.value(
+        "vllm:request_success_total", finished_reason="length"
+    )
+
+
+def test_client_disconnect_aborts_a_streamed_request_and_frees_its_blocks(server):
+    server.wait_until_idle()
+    before = server.metrics()
+    with server.client() as client:
+        stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=LONG, stream=True,
+                                           extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks), next(chunks)
+        assert server.metrics().gauge("vllm:num_requests_running") == 1
+        stream.close()
+    assert_aborted_not_finished(before, server.wait_until_idle())  # idle includes: every KV block back
+
+
+def test_client_disconnect_aborts_a_non_streamed_request_too(server):
+    """A client that gives up (its timeout, a closed connection) must not leave the engine generating."""
+    server.wait_until_idle()
+    before = server.metrics()
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60,
+                                     headers={"Authorization": f"Bearer {KEY}"}) as http:
+            request = asyncio.create_task(http.post("/v1/completions", json=body))
+            await wait_for(server, running=1, waiting=0)
+            request.cancel()  # closes its connection
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(main())
+    assert_aborted_not_finished(before, server.wait_until_idle())
