@@ -31,7 +31,14 @@ class CompiledDecodeStack(Protocol):
                 key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
 
 
-class CpuKernels(Protocol):
+class Int4Kernels(Protocol):
+    """A compiled module with the int4 GEMV (kernels/cpu_int4.cpp): the full set's, or the AVX2 module's."""
+
+    def gemv_int4(self, x: torch.Tensor, packed: torch.Tensor, group: int,
+                  scales_and_zeros: torch.Tensor) -> torch.Tensor: ...
+
+
+class CpuKernels(Int4Kernels, Protocol):
     """The compiled module of pagoda's CPU kernels (kernels/cpu_module.cpp), as model/ calls it."""
 
     DecodeStack: Callable[[int, int, int, float, float, torch.Tensor], CompiledDecodeStack]
@@ -58,12 +65,15 @@ class ModelRuntime:
     attention: AttentionBackend = field(default_factory=TorchAttentionBackend)
     kernels: CpuKernels | None = None  # the norms' fused residual add + RMSNorm and the MLP's SiLU gate
     gemv_kernels: CpuKernels | None = None  # the linears' GEMVs, for `prepare_linears`
+    int4_kernels: Int4Kernels | None = None  # int4 layers' GEMV (the full set's, or the AVX2 module's)
 
 
 def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels | None,
-                   quantization: str | None = None) -> ModelRuntime:
+                   quantization: str | None = None, int4_kernels: Int4Kernels | None = None) -> ModelRuntime:
     """The implementations a model of `config` in `dtype` runs. kernels: pagoda's compiled CPU kernels for a
-    model on the CPU that may use them; None: the torch reference throughout. With kernels:
+    model on the CPU that may use them; None: the torch reference throughout. int4_kernels: for an int4 model,
+    the module whose int4 GEMV its layers run (the full set, or on AVX2-only CPUs the AVX2 module); None:
+    torch's int4 matmul. With kernels:
 
     - the linears run their GEMVs, in any dtype (`prepare_linears` decides per layer);
     - fp32/bf16 models also fuse the norms' residual add + RMSNorm and the MLP's SiLU gate;
@@ -71,14 +81,16 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
       heads per kv head), attend through the native backend: paged attention, rope + KV write in one call;
     - and where every layer's linear runs as a GEMV too (input widths a multiple of 32), run decode-only
       steps through the native decode stack, which the backend's `bind` builds once the weights are final
-      (not for int4 weights: they run torch's int4 matmul, which the stack does not call).
+      (not for int4 weights: their layers run the int4 GEMV, which the stack does not call).
     """
+    int4 = int4_kernels if quantization == "int4" else None
     fused = kernels if dtype in (torch.float32, torch.bfloat16) else None
     if fused is None:
-        return ModelRuntime(gemv_kernels=kernels)
+        return ModelRuntime(gemv_kernels=kernels, int4_kernels=int4)
     group = config.num_heads // config.num_kv_heads
     if not (config.head_dim % 16 == 0 and config.head_dim <= 128 and group <= 16):  # the attention kernels' shapes
-        return ModelRuntime(kernels=fused, gemv_kernels=kernels)
+        return ModelRuntime(kernels=fused, gemv_kernels=kernels, int4_kernels=int4)
     linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
     decode_stack = quantization != "int4" and all(gemv_takes(width) for width in linear_widths)
-    return ModelRuntime(CpuAttentionBackend(fused, decode_stack), kernels=fused, gemv_kernels=kernels)
+    return ModelRuntime(CpuAttentionBackend(fused, decode_stack), kernels=fused, gemv_kernels=kernels,
+                        int4_kernels=int4)

@@ -225,7 +225,7 @@ def load_model(
     codes, repacked), and refuses the others. quantization_config: the int4 quantizer's options.
     use_kernels: pagoda's native CPU kernels where they apply (`backends.create_runtime` says where),
     for a model on the CPU; without them, or elsewhere, the torch reference throughout."""
-    from pagoda.kernels import cpu_kernels
+    from pagoda.kernels import avx2_kernels, cpu_kernels
     from pagoda.model.backends import create_runtime
     from pagoda.model.llama import LlamaModel
     from pagoda.model.prequantized import read_prequantized_format
@@ -236,18 +236,20 @@ def load_model(
     if prequantized is not None:
         _check_prequantized_request(model_dir, prequantized.method, quantization, quantization_config)
         quantization = "int4"
-    kernels = cpu_kernels() if use_kernels and torch.device(device).type == "cpu" else None
-    runtime = create_runtime(config, dtype, kernels, quantization)
+    native = use_kernels and torch.device(device).type == "cpu"
+    kernels = cpu_kernels() if native else None
+    int4_kernels = (kernels if kernels is not None else avx2_kernels()) if native and quantization == "int4" else None
+    runtime = create_runtime(config, dtype, kernels, quantization, int4_kernels)
     with torch.device("meta"):
         model = LlamaModel(config, runtime)
     weights = _with_progress(iter_weights(model_dir), model_dir)
     if prequantized is None:
         model.load_weights(weights, dtype=dtype, device=device)
-        prepare_linears(model, quantization, runtime.gemv_kernels, quantization_config)
+        prepare_linears(model, quantization, runtime.gemv_kernels, quantization_config, runtime.int4_kernels)
     else:
         from pagoda.model.int4_checkpoint import load_prequantized
 
-        load_prequantized(model, weights, prequantized, dtype, device, runtime.gemv_kernels)
+        load_prequantized(model, weights, prequantized, dtype, device, runtime.gemv_kernels, runtime.int4_kernels)
     model.backend.bind(model)  # the weights are final: the native decode stack, where chosen, is built now
     return model.eval(), config
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from pagoda.model.backends import CpuKernels
+    from pagoda.model.backends import CpuKernels, Int4Kernels
     from pagoda.model.int4 import Int4Options
 
 QUANTIZATIONS = (None, "int8", "int4")
@@ -108,24 +108,24 @@ def tiled_matmul(x: torch.Tensor, out_features: int,
 
 
 def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKernels | None,
-                    int4: Int4Options | None = None) -> None:
+                    int4: Int4Options | None = None, int4_kernels: Int4Kernels | None = None) -> None:
     """Swaps nn.Linear layers (LM head included, unless int4 options leave it out) for the fast path the dtype
     and quantization call for. kernels: the GEMV kernels the model runs (`ModelRuntime.gemv_kernels`), or None.
-    int4: the int4 quantizer's options (None: its defaults)."""
+    int4: the int4 quantizer's options (None: its defaults); int4_kernels: `ModelRuntime.int4_kernels`."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}")
     dtype = next(model.parameters()).dtype
     if quantization is None and (kernels is None or dtype not in DenseLinear.DTYPES):
         return  # nothing to gain: torch's own layers are the path
-    fast = _layer_factory(quantization, kernels, int4)
+    fast = _layer_factory(quantization, kernels, int4, int4_kernels)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, fast(child, parent is model and name == "lm_head"))
 
 
-def _layer_factory(quantization: str | None, kernels: CpuKernels | None,
-                   int4: Int4Options | None) -> Callable[[nn.Linear, bool], nn.Module]:
+def _layer_factory(quantization: str | None, kernels: CpuKernels | None, int4: Int4Options | None,
+                   int4_kernels: Int4Kernels | None) -> Callable[[nn.Linear, bool], nn.Module]:
     """(linear, is the LM head) -> the layer that replaces it."""
     if quantization == "int8":
         return lambda linear, _: Int8Linear(linear, kernels)
@@ -137,7 +137,7 @@ def _layer_factory(quantization: str | None, kernels: CpuKernels | None,
         def int4_layer(linear: nn.Linear, lm_head: bool) -> nn.Module:
             if lm_head and not options.lm_head:
                 return DenseLinear(linear, kernels)
-            return Int4Linear(quantize_int4(linear.weight, options), linear.bias)
+            return Int4Linear(quantize_int4(linear.weight, options), linear.bias, int4_kernels)
 
         return int4_layer
     return lambda linear, _: DenseLinear(linear, kernels)

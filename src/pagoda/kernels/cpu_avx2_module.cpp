@@ -1,0 +1,7 @@
+// The Python module for CPUs with AVX2 but not the AVX-512 set the full kernels need: the operations that
+// do not need AVX-512 (the AVX-512 module binds them too).
+#include "cpu_ops.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("gemv_int4", &gemv_int4, "y = x @ W.T for W in torch's CPU int4 layout and 1..64 rows of x (x's dtype out)");
+}
