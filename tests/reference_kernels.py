@@ -24,7 +24,7 @@ def _gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> t
     return F.linear(x, qweight.to(x.dtype) * scale[:, None].to(x.dtype))
 
 
-def reference_gemv_int4(x: torch.Tensor, packed: torch.Tensor, group: int,
+def reference_matmul_int4(x: torch.Tensor, packed: torch.Tensor, group: int,
                         scales_and_zeros: torch.Tensor) -> torch.Tensor:
     """What kernels/cpu_int4.cpp computes: W dequantized from torch's int4 layout times x quantized per group to
     int8 (scale max|x| / 127, round to nearest), in fp32."""
@@ -175,10 +175,10 @@ class ReferenceKernels:
         self._logged("gemv_int8", (x, qweight, scale))
         return _gemv_int8(x, qweight, scale)
 
-    def gemv_int4(self, x: torch.Tensor, packed: torch.Tensor, group: int,
+    def matmul_int4(self, x: torch.Tensor, packed: torch.Tensor, group: int,
                   scales_and_zeros: torch.Tensor) -> torch.Tensor:
-        self._logged("gemv_int4", (x, packed, group, scales_and_zeros))
-        return reference_gemv_int4(x, packed, group, scales_and_zeros)
+        self._logged("matmul_int4", (x, packed, group, scales_and_zeros))
+        return reference_matmul_int4(x, packed, group, scales_and_zeros)
 
     def add_rms_norm_(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                       eps: float) -> torch.Tensor:

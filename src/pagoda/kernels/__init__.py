@@ -2,7 +2,7 @@
 
 `cpu_kernels()` returns the compiled module, or None (with one warning) when the CPU lacks AVX-512
 BF16, no compiler is present, the build fails, or PAGODA_DISABLE_KERNELS=1 asks for the torch path.
-`avx2_kernels()` returns the smaller module built for AVX2 alone (the int4 GEMV), for CPUs without that
+`avx2_kernels()` returns the smaller module built for AVX2 alone (the int4 matmul), for CPUs without that
 AVX-512 set.
 
 The build lives in ~/.cache/pagoda/kernels/<hash of the sources and flags>/, with the sources copied in:
@@ -49,7 +49,7 @@ _AVX512 = _Build(
      "-ffp-contract=off"),
     frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}),
 )
-# What runs on AVX2 alone (the int4 GEMV), for CPUs without that AVX-512 set.
+# What runs on AVX2 alone (the int4 matmul), for CPUs without that AVX-512 set.
 _AVX2 = _Build("pagoda_cpu_avx2_kernels", ("cpu_int4.cpp", "cpu_avx2_module.cpp"),
                ("-O3", "-mavx2", "-mfma", "-fopenmp"), frozenset({"avx2", "fma"}))
 REQUIRED_CPU_FLAGS = _AVX512.cpu_flags
@@ -100,7 +100,7 @@ def cpu_kernels():
 
 @functools.cache
 def avx2_kernels():
-    """The AVX2 module (the int4 GEMV, which the full set has too), or None."""
+    """The AVX2 module (the int4 matmul, which the full set has too), or None."""
     return _load(_AVX2)
 
 

@@ -3,5 +3,5 @@
 #include "cpu_ops.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv_int4", &gemv_int4, "y = x @ W.T for W in torch's CPU int4 layout and 1..64 rows of x (x's dtype out)");
+  m.def("matmul_int4", &matmul_int4, "y = x @ W.T for W in torch's CPU int4 layout, x quantized per group to int8 (x's dtype out)");
 }

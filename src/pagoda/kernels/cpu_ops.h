@@ -10,8 +10,9 @@
 torch::Tensor gemv_fp32(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale);
-// cpu_int4.cpp (AVX2): the same for int4 W in torch's CPU int4 layout with bf16 (scale, offset) per group.
-torch::Tensor gemv_int4(const torch::Tensor& x, const torch::Tensor& packed, int64_t group,
+// cpu_int4.cpp (AVX2): y = x @ W.T for any number of rows of x, int4 W in torch's CPU int4 layout with bf16
+// (scale, offset) per group, x quantized per group to int8.
+torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, int64_t group,
                         const torch::Tensor& scales_and_zeros);
 
 // cpu_attention.cpp, cpu_prefill_attention.cpp: paged attention reading the cache in place.

@@ -32,9 +32,9 @@ class CompiledDecodeStack(Protocol):
 
 
 class Int4Kernels(Protocol):
-    """A compiled module with the int4 GEMV (kernels/cpu_int4.cpp): the full set's, or the AVX2 module's."""
+    """A compiled module with the int4 matmul (kernels/cpu_int4.cpp): the full set's, or the AVX2 module's."""
 
-    def gemv_int4(self, x: torch.Tensor, packed: torch.Tensor, group: int,
+    def matmul_int4(self, x: torch.Tensor, packed: torch.Tensor, group: int,
                   scales_and_zeros: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -72,7 +72,7 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
                    quantization: str | None = None, int4_kernels: Int4Kernels | None = None) -> ModelRuntime:
     """The implementations a model of `config` in `dtype` runs. kernels: pagoda's compiled CPU kernels for a
     model on the CPU that may use them; None: the torch reference throughout. int4_kernels: for an int4 model,
-    the module whose int4 GEMV its layers run (the full set, or on AVX2-only CPUs the AVX2 module); None:
+    the module whose int4 matmul its layers run (the full set, or on AVX2-only CPUs the AVX2 module); None:
     torch's int4 matmul. With kernels:
 
     - the linears run their GEMVs, in any dtype (`prepare_linears` decides per layer);
@@ -81,7 +81,7 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
       heads per kv head), attend through the native backend: paged attention, rope + KV write in one call;
     - and where every layer's linear runs as a GEMV too (input widths a multiple of 32), run decode-only
       steps through the native decode stack, which the backend's `bind` builds once the weights are final
-      (not for int4 weights: their layers run the int4 GEMV, which the stack does not call).
+      (not for int4 weights: their layers run the int4 matmul, which the stack does not call).
     """
     int4 = int4_kernels if quantization == "int4" else None
     fused = kernels if dtype in (torch.float32, torch.bfloat16) else None

@@ -5,15 +5,16 @@ bf16 (scale, offset) pair per group of input columns (`int4_format`): W = (q - 8
 Every source of 4-bit weights (this module's quantizer, GPTQ and AWQ checkpoints) arrives as `Int4Weights` and is
 converted once, so there is one runtime form and one set of numerics.
 
-Decode-sized inputs (up to `MATMUL_MAX_ROWS` rows) run pagoda's int4 GEMV (kernels/cpu_int4.cpp, AVX2) where
-the model was given it: it streams the packed nibbles at memory's rate at one row (2.7-3x torch's int4
-matmul on bench-1b's shapes) and quantizes x per group to int8, as llama.cpp does. Without it, torch's
-int4 matmul, which takes bf16 activations (its fp32 path is scalar and an order of magnitude slower), so
-fp32 models round x to bf16 for these layers. Larger inputs are matrix multiplications: the weight is dequantized to the
-input's dtype, from the same packed codes and the same bf16 scales, a slice of rows at a time into a
-cache-sized tile (one whole fp32 weight a call costs more in page faults than in arithmetic), and each
-tile goes to torch's GEMM. Both paths use identical weights; they differ only in how x is rounded and
-summed.
+Where the model was given pagoda's int4 kernel (kernels/cpu_int4.cpp, AVX2), every input runs it: x
+quantized per group to int8, as llama.cpp does, and integer products summed from the packed nibbles in place.
+It streams the weights at memory's rate at one row (2.7-4x torch's int4 matmul on bench-1b's shapes) and
+outruns dequantized fp32 GEMMs at prefill sizes (1.7-2.6x at 64-256 rows). Without it, decode-sized inputs
+(up to `MATMUL_MAX_ROWS` rows) run torch's int4 matmul, which takes bf16 activations (its fp32 path is
+scalar and an order of magnitude slower), so fp32 models round x to bf16 for these layers; larger inputs
+are matrix multiplications: the weight is dequantized to the input's dtype, from the same packed codes and
+the same bf16 scales, a slice of rows at a time into a cache-sized tile (one whole fp32 weight a call costs
+more in page faults than in arithmetic), and each tile goes to torch's GEMM. Every path uses identical
+weights; they differ only in how x is rounded and summed.
 
 Shapes the int4 kernel cannot take are padded at construction, never at the caller: output rows up to a
 multiple of 32 (the layout's block), input columns up to a multiple of the group size (a ragged last group
@@ -40,8 +41,8 @@ if TYPE_CHECKING:
 # kernel groups that repeat its scale (exact).
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
 BLOCK_ROWS = 32  # the packed layout interleaves output rows in blocks of this many
-# Up to this many rows the int4 kernel beats dequantized tiles into a GEMM (it re-reads the nibbles per few
-# rows; 0.8x the tiles' time at 64 rows, 1.05x at 128, on a bench-1b gate/up layer of an AVX2 Zen 3).
+# Without pagoda's kernel: up to this many rows torch's int4 matmul beats dequantized tiles into a GEMM (it
+# re-reads the nibbles per few rows; 0.8x the tiles' time at 64 rows, 1.05x at 128, bench-1b gate/up, Zen 3).
 MATMUL_MAX_ROWS = 64
 
 
@@ -164,8 +165,8 @@ class Int4Linear(nn.Module):
             x = x.index_select(-1, self.input_order)
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
-        if x.shape[0] <= MATMUL_MAX_ROWS and self.kernels is not None:
-            y = self.kernels.gemv_int4(x, self.packed, self.kernel_group, self.scales_and_zeros)
+        if self.kernels is not None:
+            y = self.kernels.matmul_int4(x, self.packed, self.kernel_group, self.scales_and_zeros)
         elif x.shape[0] <= MATMUL_MAX_ROWS:
             y = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), self.packed, self.kernel_group,
                                                   self.scales_and_zeros).to(x.dtype)
@@ -177,8 +178,10 @@ class Int4Linear(nn.Module):
 
     @property
     def matmul_name(self) -> str:
-        """What its decode-sized inputs run, for people reading the start-up summary."""
-        return "torch's int4 matmul" if self.kernels is None else "pagoda's int4 GEMV up to 64 rows"
+        """What it runs, for people reading the start-up summary."""
+        if self.kernels is None:
+            return f"torch's int4 matmul up to {MATMUL_MAX_ROWS} rows, dequantized tiles beyond"
+        return "pagoda's int4 kernel, x as int8 per group"
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [padded_out, padded_in] (padding included, columns in `input_order`), as the int4 kernel sees it."""
