@@ -24,20 +24,30 @@ def _gemv_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> t
     return F.linear(x, qweight.to(x.dtype) * scale[:, None].to(x.dtype))
 
 
+def int8_codes_dequantized(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x as the integer matmuls see it: quantized per `group` columns to int8 (scale max|x| / 127, round to
+    nearest) and back, in fp32."""
+    groups = x.float().view(x.shape[0], -1, group)
+    x_scale = groups.abs().amax(-1, keepdim=True) / 127
+    return torch.where(x_scale > 0, torch.round(groups / x_scale).clamp(-127, 127) * x_scale, 0.0).view(x.shape)
+
+
 def reference_matmul_int4(x: torch.Tensor, packed: torch.Tensor, group: int,
-                        scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """What kernels/cpu_int4.cpp computes: W dequantized from torch's int4 layout times x quantized per group to
-    int8 (scale max|x| / 127, round to nearest), in fp32."""
+                          scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """What kernels/cpu_int4.cpp computes: W dequantized from torch's int4 layout times x's int8 codes."""
     from pagoda.model.int4 import unpack_int4pack
 
     rows, cols = packed.shape[0], packed.shape[1] * 2
     scale, offset = scales_and_zeros.float().unbind(-1)  # [groups, rows] each
     codes = unpack_int4pack(packed, rows, cols).float().view(rows, -1, group)
     weight = ((codes - 8) * scale.t()[..., None] + offset.t()[..., None]).view(rows, cols)
-    groups = x.float().view(x.shape[0], -1, group)
-    x_scale = groups.abs().amax(-1, keepdim=True) / 127
-    x_hat = torch.where(x_scale > 0, torch.round(groups / x_scale).clamp(-127, 127) * x_scale, 0.0)
-    return (x_hat.view(x.shape[0], cols) @ weight.t()).to(x.dtype)
+    return (int8_codes_dequantized(x, group) @ weight.t()).to(x.dtype)
+
+
+def reference_matmul_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """What kernels/cpu_int8.cpp computes: x's int8 codes per 32 columns times the int8 weights, times each
+    channel's scale."""
+    return ((int8_codes_dequantized(x, 32) @ qweight.float().t()) * scale).to(x.dtype)
 
 
 def _add_rms_norm_(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,6 +184,10 @@ class ReferenceKernels:
     def gemv_int8(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         self._logged("gemv_int8", (x, qweight, scale))
         return _gemv_int8(x, qweight, scale)
+
+    def matmul_int8(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        self._logged("matmul_int8", (x, qweight, scale))
+        return reference_matmul_int8(x, qweight, scale)
 
     def matmul_int4(self, x: torch.Tensor, packed: torch.Tensor, group: int,
                   scales_and_zeros: torch.Tensor) -> torch.Tensor:

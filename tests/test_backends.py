@@ -50,18 +50,21 @@ def test_runtime_choice(checkpoint, dtype, changes, attention, fused, decode_sta
         assert runtime.attention.kernels is kernels and runtime.attention.decode_stack == decode_stack
     reference = create_runtime(config, dtype, None)
     assert type(reference.attention) is TorchAttentionBackend and reference.kernels is reference.gemv_kernels is None
-    assert runtime.int4_kernels is None and reference.int4_kernels is None
+    assert runtime.quantized_kernels is None and reference.quantized_kernels is None
 
 
 @pytest.mark.parametrize("full_set", [True, False])
-def test_int4_kernels_go_to_int4_models_only(checkpoint, full_set):
-    """An int4 model gets the module with the int4 GEMV (the full set, or the AVX2 one alone); others none."""
+def test_integer_matmuls_go_to_quantized_models(checkpoint, full_set):
+    """int4 models get the integer matmuls' module (the full set, or the AVX2 one alone); int8 models only
+    without the full set, whose int8 GEMV the native decode stack shares; unquantized models never."""
     config = load_model_config(checkpoint("llama"))
-    kernels, int4 = (ReferenceKernels(),) * 2 if full_set else (None, ReferenceKernels())
-    runtime = create_runtime(config, torch.float32, kernels, "int4", int4)
-    assert runtime.int4_kernels is int4 and runtime.gemv_kernels is kernels
+    kernels, integer = (ReferenceKernels(),) * 2 if full_set else (None, ReferenceKernels())
+    runtime = create_runtime(config, torch.float32, kernels, "int4", integer)
+    assert runtime.quantized_kernels is integer and runtime.gemv_kernels is kernels
     assert not runtime.attention.decode_stack if full_set else type(runtime.attention) is TorchAttentionBackend
-    assert create_runtime(config, torch.float32, kernels, "int8", int4).int4_kernels is None
+    int8 = create_runtime(config, torch.float32, kernels, "int8", integer)
+    assert int8.quantized_kernels is (None if full_set else integer)
+    assert create_runtime(config, torch.float32, kernels, None, integer).quantized_kernels is None
 
 
 def test_model_defaults_to_the_torch_reference_and_has_its_rotary_tables(checkpoint):

@@ -29,9 +29,9 @@ def native_kernels_status(config: EngineConfig) -> str:
     return "on"
 
 
-def quantization_summary(config: EngineConfig, int4_matmul: str | None = None) -> str:
-    """'none', 'int8 ...', 'int4, group 32, ...' or what a GPTQ/AWQ checkpoint brings. int4_matmul: what the
-    model's int4 layers run (`Int4Linear.matmul_name`)."""
+def quantization_summary(config: EngineConfig, matmul: str | None = None) -> str:
+    """'none', 'int8 ...', 'int4, group 32, ...' or what a GPTQ/AWQ checkpoint brings. matmul: what the model's
+    quantized layers run (their `matmul_name`)."""
     from pathlib import Path
 
     from pagoda.model.int4 import Int4Options
@@ -42,21 +42,23 @@ def quantization_summary(config: EngineConfig, int4_matmul: str | None = None) -
     if checkpoint is not None:
         groups = "one per row" if checkpoint.group_size == -1 else str(checkpoint.group_size)
         order = ", act-order" if checkpoint.desc_act else ""
-        return f"int4 from the checkpoint ({checkpoint.method}, group {groups}{order}; {int4_matmul})"
+        return f"int4 from the checkpoint ({checkpoint.method}, group {groups}{order}; {matmul})"
     if config.quantization == "int8":
-        return "int8 weight-only, per output channel"
+        return f"int8 weight-only, per output channel; {matmul}"
     if config.quantization == "int4":
         options = config.quantization_config or Int4Options()
         kind = "symmetric" if options.sym else "with offsets"
         head = "LM head included" if options.lm_head else "LM head unquantized"
-        return f"int4 weight-only, group {options.group_size}, {kind}, {head}; {int4_matmul}"
+        return f"int4 weight-only, group {options.group_size}, {kind}, {head}; {matmul}"
     return "none"
 
 
-def _int4_matmul_name(engine: LLMEngine) -> str | None:
+def _quantized_matmul_name(engine: LLMEngine) -> str | None:
     from pagoda.model.int4 import Int4Linear
+    from pagoda.model.quantization import Int8Linear
 
-    return next((m.matmul_name for m in engine.model.modules() if isinstance(m, Int4Linear)), None)
+    layers = (m for m in engine.model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
+    return next((layer.matmul_name for layer in layers), None)
 
 
 def human_count(count: int) -> str:
@@ -76,7 +78,7 @@ def startup_summary(engine: LLMEngine, model_name: str, url: str | None = None) 
         ("model", model_name if model_name == config.model else f"{model_name} ({config.model})"),
         ("parameters", human_count(checkpoint_num_parameters(config.model))),
         ("dtype", str(config.dtype).removeprefix("torch.")),
-        ("quantization", quantization_summary(config, _int4_matmul_name(engine))),
+        ("quantization", quantization_summary(config, _quantized_matmul_name(engine))),
         ("KV cache", f"{pool.num_blocks} blocks x {block_size} tokens = {pool.num_blocks * block_size} tokens, "
                      f"{engine.kv_pool_bytes / 2**20:.1f} MiB ({pool.reason}); pages touched as they fill"),
         ("max_model_len", str(engine.max_model_len)),

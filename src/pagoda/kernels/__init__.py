@@ -2,8 +2,8 @@
 
 `cpu_kernels()` returns the compiled module, or None (with one warning) when the CPU lacks AVX-512
 BF16, no compiler is present, the build fails, or PAGODA_DISABLE_KERNELS=1 asks for the torch path.
-`avx2_kernels()` returns the smaller module built for AVX2 alone (the int4 matmul), for CPUs without that
-AVX-512 set.
+`avx2_kernels()` returns the smaller module built for AVX2 alone (the int8 and int4 matmuls), for CPUs
+without that AVX-512 set.
 
 The build lives in ~/.cache/pagoda/kernels/<hash of the sources and flags>/, with the sources copied in:
 every checkout with the same sources shares one build (paths never differ, so ninja never rebuilds),
@@ -35,7 +35,7 @@ class _Build:
     cpu_flags: frozenset[str]
 
 
-_HEADERS = ("cpu_vec.h", "cpu_ops.h")
+_HEADERS = ("cpu_vec.h", "cpu_ops.h", "cpu_x_codes.h")
 # -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
 _LINK_FLAGS = ["-lgomp"]
 # The full set, for AVX-512 with bf16 dot products (vdpbf16ps) and VNNI (vpdpwssd). -fopenmp: at::parallel_for
@@ -43,14 +43,14 @@ _LINK_FLAGS = ["-lgomp"]
 # multiply and an add that torch rounds separately stay separate (cpu_fused.cpp).
 _AVX512 = _Build(
     "pagoda_cpu_kernels",
-    ("cpu_gemv.cpp", "cpu_int4.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused.cpp",
+    ("cpu_gemv.cpp", "cpu_int8.cpp", "cpu_int4.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused.cpp",
      "cpu_decode.cpp", "cpu_module.cpp"),
     ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
      "-ffp-contract=off"),
     frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}),
 )
-# What runs on AVX2 alone (the int4 matmul), for CPUs without that AVX-512 set.
-_AVX2 = _Build("pagoda_cpu_avx2_kernels", ("cpu_int4.cpp", "cpu_avx2_module.cpp"),
+# What runs on AVX2 alone (the int8 and int4 matmuls), for CPUs without that AVX-512 set.
+_AVX2 = _Build("pagoda_cpu_avx2_kernels", ("cpu_int8.cpp", "cpu_int4.cpp", "cpu_avx2_module.cpp"),
                ("-O3", "-mavx2", "-mfma", "-fopenmp"), frozenset({"avx2", "fma"}))
 REQUIRED_CPU_FLAGS = _AVX512.cpu_flags
 _CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda")) / "kernels"
@@ -100,7 +100,7 @@ def cpu_kernels():
 
 @functools.cache
 def avx2_kernels():
-    """The AVX2 module (the int4 matmul, which the full set has too), or None."""
+    """The AVX2 module (the int8 and int4 matmuls, which the full set has too), or None."""
     return _load(_AVX2)
 
 

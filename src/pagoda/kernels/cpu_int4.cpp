@@ -19,37 +19,17 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #include "cpu_ops.h"
+#include "cpu_x_codes.h"
 
 namespace {
 
 constexpr int64_t kBlockRows = 32;  // the layout's block of output rows
 // Columns summed in 16-bit lanes before widening to 32 bits: 8 pairs of at most 2 * 15 * 127 stay below 2^15.
 constexpr int64_t kColumnsPer16BitSum = 16;
-constexpr int64_t kRowsPerPass = 64;  // rows of x whose codes stay in L2 while every block passes over them
-constexpr int kRowGroup = 4;  // rows of x sharing one rearranging of the nibbles
-
-// One row of x -> int8 codes, and per group its scale (max|x| / 127) and the sum of its codes.
-void quantize_row(const float* x, int64_t K, int64_t group, int8_t* codes, float* scales, int32_t* code_sums) {
-  for (int64_t g0 = 0; g0 < K; g0 += group) {
-    float largest = 0.0f;
-    for (int64_t k = g0; k < g0 + group; ++k) largest = std::max(largest, std::fabs(x[k]));
-    const float scale = largest / 127.0f;
-    int32_t sum = 0;
-    for (int64_t k = g0; k < g0 + group; ++k) {
-      const int32_t code = scale > 0.0f ? static_cast<int32_t>(std::nearbyint(x[k] / scale)) : 0;
-      codes[k] = static_cast<int8_t>(std::clamp(code, -127, 127));
-      sum += codes[k];
-    }
-    scales[g0 / group] = scale;
-    code_sums[g0 / group] = sum;
-  }
-}
 
 // 32 output rows (one block of the layout, K * 16 bytes at `block`) against R quantized rows of x (codes[r * K],
 // the per-group arrays at [r * groups]): y[r * N + n] = sum_g x_scale[g] * (scale[g, n] * (isum[g, n] - 8 *
@@ -128,35 +108,20 @@ torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, i
                   scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == K / group &&
                   scales_and_zeros.size(1) == N && scales_and_zeros.size(2) == 2,
               "scales_and_zeros must be contiguous bf16 [K / group, N, 2]");
-  const int64_t groups = K / group;
-  auto xf = x.to(at::kFloat).contiguous();
-  auto codes = torch::empty({M, K}, x.options().dtype(at::kChar));
-  auto x_scales = torch::empty({M, groups}, x.options().dtype(at::kFloat));
-  auto code_sums = torch::empty({M, groups}, x.options().dtype(at::kInt));
-  int8_t* cp = codes.data_ptr<int8_t>();
-  float* sp = x_scales.data_ptr<float>();
-  int32_t* up = code_sums.data_ptr<int32_t>();
-  for (int64_t m = 0; m < M; ++m) {
-    quantize_row(xf.data_ptr<float>() + m * K, K, group, cp + m * K, sp + m * groups, up + m * groups);
-  }
+  const pagoda::XCodes xq(x, group);
   auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const auto* so = reinterpret_cast<const uint32_t*>(scales_and_zeros.data_ptr<at::BFloat16>());
-  // Rows go kRowsPerPass at a time; within a pass, each block's weights (K * 16 bytes) stay in L1/L2 while
-  // every row passes over them, kRowGroup rows at once.
-  for (int64_t m0 = 0; m0 < M; m0 += kRowsPerPass) {
-    const int64_t m1 = std::min(M, m0 + kRowsPerPass);
+  // Within a pass, each block's weights (K * 16 bytes) stay in L1/L2 while every row passes over them.
+  for (int64_t m0 = 0; m0 < M; m0 += pagoda::kRowsPerPass) {
     at::parallel_for(0, N / kBlockRows, 1, [&](int64_t begin, int64_t end) {
       for (int64_t b = begin; b < end; ++b) {
-        auto rows = [&](auto count, int64_t m) {
-          block_rows<decltype(count)::value>(wp + b * kBlockRows * K / 2, cp + m * K, sp + m * groups, up + m * groups,
-                                             so + b * kBlockRows, N, K, group, yp + m * N + b * kBlockRows);
-        };
-        int64_t m = m0;
-        for (; m + kRowGroup <= m1; m += kRowGroup) rows(std::integral_constant<int, kRowGroup>{}, m);
-        for (; m + 2 <= m1; m += 2) rows(std::integral_constant<int, 2>{}, m);
-        for (; m < m1; ++m) rows(std::integral_constant<int, 1>{}, m);
+        pagoda::for_row_groups(m0, std::min(M, m0 + pagoda::kRowsPerPass), [&](auto count, int64_t m) {
+          block_rows<decltype(count)::value>(wp + b * kBlockRows * K / 2, xq.row_codes(m), xq.row_scales(m),
+                                             xq.row_sums(m), so + b * kBlockRows, N, K, group,
+                                             yp + m * N + b * kBlockRows);
+        });
       }
     });
   }

@@ -31,14 +31,16 @@ class CompiledDecodeStack(Protocol):
                 key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
 
 
-class Int4Kernels(Protocol):
-    """A compiled module with the int4 matmul (kernels/cpu_int4.cpp): the full set's, or the AVX2 module's."""
+class QuantizedKernels(Protocol):
+    """A compiled module with the integer matmuls for quantized weights (kernels/cpu_int4.cpp, cpu_int8.cpp;
+    AVX2): the full set's, or the AVX2 module's."""
 
     def matmul_int4(self, x: torch.Tensor, packed: torch.Tensor, group: int,
-                  scales_and_zeros: torch.Tensor) -> torch.Tensor: ...
+                    scales_and_zeros: torch.Tensor) -> torch.Tensor: ...
+    def matmul_int8(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor: ...
 
 
-class CpuKernels(Int4Kernels, Protocol):
+class CpuKernels(QuantizedKernels, Protocol):
     """The compiled module of pagoda's CPU kernels (kernels/cpu_module.cpp), as model/ calls it."""
 
     DecodeStack: Callable[[int, int, int, float, float, torch.Tensor], CompiledDecodeStack]
@@ -65,15 +67,17 @@ class ModelRuntime:
     attention: AttentionBackend = field(default_factory=TorchAttentionBackend)
     kernels: CpuKernels | None = None  # the norms' fused residual add + RMSNorm and the MLP's SiLU gate
     gemv_kernels: CpuKernels | None = None  # the linears' GEMVs, for `prepare_linears`
-    int4_kernels: Int4Kernels | None = None  # int4 layers' GEMV (the full set's, or the AVX2 module's)
+    quantized_kernels: QuantizedKernels | None = None  # the quantized layers' integer matmuls, every row count
 
 
 def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels | None,
-                   quantization: str | None = None, int4_kernels: Int4Kernels | None = None) -> ModelRuntime:
+                   quantization: str | None = None,
+                   quantized_kernels: QuantizedKernels | None = None) -> ModelRuntime:
     """The implementations a model of `config` in `dtype` runs. kernels: pagoda's compiled CPU kernels for a
-    model on the CPU that may use them; None: the torch reference throughout. int4_kernels: for an int4 model,
-    the module whose int4 matmul its layers run (the full set, or on AVX2-only CPUs the AVX2 module); None:
-    torch's int4 matmul. With kernels:
+    model on the CPU that may use them; None: the torch reference throughout. quantized_kernels: the module
+    with the integer matmuls (the full set, or on AVX2-only CPUs the AVX2 module), which the quantized layers
+    run at every row count: int4 always, int8 only without the full set (whose int8 GEMV the native decode
+    stack shares with the layers); None: torch's int4/int8 matmuls. With kernels:
 
     - the linears run their GEMVs, in any dtype (`prepare_linears` decides per layer);
     - fp32/bf16 models also fuse the norms' residual add + RMSNorm and the MLP's SiLU gate;
@@ -83,14 +87,14 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
       steps through the native decode stack, which the backend's `bind` builds once the weights are final
       (not for int4 weights: their layers run the int4 matmul, which the stack does not call).
     """
-    int4 = int4_kernels if quantization == "int4" else None
+    integer = quantized_kernels if quantization == "int4" or (quantization == "int8" and kernels is None) else None
     fused = kernels if dtype in (torch.float32, torch.bfloat16) else None
     if fused is None:
-        return ModelRuntime(gemv_kernels=kernels, int4_kernels=int4)
+        return ModelRuntime(gemv_kernels=kernels, quantized_kernels=integer)
     group = config.num_heads // config.num_kv_heads
     if not (config.head_dim % 16 == 0 and config.head_dim <= 128 and group <= 16):  # the attention kernels' shapes
-        return ModelRuntime(kernels=fused, gemv_kernels=kernels, int4_kernels=int4)
+        return ModelRuntime(kernels=fused, gemv_kernels=kernels, quantized_kernels=integer)
     linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
     decode_stack = quantization != "int4" and all(gemv_takes(width) for width in linear_widths)
     return ModelRuntime(CpuAttentionBackend(fused, decode_stack), kernels=fused, gemv_kernels=kernels,
-                        int4_kernels=int4)
+                        quantized_kernels=integer)

@@ -35,7 +35,7 @@ from pagoda.model.int4_weights import Int4Weights
 from pagoda.model.quantization import tiled_matmul
 
 if TYPE_CHECKING:
-    from pagoda.model.backends import Int4Kernels
+    from pagoda.model.backends import QuantizedKernels
 
 # Group sizes torch's int4 kernel takes; a checkpoint group that is a multiple of one is split into
 # kernel groups that repeat its scale (exact).
@@ -139,7 +139,8 @@ class Int4Linear(nn.Module):
     scales_and_zeros: torch.Tensor  # bf16 [padded_in // kernel_group, padded_out, 2]: (scale, offset)
     input_order: torch.Tensor | None  # int64 [in]: column order that makes the groups contiguous (act-order)
 
-    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None, kernels: Int4Kernels | None = None) -> None:
+    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None,
+                 kernels: QuantizedKernels | None = None) -> None:
         super().__init__()
         self.kernels = kernels
         self.in_features, self.out_features = weights.in_features, weights.out_features

@@ -19,7 +19,7 @@ from pagoda.model.int4 import Int4Linear
 from pagoda.model.int4_weights import Int4Weights, stack_outputs
 
 if TYPE_CHECKING:
-    from pagoda.model.backends import CpuKernels, Int4Kernels
+    from pagoda.model.backends import CpuKernels, QuantizedKernels
     from pagoda.model.llama import LlamaModel
     from pagoda.model.prequantized import PrequantizedFormat
 
@@ -38,7 +38,7 @@ class PendingInt4(nn.Module):
 
 def load_prequantized(model: LlamaModel, weights: Iterable[tuple[str, torch.Tensor]], fmt: PrequantizedFormat,
                       dtype: torch.dtype, device: str | torch.device, kernels: CpuKernels | None,
-                      int4_kernels: Int4Kernels | None = None) -> None:
+                      quantized_kernels: QuantizedKernels | None = None) -> None:
     from pagoda.model.prequantized import iter_prequantized
     from pagoda.model.quantization import DenseLinear
 
@@ -53,7 +53,7 @@ def load_prequantized(model: LlamaModel, weights: Iterable[tuple[str, torch.Tens
         pending = model.get_submodule(path)
         assert isinstance(pending, PendingInt4)
         try:
-            _set_module(model, path, Int4Linear(_fuse(model, path, pieces), pending.bias, int4_kernels))
+            _set_module(model, path, Int4Linear(_fuse(model, path, pieces), pending.bias, quantized_kernels))
         except ValueError as error:  # a layout pagoda's int4 layer cannot take: name the layer
             from pagoda.model.loader import ModelLoadError
 

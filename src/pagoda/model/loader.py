@@ -238,18 +238,20 @@ def load_model(
         quantization = "int4"
     native = use_kernels and torch.device(device).type == "cpu"
     kernels = cpu_kernels() if native else None
-    int4_kernels = (kernels if kernels is not None else avx2_kernels()) if native and quantization == "int4" else None
-    runtime = create_runtime(config, dtype, kernels, quantization, int4_kernels)
+    quantized = native and quantization in ("int8", "int4")
+    quantized_kernels = (kernels if kernels is not None else avx2_kernels()) if quantized else None
+    runtime = create_runtime(config, dtype, kernels, quantization, quantized_kernels)
     with torch.device("meta"):
         model = LlamaModel(config, runtime)
     weights = _with_progress(iter_weights(model_dir), model_dir)
     if prequantized is None:
         model.load_weights(weights, dtype=dtype, device=device)
-        prepare_linears(model, quantization, runtime.gemv_kernels, quantization_config, runtime.int4_kernels)
+        prepare_linears(model, quantization, runtime.gemv_kernels, quantization_config, runtime.quantized_kernels)
     else:
         from pagoda.model.int4_checkpoint import load_prequantized
 
-        load_prequantized(model, weights, prequantized, dtype, device, runtime.gemv_kernels, runtime.int4_kernels)
+        load_prequantized(model, weights, prequantized, dtype, device, runtime.gemv_kernels,
+                          runtime.quantized_kernels)
     model.backend.bind(model)  # the weights are final: the native decode stack, where chosen, is built now
     return model.eval(), config
 

@@ -7,7 +7,9 @@ weights faster than stock torch (bf16/int8 at about twice its rate, fp32 ~1.5x);
 (prefill, big batches) are matrix multiplications and go to torch (oneDNN). Without the kernels (or for an input
 width the kernels do not take, not a multiple of 32), everything goes to torch: the same arithmetic up to
 summation order, slower. (int8's kernel also rounds x to int16 per 128-element block: ~15 bits against
-its block's largest, where bf16 activations carry 8.)
+its block's largest, where bf16 activations carry 8.) On CPUs with AVX2 but not that AVX-512 set, int8
+layers run the AVX2 integer matmul (kernels/cpu_int8.cpp) at every row count instead, x quantized to int8
+per 32 columns as llama.cpp's q8_0 does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from pagoda.model.backends import CpuKernels, Int4Kernels
+    from pagoda.model.backends import CpuKernels, QuantizedKernels
     from pagoda.model.int4 import Int4Options
 
 QUANTIZATIONS = (None, "int8", "int4")
@@ -70,7 +72,8 @@ class Int8Linear(nn.Module):
     qweight: torch.Tensor
     scale: torch.Tensor
 
-    def __init__(self, linear: nn.Linear, kernels: CpuKernels | None) -> None:
+    def __init__(self, linear: nn.Linear, kernels: CpuKernels | None,
+                 quantized_kernels: QuantizedKernels | None = None) -> None:
         super().__init__()
         weight = linear.weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
@@ -78,9 +81,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.kernels = _usable(kernels, linear)
+        # Without the full set: the integer matmul at every row count (x as int8 per 32 columns).
+        self.matmul = quantized_kernels.matmul_int8 if quantized_kernels is not None and gemv_takes(
+            linear.in_features) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+        if self.matmul is not None:
+            y = self.matmul(x, self.qweight, self.scale)
+        elif self.kernels is not None and x.shape[0] <= KERNEL_MAX_ROWS:
             y = self.kernels.gemv_int8(x, self.qweight, self.scale)
         elif x.shape[0] <= KERNEL_MAX_ROWS:  # torch's int8 matmul takes bf16 x (an fp32 model's is rounded)
             y = torch._weight_int8pack_mm(x.bfloat16(), self.qweight, self.scale.bfloat16()).to(x.dtype)
@@ -90,6 +98,15 @@ class Int8Linear(nn.Module):
 
     def _dequantize_rows(self, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.mul(self.qweight[start:end], self.scale[start:end, None].to(dtype))
+
+    @property
+    def matmul_name(self) -> str:
+        """What it runs, for people reading the start-up summary."""
+        if self.matmul is not None:
+            return "pagoda's int8 kernel, x as int8 per 32 columns"
+        if self.kernels is not None:
+            return f"pagoda's int8 GEMV up to {KERNEL_MAX_ROWS} rows, dequantized tiles beyond"
+        return f"torch's int8 matmul up to {KERNEL_MAX_ROWS} rows, dequantized tiles beyond"
 
 
 TILE_ROWS = 256  # output rows dequantized at a time for a GEMM
@@ -108,16 +125,16 @@ def tiled_matmul(x: torch.Tensor, out_features: int,
 
 
 def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKernels | None,
-                    int4: Int4Options | None = None, int4_kernels: Int4Kernels | None = None) -> None:
+                    int4: Int4Options | None = None, quantized_kernels: QuantizedKernels | None = None) -> None:
     """Swaps nn.Linear layers (LM head included, unless int4 options leave it out) for the fast path the dtype
     and quantization call for. kernels: the GEMV kernels the model runs (`ModelRuntime.gemv_kernels`), or None.
-    int4: the int4 quantizer's options (None: its defaults); int4_kernels: `ModelRuntime.int4_kernels`."""
+    int4: the int4 quantizer's options (None: its defaults); quantized_kernels: `ModelRuntime.quantized_kernels`."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization {quantization!r} is not supported; choose from {QUANTIZATIONS}")
     dtype = next(model.parameters()).dtype
     if quantization is None and (kernels is None or dtype not in DenseLinear.DTYPES):
         return  # nothing to gain: torch's own layers are the path
-    fast = _layer_factory(quantization, kernels, int4, int4_kernels)
+    fast = _layer_factory(quantization, kernels, int4, quantized_kernels)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
@@ -125,10 +142,10 @@ def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKern
 
 
 def _layer_factory(quantization: str | None, kernels: CpuKernels | None, int4: Int4Options | None,
-                   int4_kernels: Int4Kernels | None) -> Callable[[nn.Linear, bool], nn.Module]:
+                   quantized_kernels: QuantizedKernels | None) -> Callable[[nn.Linear, bool], nn.Module]:
     """(linear, is the LM head) -> the layer that replaces it."""
     if quantization == "int8":
-        return lambda linear, _: Int8Linear(linear, kernels)
+        return lambda linear, _: Int8Linear(linear, kernels, quantized_kernels)
     if quantization == "int4":
         from pagoda.model.int4 import Int4Linear, Int4Options, quantize_int4
 
@@ -137,7 +154,7 @@ def _layer_factory(quantization: str | None, kernels: CpuKernels | None, int4: I
         def int4_layer(linear: nn.Linear, lm_head: bool) -> nn.Module:
             if lm_head and not options.lm_head:
                 return DenseLinear(linear, kernels)
-            return Int4Linear(quantize_int4(linear.weight, options), linear.bias, int4_kernels)
+            return Int4Linear(quantize_int4(linear.weight, options), linear.bias, quantized_kernels)
 
         return int4_layer
     return lambda linear, _: DenseLinear(linear, kernels)
