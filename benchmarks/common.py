@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 
 def _int8_activations() -> str:
-    """bf16 where the CPU computes in bf16 (AVX-512 BF16), else fp32: elsewhere bf16 GEMMs are emulated, ~10x
-    slower, and the int8 matmul rounds x to bf16 by itself."""
+    """bf16 where the CPU computes in bf16 (AVX-512 BF16), else fp32: elsewhere bf16 arithmetic is emulated, ~10x
+    slower, and the int8 kernel quantizes x to int8 by itself."""
     from pagoda.kernels import cpu_flags
 
     return "bfloat16" if "avx512_bf16" in cpu_flags() else "float32"
@@ -37,7 +37,7 @@ CONFIGS = {
     "fp32": ("float32", None),
     "bf16": ("bfloat16", None),
     "int8": (_int8_activations(), "int8"),
-    "int4": ("float32", "int4"),  # int4's matmul rounds x to bf16 itself; fp32 keeps prefill GEMMs fast anywhere
+    "int4": ("float32", "int4"),  # int4's kernel quantizes x to int8 itself; fp32 keeps the rest fast anywhere
 }
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 GiB = 1 << 30

@@ -7,8 +7,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gemv_fp32", &gemv_fp32, "y = x @ w.T for fp32 w and 1..64 rows of x (x's dtype out)");
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for bf16 w and 1..64 rows of x (x's dtype out)");
   m.def("gemv_int8", &gemv_int8, "y = (x @ w.T) * scale for int8 w and 1..64 rows of x (x's dtype out)");
-  m.def("matmul_int8", &matmul_int8, "y = (x @ w.T) * scale for int8 w, x quantized per 32 columns to int8");
-  m.def("matmul_int4", &matmul_int4,
+  // The integer matmuls take tens of milliseconds at prefill sizes: the server's event loop runs meanwhile.
+  m.def("matmul_int8", &matmul_int8, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "y = (x @ w.T) * scale for int8 w, x quantized per 32 columns to int8");
+  m.def("matmul_int4", &matmul_int4, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "y = x @ W.T for W in torch's CPU int4 layout, x quantized per group to int8 (x's dtype out)");
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta (if given) in place; returns RMSNorm(x) * weight");
   m.def("rotary_write_kv_", &rotary_write_kv_, "rotates qkv's q and k heads in place; writes k, v to the cache");
