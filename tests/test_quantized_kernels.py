@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import pagoda.kernels
-from pagoda.model.int4 import Int4Linear, Int4Options, quantize_int4
-from pagoda.model.quantization import Int8Linear
+from pagoda.model.int4 import KERNEL_MAX_ROWS, Int4Linear, Int4Options, quantize_int4
+from pagoda.model.quantization import INT8_MATMUL_MAX_ROWS, Int8Linear
 from pagoda.sampling import SamplingParams
 from tests.conftest import random_prompts
 from tests.reference_kernels import (
@@ -78,7 +78,12 @@ def test_int8_matches_its_reference_and_the_stated_bound(out_features, in_featur
     reference = reference_matmul_int8(x, layer.qweight, layer.scale)
     torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
     _assert_within_x_rounding(y, x, layer.qweight.float() * layer.scale[:, None], 32)
-    torch.testing.assert_close(layer(x), y)  # the layer runs it at every row count
+    if rows <= INT8_MATMUL_MAX_ROWS:  # the layer runs it; longer inputs go to dequantized tiles
+        torch.testing.assert_close(layer(x), y)
+    else:
+        reference = Int8Linear(torch.nn.Linear(in_features, out_features, bias=False), None)
+        reference.load_state_dict(layer.state_dict())
+        torch.testing.assert_close(layer(x), reference(x))
 
 
 def test_bf16_input_gives_bf16_output_and_zero_rows_give_zeros():
@@ -117,15 +122,20 @@ def test_bad_shapes_are_refused():
         _module().matmul_int4(torch.randn(1, 128), layer.packed, 48, layer.scales_and_zeros)
 
 
-def test_layer_takes_the_kernel_for_every_row_count():
-    """With the kernel every input runs it (decode and prefill alike), padding and bias handled by the layer."""
+def test_int4_layer_takes_the_kernel_up_to_its_row_bound():
+    """Inputs up to KERNEL_MAX_ROWS run the kernel (padding and bias handled by the layer); longer ones the
+    dequantized tiles, as without the kernel."""
     layer = _layer(96, 200, 64)  # 200 columns: padded to 256 by the layer, a ragged last group
     layer.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
-    for rows in (1, 8, 64, 65, 200):
+    for rows in (1, 8, 64, 65, 200, KERNEL_MAX_ROWS):
         x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows))
         padded = torch.nn.functional.pad(x, (0, layer.padded_in - 200))
         expected = reference_matmul_int4(padded, layer.packed, layer.kernel_group, layer.scales_and_zeros)[:, :96]
         torch.testing.assert_close(layer(x), expected + layer.bias, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    x = torch.randn(KERNEL_MAX_ROWS + 1, 200)
+    without = _layer(96, 200, 64)
+    without.kernels, without.bias = None, layer.bias
+    assert torch.equal(layer(x), without(x))
 
 
 @pytest.mark.parametrize(("quantization", "kernel"), [("int4", "matmul_int4"), ("int8", "matmul_int8")])
@@ -157,10 +167,12 @@ def test_the_startup_summary_names_what_int4_layers_run(make_llm, checkpoint):
         return next(line for line in startup_summary(llm.engine, "m").splitlines() if "quantization" in line)
 
     with_kernel = make_llm(checkpoint("llama"), quantization="int4")
-    assert quantization_row(with_kernel).endswith("; pagoda's int4 kernel, x as int8 per group")
+    assert quantization_row(with_kernel).endswith("; pagoda's int4 kernel up to 512 rows (x as int8), dequantized "
+                                                  "tiles beyond")
     if pagoda.kernels.cpu_kernels() is None:
         int8 = make_llm(checkpoint("llama"), quantization="int8")
-        assert quantization_row(int8).endswith("; pagoda's int8 kernel, x as int8 per 32 columns")
+        assert quantization_row(int8).endswith("; pagoda's int8 kernel up to 128 rows (x as int8), dequantized "
+                                               "tiles beyond")
     without = make_llm(checkpoint("llama"), quantization="int4", use_kernels=False)
     assert without.engine.model.layers[0].mlp.down_proj.kernels is None
     assert quantization_row(without).endswith("; torch's int4 matmul up to 64 rows, dequantized tiles beyond")

@@ -67,7 +67,7 @@ class ModelRuntime:
     attention: AttentionBackend = field(default_factory=TorchAttentionBackend)
     kernels: CpuKernels | None = None  # the norms' fused residual add + RMSNorm and the MLP's SiLU gate
     gemv_kernels: CpuKernels | None = None  # the linears' GEMVs, for `prepare_linears`
-    quantized_kernels: QuantizedKernels | None = None  # the quantized layers' integer matmuls, every row count
+    quantized_kernels: QuantizedKernels | None = None  # the quantized layers' integer matmuls (AVX2)
 
 
 def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels | None,
@@ -76,7 +76,7 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     """The implementations a model of `config` in `dtype` runs. kernels: pagoda's compiled CPU kernels for a
     model on the CPU that may use them; None: the torch reference throughout. quantized_kernels: the module
     with the integer matmuls (the full set, or on AVX2-only CPUs the AVX2 module), which the quantized layers
-    run at every row count: int4 always, int8 only without the full set (whose int8 GEMV the native decode
+    run up to their row bounds: int4 always, int8 only without the full set (whose int8 GEMV the native decode
     stack shares with the layers); None: torch's int4/int8 matmuls. With kernels:
 
     - the linears run their GEMVs, in any dtype (`prepare_linears` decides per layer);

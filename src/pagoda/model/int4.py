@@ -5,10 +5,11 @@ bf16 (scale, offset) pair per group of input columns (`int4_format`): W = (q - 8
 Every source of 4-bit weights (this module's quantizer, GPTQ and AWQ checkpoints) arrives as `Int4Weights` and is
 converted once, so there is one runtime form and one set of numerics.
 
-Where the model was given pagoda's int4 kernel (kernels/cpu_int4.cpp, AVX2), every input runs it: x
-quantized per group to int8, as llama.cpp does, and integer products summed from the packed nibbles in place.
-It streams the weights at memory's rate at one row (2.7-4x torch's int4 matmul on bench-1b's shapes) and
-outruns dequantized fp32 GEMMs at prefill sizes (1.7-2.6x at 64-256 rows). Without it, decode-sized inputs
+Where the model was given pagoda's int4 kernel (kernels/cpu_int4.cpp, AVX2), inputs up to `KERNEL_MAX_ROWS`
+rows run it: x quantized per group to int8, as llama.cpp does, and integer products summed from the packed
+nibbles in place. It streams the weights at memory's rate at one row (2.7-4x torch's int4 matmul on
+bench-1b's shapes) and outruns dequantized fp32 GEMMs up to a few hundred rows; longer prefill chunks go to
+the tiles described next. Without it, decode-sized inputs
 (up to `MATMUL_MAX_ROWS` rows) run torch's int4 matmul, which takes bf16 activations (its fp32 path is
 scalar and an order of magnitude slower), so fp32 models round x to bf16 for these layers; larger inputs
 are matrix multiplications: the weight is dequantized to the input's dtype, from the same packed codes and
@@ -44,6 +45,9 @@ BLOCK_ROWS = 32  # the packed layout interleaves output rows in blocks of this m
 # Without pagoda's kernel: up to this many rows torch's int4 matmul beats dequantized tiles into a GEMM (it
 # re-reads the nibbles per few rows; 0.8x the tiles' time at 64 rows, 1.05x at 128, bench-1b gate/up, Zen 3).
 MATMUL_MAX_ROWS = 64
+# Up to this many rows pagoda's int4 kernel beats dequantized tiles into oneDNN's GEMM: 2-3x at 1-64 rows on
+# the bench models' shapes, 1.6-2.2x at 128, 0.9-1.5x at 512, 0.8-1.1x at 2048 (AVX2 Zen 3).
+KERNEL_MAX_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -166,9 +170,9 @@ class Int4Linear(nn.Module):
             x = x.index_select(-1, self.input_order)
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
-        if self.kernels is not None:
+        if self.kernels is not None and x.shape[0] <= KERNEL_MAX_ROWS:
             y = self.kernels.matmul_int4(x, self.packed, self.kernel_group, self.scales_and_zeros)
-        elif x.shape[0] <= MATMUL_MAX_ROWS:
+        elif self.kernels is None and x.shape[0] <= MATMUL_MAX_ROWS:
             y = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), self.packed, self.kernel_group,
                                                   self.scales_and_zeros).to(x.dtype)
         else:
@@ -182,7 +186,7 @@ class Int4Linear(nn.Module):
         """What it runs, for people reading the start-up summary."""
         if self.kernels is None:
             return f"torch's int4 matmul up to {MATMUL_MAX_ROWS} rows, dequantized tiles beyond"
-        return "pagoda's int4 kernel, x as int8 per group"
+        return f"pagoda's int4 kernel up to {KERNEL_MAX_ROWS} rows (x as int8), dequantized tiles beyond"
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [padded_out, padded_in] (padding included, columns in `input_order`), as the int4 kernel sees it."""

@@ -8,8 +8,8 @@ weights faster than stock torch (bf16/int8 at about twice its rate, fp32 ~1.5x);
 width the kernels do not take, not a multiple of 32), everything goes to torch: the same arithmetic up to
 summation order, slower. (int8's kernel also rounds x to int16 per 128-element block: ~15 bits against
 its block's largest, where bf16 activations carry 8.) On CPUs with AVX2 but not that AVX-512 set, int8
-layers run the AVX2 integer matmul (kernels/cpu_int8.cpp) at every row count instead, x quantized to int8
-per 32 columns as llama.cpp's q8_0 does.
+layers run the AVX2 integer matmul (kernels/cpu_int8.cpp) instead, up to `INT8_MATMUL_MAX_ROWS` rows, x
+quantized to int8 per 32 columns as llama.cpp's q8_0 does.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ QUANTIZATIONS = (None, "int8", "int4")
 # fp32/bf16. For int8, torch has no fast path (`_weight_int8pack_mm` is 30x slower with fp32 inputs), so
 # prefill-sized inputs dequantize into a GEMM.
 KERNEL_MAX_ROWS = 64
+# Up to this many rows the AVX2 int8 matmul (no AVX-512) beats dequantized tiles into oneDNN's GEMM: 1.1-2.3x
+# at 1-64 rows on the bench models' shapes, 0.8-1.5x at 128 (winning on bench-1b's larger layers), 0.4-0.9x
+# at 512 (AVX2 Zen 3).
+INT8_MATMUL_MAX_ROWS = 128
 
 
 def gemv_takes(in_features: int) -> bool:
@@ -81,12 +85,12 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
         self.kernels = _usable(kernels, linear)
-        # Without the full set: the integer matmul at every row count (x as int8 per 32 columns).
+        # Without the full set: the AVX2 integer matmul (x as int8 per 32 columns) up to INT8_MATMUL_MAX_ROWS.
         self.matmul = quantized_kernels.matmul_int8 if quantized_kernels is not None and gemv_takes(
             linear.in_features) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.matmul is not None:
+        if self.matmul is not None and x.shape[0] <= INT8_MATMUL_MAX_ROWS:
             y = self.matmul(x, self.qweight, self.scale)
         elif self.kernels is not None and x.shape[0] <= KERNEL_MAX_ROWS:
             y = self.kernels.gemv_int8(x, self.qweight, self.scale)
@@ -103,7 +107,7 @@ class Int8Linear(nn.Module):
     def matmul_name(self) -> str:
         """What it runs, for people reading the start-up summary."""
         if self.matmul is not None:
-            return "pagoda's int8 kernel, x as int8 per 32 columns"
+            return f"pagoda's int8 kernel up to {INT8_MATMUL_MAX_ROWS} rows (x as int8), dequantized tiles beyond"
         if self.kernels is not None:
             return f"pagoda's int8 GEMV up to {KERNEL_MAX_ROWS} rows, dequantized tiles beyond"
         return f"torch's int8 matmul up to {KERNEL_MAX_ROWS} rows, dequantized tiles beyond"
