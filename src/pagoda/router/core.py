@@ -125,6 +125,7 @@ class Router:
         key = prompt.prefix_key(replica.block_size)
         work_tokens = prompt.num_tokens - decision.expected_hit_tokens
         replica.active_requests += 1
+        replica.routed_requests += 1
         replica.active_tokens += work_tokens
         if key is not None:
             replica.active_by_prefix[key] = replica.active_by_prefix.get(key, 0) + 1

@@ -98,7 +98,9 @@ class PowerOfTwoPolicy:
 class CacheAwarePolicy:
     """The cheapest replica: hit_weight x the prompt tokens it would have to compute (its index's longest match
     counts as cached) + its load in tokens. A replica past its bounded share of the prompt's hot prefix is
-    passed over while another can take it."""
+    passed over while another can take it. Ties (an idle fleet and a new prompt) go to the replica with the
+    fewest requests in flight, then to the one the router has used least, so that new conversations spread
+    evenly however short their requests are."""
 
     name = "cache_aware"
 
@@ -108,9 +110,9 @@ class CacheAwarePolicy:
 
     def choose(self, prompt: RoutedPrompt, candidates: Sequence[Replica], now: float) -> Replica:
         within_share = [r for r in candidates if not self._over_hot_share(prompt, r, candidates)]
-        scored = [(self.cost(prompt, r, now), r.active_requests, self._rng.random(), index)
+        scored = [(self.cost(prompt, r, now), r.active_requests, r.routed_requests, self._rng.random(), index)
                   for index, r in enumerate(within_share or candidates)]
-        return (within_share or list(candidates))[min(scored)[3]]
+        return (within_share or list(candidates))[min(scored)[4]]
 
     def cost(self, prompt: RoutedPrompt, replica: Replica, now: float) -> float:
         matched = replica.index.match(prompt.cacheable(replica.block_size), now)

@@ -64,6 +64,7 @@ class Replica:
     active_requests: int = 0
     active_tokens: int = 0
     active_by_prefix: dict[int, int] = field(default_factory=dict)
+    routed_requests: int = 0  # every request the router has sent here: ties go to the least used replica
     index: BlockIndex = field(init=False)
     breaker: CircuitBreaker = field(init=False)
 
