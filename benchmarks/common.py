@@ -89,7 +89,9 @@ def environment(load_at_start: list[float]) -> dict:
         "torch": torch.__version__, "transformers": transformers_version, "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
         "cpu_affinity": len(os.sched_getaffinity(0)), "lscpu": _lscpu(), "machine": platform.machine(),
-        "pagoda_kernels": cpu_kernels() is not None, "pagoda_avx2_kernels": avx2_kernels() is not None,
+        # The AVX2 module only where it is what runs (asking for it builds it).
+        "pagoda_kernels": cpu_kernels() is not None,
+        "pagoda_avx2_kernels": cpu_kernels() is None and avx2_kernels() is not None,
         "load_average_start": load_at_start,
         "load_average_end": load_average(), "argv": sys.argv,
     }

@@ -238,8 +238,8 @@ def load_model(
         quantization = "int4"
     native = use_kernels and torch.device(device).type == "cpu"
     kernels = cpu_kernels() if native else None
-    quantized = native and quantization in ("int8", "int4")
-    quantized_kernels = (kernels if kernels is not None else avx2_kernels()) if quantized else None
+    # `create_runtime` decides which quantized layers take these; an unquantized model needs no AVX2 module.
+    quantized_kernels = (kernels if kernels is not None else avx2_kernels()) if native and quantization else None
     runtime = create_runtime(config, dtype, kernels, quantization, quantized_kernels)
     with torch.device("meta"):
         model = LlamaModel(config, runtime)
