@@ -34,12 +34,12 @@ def int8_codes_dequantized(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def reference_matmul_int4(x: torch.Tensor, packed: torch.Tensor, group: int,
                           scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """What kernels/cpu_int4.cpp computes: W dequantized from torch's int4 layout times x's int8 codes."""
-    from pagoda.model.int4 import unpack_int4pack
+    """What kernels/cpu_int4.cpp computes: W dequantized from pagoda's int4 layout (32-row blocks) times x's int8 codes."""
+    from pagoda.model.int4 import unpack_int4
 
     rows, cols = packed.shape[0], packed.shape[1] * 2
     scale, offset = scales_and_zeros.float().unbind(-1)  # [groups, rows] each
-    codes = unpack_int4pack(packed, rows, cols).float().view(rows, -1, group)
+    codes = unpack_int4(packed, rows, cols).float().view(rows, -1, group)
     weight = ((codes - 8) * scale.t()[..., None] + offset.t()[..., None]).view(rows, cols)
     return (int8_codes_dequantized(x, group) @ weight.t()).to(x.dtype)
 
@@ -106,14 +106,18 @@ def _paged_prefill_attention_(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 class _Linear:
-    """As cpu_decode.cpp's Linear: the GEMV the weight's dtype (or int8 scale) calls for, then the bias."""
+    """As cpu_decode.cpp's Linear: the kernel the weight's dtype (and scale) call for, then the bias."""
 
     def __init__(self, spec: LinearSpec) -> None:
         self.weight, self.scale, self.bias = spec
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = _gemv(x, self.weight) if self.scale is None else _gemv_int8(x, self.weight, self.scale)
-        return y if self.bias is None else y + self.bias
+        if self.weight.dtype == torch.uint8:
+            assert self.scale is not None
+            y = reference_matmul_int4(x, self.weight, self.weight.shape[1] * 2 // self.scale.shape[0], self.scale)
+        else:
+            y = _gemv(x, self.weight) if self.scale is None else _gemv_int8(x, self.weight, self.scale)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class ReferenceDecodeStack:

@@ -61,7 +61,7 @@ def test_integer_matmuls_go_to_quantized_models(checkpoint, full_set):
     kernels, integer = (ReferenceKernels(),) * 2 if full_set else (None, ReferenceKernels())
     runtime = create_runtime(config, torch.float32, kernels, "int4", integer)
     assert runtime.quantized_kernels is integer and runtime.gemv_kernels is kernels
-    assert not runtime.attention.decode_stack if full_set else type(runtime.attention) is TorchAttentionBackend
+    assert runtime.attention.decode_stack if full_set else type(runtime.attention) is TorchAttentionBackend
     int8 = create_runtime(config, torch.float32, kernels, "int8", integer)
     assert int8.quantized_kernels is (None if full_set else integer)
     assert create_runtime(config, torch.float32, kernels, None, integer).quantized_kernels is None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pagoda.kernels
-from pagoda.model.int4 import Int4Linear, Int4Options, quantize_int4, unpack_int4pack
+from pagoda.model.int4 import Int4Linear, Int4Options, pack_int4, quantize_int4, torch_int4_block_rows, unpack_int4
 from pagoda.model.int4_weights import Int4Weights, stack_outputs
 from pagoda.sampling import SamplingParams
 from tests.conftest import random_prompts
@@ -55,13 +55,25 @@ def test_clipping_search_never_loses_to_round_to_nearest():
     assert float(per_row(searched).sum()) < float(per_row(plain).sum())
 
 
+def _random_codes(rows: int, cols: int) -> torch.Tensor:
+    return torch.randint(0, 16, (rows, cols), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
+
+
 @pytest.mark.parametrize("shape", [(32, 64), (48, 100), (70, 256), (1024, 96)])
-def test_packed_layout_round_trips(shape):
-    """unpack_int4pack inverts torch's converter (padded to the layout's 32-row blocks by the layer)."""
-    rows, cols = -(-shape[0] // 32) * 32, shape[1] + shape[1] % 2
-    codes = torch.randint(0, 16, (rows, cols), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-    assert torch.equal(unpack_int4pack(packed, rows, cols), codes.to(torch.uint8))
+def test_packer_writes_torchs_layout_for_this_cpu(shape):
+    """pack_int4 in torch's block for this CPU equals torch's own converter (padded by the layer to the block)."""
+    block = torch_int4_block_rows()
+    rows, cols = -(-shape[0] // block) * block, shape[1] + shape[1] % 2
+    codes = _random_codes(rows, cols)
+    assert torch.equal(pack_int4(codes, block), torch._convert_weight_to_int4pack_for_cpu(codes, 1))
+
+
+@pytest.mark.parametrize("block", [32, 64])
+def test_packed_layout_round_trips(block):
+    codes = _random_codes(4 * block, 98)
+    packed = pack_int4(codes, block)
+    assert packed.shape == (4 * block, 49)
+    assert torch.equal(unpack_int4(packed, 4 * block, 98, block), codes.to(torch.uint8))
 
 
 @pytest.mark.parametrize("sym", [False, True])
@@ -155,16 +167,24 @@ def test_lm_head_left_out_by_option(make_llm, checkpoint):
     assert isinstance(llm.engine.model.layers[0].mlp.down_proj, Int4Linear)
 
 
-def test_int4_runs_its_own_matmul_beside_the_native_kernels(make_llm, checkpoint, monkeypatch):
-    """Where pagoda's kernels run (their torch stand-ins here), an int4 model keeps them for attention and norms
-    but decodes through its layers, not the native decode stack, whose GEMVs do not take int4 weights."""
+def test_int4_decodes_through_the_native_stack_where_its_layers_take_it(make_llm, checkpoint, monkeypatch):
+    """Where pagoda's kernels run (their torch stand-ins here), an int4 model decodes through the native decode
+    stack, its layers' int4 matmul inside; a layer the stack cannot take whole (act-order's column gather)
+    keeps the model on its modules. Greedy tokens are those of the torch path either way."""
     from reference_kernels import ReferenceKernels
+
+    from pagoda.model.native_decode import decode_stack_covers
 
     model_dir = checkpoint("llama")
     prompts = random_prompts([6, 21], seed=9)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in make_llm(model_dir, quantization="int4").generate(prompts, params)]
-    monkeypatch.setattr(pagoda.kernels, "cpu_kernels", ReferenceKernels)
+    stand_in = ReferenceKernels()
+    monkeypatch.setattr(pagoda.kernels, "cpu_kernels", lambda: stand_in)
     llm = make_llm(model_dir, quantization="int4")
-    assert llm.engine.model.backend.decode_runner is None
+    assert llm.engine.model.backend.decode_runner is not None
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert stand_in.called("DecodeStack.forward") >= 7
+    down = llm.engine.model.layers[0].mlp.down_proj
+    down.input_order = torch.arange(down.in_features)  # as an act-order checkpoint's layer has one
+    assert not decode_stack_covers(llm.engine.model)

@@ -20,7 +20,8 @@ from pagoda.model.quantization import KERNEL_MAX_ROWS
 pytestmark = pytest.mark.skipif(not cpu_has_kernel_features(),
                                 reason="this CPU lacks AVX-512 BF16/VNNI: no kernels")
 
-CONFIGS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"dtype": "bfloat16", "quantization": "int8"}}
+CONFIGS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"dtype": "bfloat16", "quantization": "int8"},
+           "int4": {"quantization": "int4"}, "int4-bf16": {"dtype": "bfloat16", "quantization": "int4"}}
 
 
 class CountingStack:

@@ -21,7 +21,9 @@
 namespace {
 
 using OptionalTensor = std::optional<torch::Tensor>;
-// A linear layer as Python hands it over: (weight [N, K] fp32/bf16/int8, int8's per-channel scale, bias).
+// A linear layer as Python hands it over: (weight, scale, bias). The weight is fp32/bf16 [N, K] (no scale), int8
+// [N, K] with its per-channel scale [N], or int4 codes uint8 [N, K / 2] (pagoda's int4 layout) with their bf16
+// (scale, offset) pairs [K / group, N, 2].
 using LinearSpec = std::tuple<torch::Tensor, OptionalTensor, OptionalTensor>;
 
 struct Linear {
@@ -31,12 +33,17 @@ struct Linear {
   explicit Linear(const LinearSpec& spec)
       : weight(std::get<0>(spec)), scale(std::get<1>(spec)), bias(std::get<2>(spec)) {}
 
-  // As DenseLinear / Int8Linear.forward take a decode-sized input.
+  // As DenseLinear / Int8Linear / Int4Linear.forward take a decode-sized input.
   torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y = scale                                     ? gemv_int8(x, weight, *scale)
-                      : weight.scalar_type() == at::kBFloat16 ? gemv_bf16(x, weight)
-                                                              : gemv_fp32(x, weight);
-    return bias ? y + *bias : y;
+    torch::Tensor y;
+    if (weight.scalar_type() == at::kByte) {
+      y = matmul_int4(x, weight, weight.size(1) * 2 / scale->size(0), *scale);
+    } else if (scale) {
+      y = gemv_int8(x, weight, *scale);
+    } else {
+      y = weight.scalar_type() == at::kBFloat16 ? gemv_bf16(x, weight) : gemv_fp32(x, weight);
+    }
+    return bias ? y + bias->to(y.scalar_type()) : y;  // int4 keeps an fp32 bias for every model dtype
   }
 };
 
@@ -110,8 +117,8 @@ void define_decode_stack(pybind11::module& m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>(),
            "heads, kv_heads, head_dim, eps, attention scale, final_norm")
       .def("add_layer", &DecodeStack::add_layer,
-           "input_norm, post_norm, q_norm and k_norm (or None), then qkv, o, gate_up, down as (weight, int8 scale "
-           "or None, bias or None), window")
+           "input_norm, post_norm, q_norm and k_norm (or None), then qkv, o, gate_up, down as (weight, scale or "
+           "None, bias or None), window")
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "x, cos, sin, kv_caches, slot_mapping, key_slots, seq_lens -> final-normed hidden states");
 }

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.model.layers import apply_rotary
-from pagoda.model.native_decode import NativeDecode
+from pagoda.model.native_decode import NativeDecode, decode_stack_covers
 
 if TYPE_CHECKING:
     from pagoda.model.backends import CpuKernels
@@ -251,7 +251,7 @@ class CpuAttentionBackend(AttentionBackend):
         self.decode_stack = decode_stack
 
     def bind(self, model: LlamaModel) -> None:
-        if self.decode_stack:
+        if self.decode_stack and decode_stack_covers(model):
             self.decode_runner = NativeDecode(model, self.kernels)
 
     def rotate_and_write_kv(

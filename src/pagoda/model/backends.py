@@ -16,7 +16,8 @@ from pagoda.config import ModelConfig
 from pagoda.model.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
 from pagoda.model.quantization import gemv_takes
 
-LinearSpec = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # weight, int8 scale, bias
+# weight, scale (int8: per channel; int4: the (scale, offset) pairs), bias; as kernels/cpu_decode.cpp reads it
+LinearSpec = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 class CompiledDecodeStack(Protocol):
@@ -85,7 +86,7 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
       heads per kv head), attend through the native backend: paged attention, rope + KV write in one call;
     - and where every layer's linear runs as a GEMV too (input widths a multiple of 32), run decode-only
       steps through the native decode stack, which the backend's `bind` builds once the weights are final
-      (not for int4 weights: their layers run the int4 matmul, which the stack does not call).
+      (and only if they are what it takes: `decode_stack_covers`).
     """
     integer = quantized_kernels if quantization == "int4" or (quantization == "int8" and kernels is None) else None
     fused = kernels if dtype in (torch.float32, torch.bfloat16) else None
@@ -95,6 +96,6 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     if not (config.head_dim % 16 == 0 and config.head_dim <= 128 and group <= 16):  # the attention kernels' shapes
         return ModelRuntime(kernels=fused, gemv_kernels=kernels, quantized_kernels=integer)
     linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
-    decode_stack = quantization != "int4" and all(gemv_takes(width) for width in linear_widths)
+    decode_stack = all(gemv_takes(width) for width in linear_widths)
     return ModelRuntime(CpuAttentionBackend(fused, decode_stack), kernels=fused, gemv_kernels=kernels,
                         quantized_kernels=integer)

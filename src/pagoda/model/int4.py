@@ -1,6 +1,6 @@
 """4-bit weight-only linear layers (W4A16): pagoda's own group-wise quantizer and the layer that runs the codes.
 
-Storage is torch's CPU int4 layout (`_convert_weight_to_int4pack_for_cpu`), half a byte per weight, plus one
+Storage is half a byte per weight in torch's CPU int4 layout (`pack_int4`), plus one
 bf16 (scale, offset) pair per group of input columns (`int4_format`): W = (q - 8) * scale + offset, q in 0..15.
 Every source of 4-bit weights (this module's quantizer, GPTQ and AWQ checkpoints) arrives as `Int4Weights` and is
 converted once, so there is one runtime form and one set of numerics.
@@ -17,13 +17,18 @@ the same bf16 scales, a slice of rows at a time into a cache-sized tile (one who
 more in page faults than in arithmetic), and each tile goes to torch's GEMM. Every path uses identical
 weights; they differ only in how x is rounded and summed.
 
+torch's layout interleaves output rows in blocks whose size depends on the CPU torch was built to run on (32
+rows, or 64 on AVX-512 hosts); pagoda's kernel reads 32-row blocks on every host, so a layer packs its codes
+itself, in 32-row blocks for the kernel and in torch's block for torch's matmul.
+
 Shapes the int4 kernel cannot take are padded at construction, never at the caller: output rows up to a
-multiple of 32 (the layout's block), input columns up to a multiple of the group size (a ragged last group
+multiple of the layout's block, input columns up to a multiple of the group size (a ragged last group
 keeps its own statistics, from its real columns only; padded columns meet zero activations).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -41,7 +46,7 @@ if TYPE_CHECKING:
 # Group sizes torch's int4 kernel takes; a checkpoint group that is a multiple of one is split into
 # kernel groups that repeat its scale (exact).
 KERNEL_GROUP_SIZES = (256, 128, 64, 32)
-BLOCK_ROWS = 32  # the packed layout interleaves output rows in blocks of this many
+BLOCK_ROWS = 32  # pagoda's kernel reads output rows interleaved in blocks of this many
 # Without pagoda's kernel: up to this many rows torch's int4 matmul beats dequantized tiles into a GEMM (it
 # re-reads the nibbles per few rows; 0.8x the tiles' time at 64 rows, 1.05x at 128, bench-1b gate/up, Zen 3).
 MATMUL_MAX_ROWS = 64
@@ -137,7 +142,7 @@ def _codes(groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> tor
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T (+ bias) with W held as 4-bit codes in torch's CPU int4 layout."""
+    """y = x W^T (+ bias) with W held as 4-bit codes in torch's CPU int4 layout (`pack_int4`)."""
 
     packed: torch.Tensor  # uint8 [padded_out, padded_in // 2], torch's int4 layout
     scales_and_zeros: torch.Tensor  # bf16 [padded_in // kernel_group, padded_out, 2]: (scale, offset)
@@ -150,8 +155,9 @@ class Int4Linear(nn.Module):
         self.in_features, self.out_features = weights.in_features, weights.out_features
         codes, scales, zeros, group_size, order = _contiguous_groups(weights)
         self.kernel_group = _kernel_group(group_size)
+        self.block_rows = BLOCK_ROWS if kernels is not None else torch_int4_block_rows()
         self.padded_in = -(-self.in_features // group_size) * group_size
-        self.padded_out = -(-self.out_features // BLOCK_ROWS) * BLOCK_ROWS
+        self.padded_out = -(-self.out_features // self.block_rows) * self.block_rows
         pad_rows, pad_cols = self.padded_out - self.out_features, self.padded_in - self.in_features
         codes = F.pad(codes.to(torch.int32), (0, pad_cols, 0, pad_rows), value=8)
         zeros = torch.full_like(scales, 8.0) if zeros is None else zeros
@@ -159,7 +165,7 @@ class Int4Linear(nn.Module):
         scales = F.pad(scales, (0, 0, 0, pad_rows))
         repeat = group_size // self.kernel_group  # a checkpoint group spanning several kernel groups
         scales, offsets = scales.repeat_interleave(repeat, dim=1), offsets.repeat_interleave(repeat, dim=1)
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(codes.contiguous(), 1))
+        self.register_buffer("packed", pack_int4(codes, self.block_rows))
         self.register_buffer("scales_and_zeros",
                              torch.stack([scales.t(), offsets.t()], dim=-1).contiguous().bfloat16())
         self.register_buffer("input_order", order)
@@ -182,6 +188,13 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     @property
+    def runs_kernel_unpadded(self) -> bool:
+        """Whether a decode input goes straight to the kernel: no column gather, no padding in or out (what the
+        native decode stack requires of a layer)."""
+        return (self.kernels is not None and self.input_order is None and self.padded_in == self.in_features
+                and self.padded_out == self.out_features)
+
+    @property
     def matmul_name(self) -> str:
         """What it runs, for people reading the start-up summary."""
         if self.kernels is None:
@@ -199,10 +212,10 @@ class Int4Linear(nn.Module):
         return scale.t()[..., None].to(dtype), (offset - 8 * scale).t()[..., None].to(dtype)
 
     def _dequantize_rows(self, start: int, end: int, scale: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """Rows start..end of W (multiples of BLOCK_ROWS), in scale's dtype."""
-        blocks = self.packed.view(self.padded_out // BLOCK_ROWS, self.padded_in, BLOCK_ROWS // 2)
-        packed = blocks[start // BLOCK_ROWS : end // BLOCK_ROWS]
-        codes = unpack_int4pack(packed, end - start, self.padded_in).view(end - start, -1, self.kernel_group)
+        """Rows start..end of W (multiples of the layout's block), in scale's dtype."""
+        block = self.block_rows
+        packed = self.packed.view(self.padded_out // block, self.padded_in, block // 2)[start // block : end // block]
+        codes = unpack_int4(packed, end - start, self.padded_in, block).view(end - start, -1, self.kernel_group)
         weight = torch.mul(codes, scale[start:end]).add_(base[start:end])
         return weight.view(end - start, self.padded_in)
 
@@ -210,13 +223,30 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, group={self.kernel_group}"
 
 
-def unpack_int4pack(packed: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """torch's CPU int4 layout back to codes [rows, cols]: blocks of 32 output rows, within a block one input
-    column after another, 16 bytes per column, byte i holding row i (low nibble) and row i + 16 (high)."""
-    nibbles = packed.view(rows // BLOCK_ROWS, cols, BLOCK_ROWS // 2)
-    low, high = nibbles & 15, nibbles >> 4
-    block = torch.cat([low, high], dim=-1)  # [blocks, cols, 32]: row order 0..15, 16..31
+def pack_int4(codes: torch.Tensor, block_rows: int = BLOCK_ROWS) -> torch.Tensor:
+    """Codes [rows, cols] (0..15; rows a multiple of block_rows) in torch's CPU int4 layout: blocks of
+    block_rows output rows, within a block one input column after another, block_rows / 2 bytes per column,
+    byte i holding row i (low nibble) and row i + block_rows / 2 (high)."""
+    rows, cols = codes.shape
+    halves = codes.to(torch.uint8).view(rows // block_rows, 2, block_rows // 2, cols)
+    packed = halves[:, 0] | (halves[:, 1] << 4)  # [blocks, block_rows / 2, cols]
+    return packed.permute(0, 2, 1).reshape(rows, cols // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, rows: int, cols: int, block_rows: int = BLOCK_ROWS) -> torch.Tensor:
+    """`pack_int4` undone: codes [rows, cols]."""
+    nibbles = packed.view(rows // block_rows, cols, block_rows // 2)
+    block = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # [blocks, cols, block_rows]: rows in order
     return block.permute(0, 2, 1).reshape(rows, cols)
+
+
+@functools.cache
+def torch_int4_block_rows() -> int:
+    """The row block of torch's int4 layout on this CPU (its converter packs by the ISA it dispatches to)."""
+    probe = torch.zeros(64, 2, dtype=torch.int32)
+    probe[32, 0] = 1  # 64-row blocks: the high nibble of byte 0; 32-row blocks: the second block
+    packed = torch._convert_weight_to_int4pack_for_cpu(probe, 1)
+    return 64 if int(packed.view(-1)[0]) == 0x10 else BLOCK_ROWS
 
 
 def _kernel_group(group_size: int) -> int:

@@ -4,8 +4,9 @@ The stack runs the very kernels the module path calls, in the same order, so its
 path's bit for bit; what it removes is the interpreter between them: ~10 module calls and op
 dispatches a layer, 2-6 ms a step on bench-1b (22 layers), during which no weight streams. It takes a
 step when every token is a decode and every linear runs as a GEMV (at most KERNEL_MAX_ROWS tokens);
-prefills and larger batches run through the modules. `backends.create_runtime` gives it only to models
-it covers: the native attention backend, every layer's linear a GEMV.
+prefills and larger batches run through the modules. `backends.create_runtime` offers it to models whose
+shapes it takes (the native attention backend, every linear's width a GEMV's), and the backend builds it
+once the weights are final if `decode_stack_covers` them (every linear runs decode inputs straight through a kernel).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from pagoda.model.int4 import Int4Linear
 from pagoda.model.quantization import KERNEL_MAX_ROWS, DenseLinear, Int8Linear
 
 if TYPE_CHECKING:
@@ -23,13 +25,27 @@ if TYPE_CHECKING:
     from pagoda.model.llama import DecoderLayer, LlamaModel
 
 
-def _linear_spec(linear: nn.Module) -> LinearSpec:
-    """(weight, int8 scale, bias) of a linear that runs decode inputs as a GEMV."""
+def _linear_spec(linear: nn.Module) -> LinearSpec | None:
+    """(weight, scale, bias) of a linear that runs decode inputs straight through a kernel, else None."""
     if isinstance(linear, DenseLinear) and linear.gemv is not None:
         return linear.weight, None, linear.bias
     if isinstance(linear, Int8Linear) and linear.kernels is not None:
         return linear.qweight, linear.scale, linear.bias
-    raise ValueError(f"{type(linear).__name__} does not run decode inputs as a GEMV: the decode stack cannot take it")
+    if isinstance(linear, Int4Linear) and linear.runs_kernel_unpadded:
+        return linear.packed, linear.scales_and_zeros, linear.bias
+    return None
+
+
+def _layer_linears(layer: DecoderLayer) -> tuple[nn.Module, ...]:
+    attention, mlp = layer.self_attn, layer.mlp
+    return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
+def decode_stack_covers(model: LlamaModel) -> bool:
+    """Whether every layer's linears run decode inputs straight through a kernel (a prequantized int4 checkpoint
+    with act-order or ragged shapes may not)."""
+    layers = cast("list[DecoderLayer]", list(model.layers))
+    return all(_linear_spec(linear) is not None for layer in layers for linear in _layer_linears(layer))
 
 
 class NativeDecode:
@@ -39,9 +55,8 @@ class NativeDecode:
         self.stack = kernels.DecodeStack(config.num_heads, config.num_kv_heads, config.head_dim, model.norm.eps,
                                          layers[0].self_attn.scale, model.norm.weight)
         for layer in layers:
-            attention, mlp = layer.self_attn, layer.mlp
-            qkv, o, gate_up, down = map(_linear_spec, (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj,
-                                                       mlp.down_proj))
+            attention = layer.self_attn
+            qkv, o, gate_up, down = (cast("LinearSpec", _linear_spec(linear)) for linear in _layer_linears(layer))
             q_norm, k_norm = attention.q_norm, attention.k_norm  # Qwen3's per-head norms, or None
             self.stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                  None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
