@@ -34,7 +34,7 @@ def int8_codes_dequantized(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def reference_matmul_int4(x: torch.Tensor, packed: torch.Tensor, group: int,
                           scales_and_zeros: torch.Tensor) -> torch.Tensor:
-    """What kernels/cpu_int4.cpp computes: W dequantized from pagoda's int4 layout (32-row blocks) times x's int8 codes."""
+    """What kernels/cpu_int4.cpp computes: W dequantized from pagoda's int4 layout times x's int8 codes."""
     from pagoda.model.int4 import unpack_int4
 
     rows, cols = packed.shape[0], packed.shape[1] * 2
