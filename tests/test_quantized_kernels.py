@@ -23,12 +23,17 @@ from tests.reference_kernels import (
     reference_matmul_int8,
 )
 
+# Both builds of the kernels, each where the CPU runs it: the full set (AVX-512) and the AVX2 module.
+BUILDS = {"full set": pagoda.kernels.cpu_kernels, "avx2": pagoda.kernels.avx2_kernels}
 
-def _module():
-    return pagoda.kernels.cpu_kernels() or pagoda.kernels.avx2_kernels()
 
+@pytest.fixture(params=list(BUILDS))
+def module(request):
+    built = BUILDS[request.param]()
+    if built is None:
+        pytest.skip(f"this CPU does not run the {request.param} build")
+    return built
 
-pytestmark = pytest.mark.skipif(_module() is None, reason="this CPU lacks AVX2/FMA: no integer matmul kernels")
 ROWS = [1, 2, 3, 4, 5, 7, 9, 16, 33, 64, 130]
 
 
@@ -41,9 +46,9 @@ def _assert_within_x_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Te
     assert bool((error <= bound * (1 + 1e-4) + 1e-5).all()), float((error - bound).max())
 
 
-def _layer(out_features: int, in_features: int, group_size: int, sym: bool = False) -> Int4Linear:
+def _layer(module, out_features: int, in_features: int, group_size: int, sym: bool = False) -> Int4Linear:
     weight = torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(out_features)) * 0.05
-    return Int4Linear(quantize_int4(weight, Int4Options(group_size=group_size, sym=sym)), None, _module())
+    return Int4Linear(quantize_int4(weight, Int4Options(group_size=group_size, sym=sym)), None, module)
 
 
 def _padded_input(layer: Int4Linear, rows: int, seed: int) -> torch.Tensor:
@@ -56,11 +61,11 @@ def _padded_input(layer: Int4Linear, rows: int, seed: int) -> torch.Tensor:
     (32, 32, 32, False), (40, 72, 32, False), (96, 128, 64, True), (64, 384, 128, False), (320, 704, 64, False),
 ])
 @pytest.mark.parametrize("rows", ROWS)
-def test_int4_matches_its_reference_and_the_stated_bound(out_features, in_features, group_size, sym, rows):
-    layer = _layer(out_features, in_features, group_size, sym)
+def test_int4_matches_its_reference_and_the_stated_bound(module, out_features, in_features, group_size, sym, rows):
+    layer = _layer(module, out_features, in_features, group_size, sym)
     x = _padded_input(layer, rows, seed=rows)
     args = (layer.packed, layer.kernel_group, layer.scales_and_zeros)
-    y = _module().matmul_int4(x, *args)
+    y = module.matmul_int4(x, *args)
     assert y.shape == (rows, layer.padded_out) and y.dtype == torch.float32
     reference = reference_matmul_int4(x, *args)
     torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
@@ -70,10 +75,10 @@ def test_int4_matches_its_reference_and_the_stated_bound(out_features, in_featur
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(32, 32), (40, 96), (300, 704), (7, 64)])
 @pytest.mark.parametrize("rows", ROWS)
-def test_int8_matches_its_reference_and_the_stated_bound(out_features, in_features, rows):
-    layer = Int8Linear(torch.nn.Linear(in_features, out_features, bias=False), None, _module())
+def test_int8_matches_its_reference_and_the_stated_bound(module, out_features, in_features, rows):
+    layer = Int8Linear(torch.nn.Linear(in_features, out_features, bias=False), None, module)
     x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
-    y = _module().matmul_int8(x, layer.qweight, layer.scale)
+    y = module.matmul_int8(x, layer.qweight, layer.scale)
     assert y.shape == (rows, out_features) and y.dtype == torch.float32
     reference = reference_matmul_int8(x, layer.qweight, layer.scale)
     torch.testing.assert_close(y, reference, rtol=1e-5, atol=1e-5 * float(reference.abs().max()))
@@ -86,46 +91,46 @@ def test_int8_matches_its_reference_and_the_stated_bound(out_features, in_featur
         torch.testing.assert_close(layer(x), reference(x))
 
 
-def test_bf16_input_gives_bf16_output_and_zero_rows_give_zeros():
-    layer = _layer(64, 128, 32)
+def test_bf16_input_gives_bf16_output_and_zero_rows_give_zeros(module):
+    layer = _layer(module, 64, 128, 32)
     x = _padded_input(layer, 3, seed=1)
     x[1] = 0  # a group of zeros has scale 0: its codes are 0, not NaN
-    y = _module().matmul_int4(x.bfloat16(), layer.packed, layer.kernel_group, layer.scales_and_zeros)
+    y = module.matmul_int4(x.bfloat16(), layer.packed, layer.kernel_group, layer.scales_and_zeros)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y[1], torch.zeros_like(y[1]))
     expected = reference_matmul_int4(x.bfloat16().float(), layer.packed, layer.kernel_group, layer.scales_and_zeros)
     torch.testing.assert_close(y.float(), expected, rtol=2**-7, atol=2**-7 * float(expected.abs().max()))
 
 
-def test_int8_refusals_and_zero_rows():
+def test_int8_refusals_and_zero_rows(module):
     qweight, scale = torch.ones(64, 96, dtype=torch.int8), torch.ones(64)
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        _module().matmul_int8(torch.randn(1, 80), torch.ones(64, 80, dtype=torch.int8), scale)
+        module.matmul_int8(torch.randn(1, 80), torch.ones(64, 80, dtype=torch.int8), scale)
     with pytest.raises(RuntimeError, match="disagree on K"):
-        _module().matmul_int8(torch.randn(1, 64), qweight, scale)
+        module.matmul_int8(torch.randn(1, 64), qweight, scale)
     x = torch.randn(2, 96)
     x[0] = 0
-    y = _module().matmul_int8(x.bfloat16(), qweight, scale)
+    y = module.matmul_int8(x.bfloat16(), qweight, scale)
     assert y.dtype == torch.bfloat16 and torch.equal(y[0], torch.zeros_like(y[0]))
     torch.testing.assert_close(y[1].float(), int8_codes_dequantized(x.bfloat16(), 32)[1].sum().expand(64),
                                rtol=2**-7, atol=0.0)
 
 
-def test_bad_shapes_are_refused():
-    layer = _layer(64, 128, 32)
+def test_bad_shapes_are_refused(module):
+    layer = _layer(module, 64, 128, 32)
     args = (layer.packed, layer.kernel_group, layer.scales_and_zeros)
     with pytest.raises(RuntimeError, match="M >= 1"):
-        _module().matmul_int4(torch.randn(0, 128), *args)
+        module.matmul_int4(torch.randn(0, 128), *args)
     with pytest.raises(RuntimeError, match="disagree on K"):
-        _module().matmul_int4(torch.randn(1, 96), *args)
+        module.matmul_int4(torch.randn(1, 96), *args)
     with pytest.raises(RuntimeError, match="group"):
-        _module().matmul_int4(torch.randn(1, 128), layer.packed, 48, layer.scales_and_zeros)
+        module.matmul_int4(torch.randn(1, 128), layer.packed, 48, layer.scales_and_zeros)
 
 
-def test_int4_layer_takes_the_kernel_up_to_its_row_bound():
+def test_int4_layer_takes_the_kernel_up_to_its_row_bound(module):
     """Inputs up to KERNEL_MAX_ROWS run the kernel (padding and bias handled by the layer); longer ones the
     dequantized tiles, as without the kernel."""
-    layer = _layer(96, 200, 64)  # 200 columns: padded to 256 by the layer, a ragged last group
+    layer = _layer(module, 96, 200, 64)  # 200 columns: padded to 256 by the layer, a ragged last group
     layer.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
     for rows in (1, 8, 64, 65, 200, KERNEL_MAX_ROWS):
         x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows))
@@ -133,19 +138,19 @@ def test_int4_layer_takes_the_kernel_up_to_its_row_bound():
         expected = reference_matmul_int4(padded, layer.packed, layer.kernel_group, layer.scales_and_zeros)[:, :96]
         torch.testing.assert_close(layer(x), expected + layer.bias, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
     x = torch.randn(KERNEL_MAX_ROWS + 1, 200)
-    without = _layer(96, 200, 64)
+    without = _layer(module, 96, 200, 64)
     without.kernels, without.bias = None, layer.bias
     assert torch.equal(layer(x), without(x))
 
 
 @pytest.mark.parametrize(("quantization", "kernel"), [("int4", "matmul_int4"), ("int8", "matmul_int8")])
-def test_engine_runs_quantized_layers_through_the_kernels(make_llm, checkpoint, monkeypatch, quantization, kernel):
+def test_engine_runs_quantized_layers_through_the_kernels(module, make_llm, checkpoint, monkeypatch, quantization,
+                                                          kernel):
     """An AVX2-only CPU's int8/int4 models run the integer matmuls; greedy output equals the same model's with
     the kernels' torch references in their place (the loader's seam, exercised on any CPU)."""
     model_dir = checkpoint("llama")
     prompts = random_prompts([6, 21, 3], seed=12)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    module = _module()
     monkeypatch.setattr(pagoda.kernels, "cpu_kernels", lambda: None)
     monkeypatch.setattr(pagoda.kernels, "avx2_kernels", lambda: module)
     llm = make_llm(model_dir, quantization=quantization)

@@ -38,16 +38,16 @@ class _Build:
 _HEADERS = ("cpu_vec.h", "cpu_ops.h", "cpu_x_codes.h")
 # -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
 _LINK_FLAGS = ["-lgomp"]
-# The full set, for AVX-512 with bf16 dot products (vdpbf16ps) and VNNI (vpdpwssd). -fopenmp: at::parallel_for
-# is an inline OpenMP region; compiled without it, every kernel runs on one thread. -ffp-contract=off: a
-# multiply and an add that torch rounds separately stay separate (cpu_fused.cpp).
+# The full set, for AVX-512 with bf16 dot products (vdpbf16ps), VNNI (vpdpwssd, vpdpbusd) and VBMI (vpermb).
+# -fopenmp: at::parallel_for is an inline OpenMP region; compiled without it, every kernel runs on one thread.
+# -ffp-contract=off: a multiply and an add that torch rounds separately stay separate (cpu_fused.cpp).
 _AVX512 = _Build(
     "pagoda_cpu_kernels",
     ("cpu_gemv.cpp", "cpu_int8.cpp", "cpu_int4.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused.cpp",
      "cpu_decode.cpp", "cpu_module.cpp"),
-    ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mfma", "-fopenmp",
-     "-ffp-contract=off"),
-    frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni"}),
+    ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi", "-mfma",
+     "-fopenmp", "-ffp-contract=off"),
+    frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512vbmi"}),
 )
 # What runs on AVX2 alone (the int8 and int4 matmuls), for CPUs without that AVX-512 set.
 _AVX2 = _Build("pagoda_cpu_avx2_kernels", ("cpu_int8.cpp", "cpu_int4.cpp", "cpu_avx2_module.cpp"),

@@ -1,8 +1,9 @@
-// int4 weights against any number of rows of x, decode and prefill alike: y[m, n] = sum_k x[m, k] * W[n, k], W held in torch's CPU
-// int4 layout (what model/int4.py stores) with a bf16 (scale, offset) per group of input columns:
+// int4 weights against any number of rows of x, decode and prefill alike: y[m, n] = sum_k x[m, k] * W[n, k], W held
+// in pagoda's int4 layout (model/int4.py's pack_int4) with a bf16 (scale, offset) per group of input columns:
 // W = (q - 8) * scale + offset, q in 0..15.
 //
-// Written for AVX2 (it is the whole int4 path on CPUs without AVX-512, and AVX-512 CPUs run it too). As llama.cpp
+// Two forms of the same sums, chosen at compile time: AVX2 (the AVX2 module, for CPUs without AVX-512) and
+// AVX-512 (the full set), which halves the instructions per weight. As llama.cpp
 // does for its 4-bit formats, x is quantized per weight group to int8 (round to nearest, scale max|x| / 127),
 // so that the inner loop is integer: vpmaddubsw multiplies 32 unsigned nibbles by 32 signed x codes and adds
 // the pairs into 16-bit sums. Widening each nibble to fp32 for an FMA instead costs ~17 instructions per 16
@@ -30,14 +31,31 @@ namespace {
 constexpr int64_t kBlockRows = 32;  // the layout's block of output rows
 // Columns summed in 16-bit lanes before widening to 32 bits: 8 pairs of at most 2 * 15 * 127 stay below 2^15.
 constexpr int64_t kColumnsPer16BitSum = 16;
+// A block's (scale, offset) pairs for one group are 128 bytes, a row of the [groups, N] array away from the next
+// group's: no prefetcher follows that stride, so each group would wait on memory for its scales.
+constexpr int64_t kPrefetchGroups = 4;
+
+// One thread streams one block at a time, a single sequential stream, which the hardware prefetchers alone keep
+// well below a core's share of memory bandwidth; software prefetches into L2 this far ahead (into the next block at a
+// block's end: a thread's blocks are adjacent) keep enough lines in flight.
+constexpr int64_t kPrefetchBytes = 2048;
+
+inline void prefetch_scales(const uint32_t* scale_offset, int64_t g, int64_t groups, int64_t N) {
+  if (g >= groups) return;
+  const char* pairs = reinterpret_cast<const char*>(scale_offset + g * N);
+  _mm_prefetch(pairs, _MM_HINT_T0);
+  _mm_prefetch(pairs + 64, _MM_HINT_T0);
+}
 
 // 32 output rows (one block of the layout, K * 16 bytes at `block`) against R quantized rows of x (codes[r * K],
 // the per-group arrays at [r * groups]): y[r * N + n] = sum_g x_scale[g] * (scale[g, n] * (isum[g, n] - 8 *
 // code_sum[g]) + offset[g, n] * code_sum[g]), isum[g, n] = sum over the group of q[n, k] * code[k]. The nibbles
 // of each pair of columns are rearranged once for all R rows (the rearranging is most of the work).
-template <int R>
+#ifndef __AVX512BW__
+template <int R, int S>  // S: blocks at once, 1 here
 void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales, const int32_t* code_sums,
                 const uint32_t* scale_offset, int64_t N, int64_t K, int64_t group, float* y) {
+  static_assert(S == 1, "the AVX2 form takes one block at a time");
   const int64_t groups = K / group;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const __m256i high_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
@@ -45,6 +63,7 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += group) {
+    prefetch_scales(scale_offset, g0 / group + kPrefetchGroups, groups, N);
     // isum[r][i]: output rows 8i..8i+7; the 16-bit sums hold rows 0-7 | 16-23 (even) and 8-15 | 24-31 (odd).
     __m256i isum[R][4];
     for (int r = 0; r < R; ++r)
@@ -53,6 +72,7 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
       __m256i even[R], odd[R];
       for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_si256();
       for (int64_t k = k0; k < k0 + kColumnsPer16BitSum; k += 2) {
+        if (k % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(block + k * 16 + kPrefetchBytes), _MM_HINT_T0);
         const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * 16));
         const __m256i low = _mm256_and_si256(both, nibble);                           // rows 0-15: k | k+1
         const __m256i high = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);  // rows 16-31: k | k+1
@@ -92,6 +112,78 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + r * N + 8 * i, acc[r][i]);
 }
+template <int R>
+constexpr int kStreams = 1;
+#else
+// The same sums on AVX-512 with VNNI and VBMI (compiled into the full set). One 64-byte load is four columns of a
+// block; one vpermb per nibble half turns its (column, row) bytes into (row, column), a dword per row holding
+// columns k..k+3, and vpdpbusd adds those four products to the row's int32 sum against the broadcast codes
+// x[k..k+3]: 5 instructions unpack 128 weights, 2 a row of x take them (the AVX2 form's 16-bit pairs need 14),
+// which on a core that streams memory faster than the AVX2 form computes is the difference between compute and
+// memory bound. int32 sums do not overflow: a group of 256 columns sums at most 256 * 15 * 127 < 2^20.
+template <int R, int S>
+void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales, const int32_t* code_sums,
+                const uint32_t* scale_offset, int64_t N, int64_t K, int64_t group, float* y) {
+  const int64_t groups = K / group, block_bytes = kBlockRows * K / 2;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  alignas(64) int8_t transpose[64];  // byte 4 * row + c of the result is byte 16 * c + row of the load
+  for (int row = 0; row < 16; ++row)
+    for (int c = 0; c < 4; ++c) transpose[4 * row + c] = static_cast<int8_t>(16 * c + row);
+  const __m512i rows_by_column = _mm512_load_si512(transpose);
+  __m512 acc[S][R][2];  // acc[s][r][h]: row r of x against output rows 16h..16h+15 of block s, in fp32
+  for (int b = 0; b < S; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r][0] = acc[b][r][1] = _mm512_setzero_ps();
+  for (int64_t g0 = 0; g0 < K; g0 += group) {
+    const int64_t g = g0 / group;
+    prefetch_scales(scale_offset, g + kPrefetchGroups, groups, N);
+    __m512i isum[S][R][2];
+    for (int b = 0; b < S; ++b)
+      for (int r = 0; r < R; ++r) isum[b][r][0] = isum[b][r][1] = _mm512_setzero_si512();
+    for (int64_t k = g0; k < g0 + group; k += 4) {
+      __m512i x[R];
+      for (int r = 0; r < R; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, codes + r * K + k, sizeof(quad));
+        x[r] = _mm512_set1_epi32(quad);
+      }
+      for (int b = 0; b < S; ++b) {
+        const uint8_t* column = block + b * block_bytes + k * 16;
+        _mm_prefetch(reinterpret_cast<const char*>(column + kPrefetchBytes), _MM_HINT_T1);  // into L2
+        const __m512i four = _mm512_loadu_si512(column);
+        const __m512i low = _mm512_permutexvar_epi8(rows_by_column, _mm512_and_si512(four, nibble));
+        const __m512i high =
+            _mm512_permutexvar_epi8(rows_by_column, _mm512_and_si512(_mm512_srli_epi16(four, 4), nibble));
+        for (int r = 0; r < R; ++r) {
+          isum[b][r][0] = _mm512_dpbusd_epi32(isum[b][r][0], low, x[r]);
+          isum[b][r][1] = _mm512_dpbusd_epi32(isum[b][r][1], high, x[r]);
+        }
+      }
+    }
+    for (int b = 0; b < S; ++b)
+      for (int h = 0; h < 2; ++h) {
+        // this block's (scale, offset) bf16 pairs for output rows 16h..16h+15
+        const __m512i packed = _mm512_loadu_si512(scale_offset + g * N + b * kBlockRows + 16 * h);
+        const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
+        const __m512 offset = _mm512_castsi512_ps(_mm512_and_si512(packed, high_half));
+        for (int r = 0; r < R; ++r) {
+          const int32_t code_sum = code_sums[r * groups + g];
+          const __m512 centred =  // exact: |isum - 8 * code_sum| < 2^24
+              _mm512_cvtepi32_ps(_mm512_sub_epi32(isum[b][r][h], _mm512_set1_epi32(8 * code_sum)));
+          const __m512 term = _mm512_fmadd_ps(scale, centred, _mm512_mul_ps(offset, _mm512_set1_ps(code_sum)));
+          acc[b][r][h] = _mm512_fmadd_ps(term, _mm512_set1_ps(x_scales[r * groups + g]), acc[b][r][h]);
+        }
+      }
+  }
+  for (int b = 0; b < S; ++b)
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < 2; ++h) _mm512_storeu_ps(y + r * N + b * kBlockRows + 16 * h, acc[b][r][h]);
+}
+// One row of x keeps two blocks' weights streaming at once: a single sequential stream a core leaves memory
+// idle between its requests (bench-1b's shapes: 2 streams 1.3x 1 at batch 1); more rows are compute enough.
+template <int R>
+constexpr int kStreams = R == 1 ? 2 : 1;
+#endif
 
 }  // namespace
 
@@ -99,7 +191,7 @@ torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, i
                         const torch::Tensor& scales_and_zeros) {
   TORCH_CHECK(x.dim() == 2 && x.size(0) >= 1, "x must be [M >= 1, K]");
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 2 && packed.is_contiguous(),
-              "packed must be contiguous uint8 [N, K / 2] in torch's CPU int4 layout");
+              "packed must be contiguous uint8 [N, K / 2] in pagoda's int4 layout");
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0);
   TORCH_CHECK(packed.size(1) * 2 == K, "x and packed disagree on K");
   TORCH_CHECK(N % kBlockRows == 0, "N must be a multiple of 32");
@@ -113,14 +205,21 @@ torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, i
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const auto* so = reinterpret_cast<const uint32_t*>(scales_and_zeros.data_ptr<at::BFloat16>());
-  // Within a pass, each block's weights (K * 16 bytes) stay in L1/L2 while every row passes over them.
+  // Within a pass, each block's weights (K * 16 bytes; a pair of blocks where one row streams two at once) stay in
+  // L1/L2 while every row passes over them.
   for (int64_t m0 = 0; m0 < M; m0 += pagoda::kRowsPerPass) {
     at::parallel_for(0, N / kBlockRows, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t b = begin; b < end; ++b) {
+      for (int64_t b0 = begin; b0 < end; b0 += kStreams<1>) {
+        const int64_t blocks = std::min<int64_t>(kStreams<1>, end - b0);
         pagoda::for_row_groups(m0, std::min(M, m0 + pagoda::kRowsPerPass), [&](auto count, int64_t m) {
-          block_rows<decltype(count)::value>(wp + b * kBlockRows * K / 2, xq.row_codes(m), xq.row_scales(m),
-                                             xq.row_sums(m), so + b * kBlockRows, N, K, group,
-                                             yp + m * N + b * kBlockRows);
+          constexpr int R = decltype(count)::value;
+          auto run = [&](auto streams, int64_t b) {
+            block_rows<R, decltype(streams)::value>(wp + b * kBlockRows * K / 2, xq.row_codes(m), xq.row_scales(m),
+                                                    xq.row_sums(m), so + b * kBlockRows, N, K, group,
+                                                    yp + m * N + b * kBlockRows);
+          };
+          if (blocks == kStreams<R>) return run(std::integral_constant<int, kStreams<R>>{}, b0);
+          for (int64_t b = b0; b < b0 + blocks; ++b) run(std::integral_constant<int, 1>{}, b);
         });
       }
     });
