@@ -36,7 +36,8 @@ WORKLOADS = {
 }
 
 
-def servers(model: Path, config: str, gguf: Path, slots: int, threads: int, logs: Path) -> list:
+def servers(model: Path, config: str, gguf: Path, slots: int, threads: int, logs: Path,
+            llama_args: list[str]) -> list:
     """(name, process, url) of pagoda and llama.cpp serving the pair, both healthy."""
     context = 4096
     dtype, quantization = CONFIGS[config]
@@ -46,7 +47,7 @@ def servers(model: Path, config: str, gguf: Path, slots: int, threads: int, logs
               "--port", str(free_port()), "--uvicorn-log-level", "warning"]
     llama = [str(LLAMA_DIR / "build/bin/llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
              "-np", str(slots), "-c", str(context * slots), "--cont-batching", "--host", "127.0.0.1",
-             "--port", str(free_port())]
+             "--port", str(free_port()), *llama_args]
     started = []
     for name, command in (("pagoda", pagoda), ("llama.cpp", llama)):
         process, url = start_server(command, logs / f"{name}.log", timeout=600)
@@ -76,7 +77,8 @@ def run_pair(args, pair: str, logs: Path) -> dict:
     config, gguf_type = pair.split(":")
     gguf = LLAMA_DIR / f"{args.model.name}-{gguf_type}.gguf"
     log(f"{pair}: starting pagoda {config} and llama.cpp {gguf.name}")
-    started = servers(args.model, config, gguf, WORKLOADS[args.workload]["slots"], args.threads, logs)
+    started = servers(args.model, config, gguf, WORKLOADS[args.workload]["slots"], args.threads, logs,
+                      args.llama_args.split())
     rounds: dict[str, list[dict]] = {"pagoda": [], "llama.cpp": []}
     try:
         for index in range(args.rounds):
@@ -109,6 +111,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=None, help="per round (default: 4 batch1, 64 streams)")
     parser.add_argument("--threads", type=int, default=2)
+    # llama-server's weight repacking crashes at load for quantized GGUFs on some AVX-512 hosts (an Intel Xeon
+    # with AMX, llama.cpp as pinned): "--no-repack" runs it there, with its plain (unrepacked) kernels.
+    parser.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. --no-repack")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.requests = args.requests or (4 if args.workload == "batch1" else 64)
