@@ -121,16 +121,23 @@ constexpr int kStreams = 1;
 // x[k..k+3]: 5 instructions unpack 128 weights, 2 a row of x take them (the AVX2 form's 16-bit pairs need 14),
 // which on a core that streams memory faster than the AVX2 form computes is the difference between compute and
 // memory bound. int32 sums do not overflow: a group of 256 columns sums at most 256 * 15 * 127 < 2^20.
+// vpermb's indices: byte 4 * row + c of the result is byte 16 * c + row of a load (row 0..15, column c 0..3).
+struct alignas(64) RowsByColumn {
+  int8_t bytes[64];
+  constexpr RowsByColumn() : bytes() {
+    for (int row = 0; row < 16; ++row)
+      for (int c = 0; c < 4; ++c) bytes[4 * row + c] = static_cast<int8_t>(16 * c + row);
+  }
+};
+constexpr RowsByColumn kRowsByColumn;
+
 template <int R, int S>
 void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales, const int32_t* code_sums,
                 const uint32_t* scale_offset, int64_t N, int64_t K, int64_t group, float* y) {
   const int64_t groups = K / group, block_bytes = kBlockRows * K / 2;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  alignas(64) int8_t transpose[64];  // byte 4 * row + c of the result is byte 16 * c + row of the load
-  for (int row = 0; row < 16; ++row)
-    for (int c = 0; c < 4; ++c) transpose[4 * row + c] = static_cast<int8_t>(16 * c + row);
-  const __m512i rows_by_column = _mm512_load_si512(transpose);
+  const __m512i rows_by_column = _mm512_load_si512(kRowsByColumn.bytes);
   __m512 acc[S][R][2];  // acc[s][r][h]: row r of x against output rows 16h..16h+15 of block s, in fp32
   for (int b = 0; b < S; ++b)
     for (int r = 0; r < R; ++r) acc[b][r][0] = acc[b][r][1] = _mm512_setzero_ps();
