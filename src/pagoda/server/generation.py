@@ -187,12 +187,20 @@ class Generation:
         """The next item, or a 504 once the deadline has passed (the caller's cleanup aborts the requests)."""
         if self.deadline is None:
             return await queue.get()
+        # Not asyncio.wait_for: before Python 3.12 it swallows a cancellation that lands as the item arrives,
+        # and with tokens arriving every few milliseconds a non-streamed request whose client had gone would then
+        # run to its end. asyncio.wait never swallows it.
+        getter = asyncio.ensure_future(queue.get())
         try:
-            return await asyncio.wait_for(queue.get(), max(self.deadline - time.monotonic(), 0.0))
-        except asyncio.TimeoutError:
-            logger.info("request %s passed its deadline: aborted", self.response_id)
-            raise OpenAIError(504, "the request did not finish within the server's time limit "
-                                   "(--request-timeout)") from None
+            done, _ = await asyncio.wait({getter}, timeout=max(self.deadline - time.monotonic(), 0.0))
+        finally:
+            if not getter.done():
+                getter.cancel()
+        if getter in done:
+            return getter.result()
+        logger.info("request %s passed its deadline: aborted", self.response_id)
+        raise OpenAIError(504, "the request did not finish within the server's time limit "
+                               "(--request-timeout)")
 
     def _internal_error(self, error: Exception) -> OpenAIError:
         """The client learns that it failed and the id to quote; the log has the details under that id."""
