@@ -45,7 +45,7 @@ REPLICA_ARGS = ("--num-kv-blocks", str(NUM_KV_BLOCKS), "--block-size", str(BLOCK
                 "--max-num-batched-tokens", "512", "--max-model-len", "1024", "--no-use-kernels")
 CONVERSATIONS = 7  # not a multiple of 3: round robin cannot land a conversation on one replica by accident
 TURNS = 3
-ARRIVAL_GAP_S = 0.06  # wide enough that the router sees a round's turns in the order they were sent
+ARRIVAL_GAP_S = 0.2  # wide enough that the router sees a round's turns in the order sent, on a loaded 2-core host
 WORDS = ["river", "stone", "cloud", "forest", "lantern", "harbor", "copper", "meadow", "violet", "engine", "orbit",
          "canyon", "willow", "signal", "marble", "thunder", "garden", "silver", "pepper", "falcon"]
 
