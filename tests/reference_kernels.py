@@ -38,9 +38,10 @@ def reference_matmul_int4(x: torch.Tensor, packed: torch.Tensor, group: int,
     from pagoda.model.int4 import unpack_int4
 
     rows, cols = packed.shape[0], packed.shape[1] * 2
-    scale, offset = scales_and_zeros.float().unbind(-1)  # [groups, rows] each
+    # the pairs block-major, [rows / 32, groups, 32, 2]: pair (row, g) at [row // 32, g, row % 32]
+    scale, offset = scales_and_zeros.float().permute(0, 2, 1, 3).reshape(rows, -1, 2).unbind(-1)  # [rows, groups]
     codes = unpack_int4(packed, rows, cols).float().view(rows, -1, group)
-    weight = ((codes - 8) * scale.t()[..., None] + offset.t()[..., None]).view(rows, cols)
+    weight = ((codes - 8) * scale[..., None] + offset[..., None]).view(rows, cols)
     return (int8_codes_dequantized(x, group) @ weight.t()).to(x.dtype)
 
 
@@ -114,7 +115,7 @@ class _Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.dtype == torch.uint8:
             assert self.scale is not None
-            y = reference_matmul_int4(x, self.weight, self.weight.shape[1] * 2 // self.scale.shape[0], self.scale)
+            y = reference_matmul_int4(x, self.weight, self.weight.shape[1] * 2 // self.scale.shape[1], self.scale)
         else:
             y = _gemv(x, self.weight) if self.scale is None else _gemv_int8(x, self.weight, self.scale)
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -23,7 +23,7 @@ namespace {
 using OptionalTensor = std::optional<torch::Tensor>;
 // A linear layer as Python hands it over: (weight, scale, bias). The weight is fp32/bf16 [N, K] (no scale), int8
 // [N, K] with its per-channel scale [N], or int4 codes uint8 [N, K / 2] (pagoda's int4 layout) with their bf16
-// (scale, offset) pairs [K / group, N, 2].
+// (scale, offset) pairs, block-major [N / 32, K / group, 32, 2].
 using LinearSpec = std::tuple<torch::Tensor, OptionalTensor, OptionalTensor>;
 
 struct Linear {
@@ -37,7 +37,7 @@ struct Linear {
   torch::Tensor operator()(const torch::Tensor& x) const {
     torch::Tensor y;
     if (weight.scalar_type() == at::kByte) {
-      y = matmul_int4(x, weight, weight.size(1) * 2 / scale->size(0), *scale);
+      y = matmul_int4(x, weight, weight.size(1) * 2 / scale->size(1), *scale);
     } else if (scale) {
       y = gemv_int8(x, weight, *scale);
     } else {

@@ -1,6 +1,6 @@
 // int4 weights against any number of rows of x, decode and prefill alike: y[m, n] = sum_k x[m, k] * W[n, k], W held
-// in pagoda's int4 layout (model/int4.py's pack_int4) with a bf16 (scale, offset) per group of input columns:
-// W = (q - 8) * scale + offset, q in 0..15.
+// in pagoda's int4 layout (model/int4.py's pack_int4) with a bf16 (scale, offset) per group of input columns
+// (`pack_group_pairs`): W = (q - 8) * scale + offset, q in 0..15.
 //
 // Two forms of the same sums, chosen at compile time: AVX2 (the AVX2 module, for CPUs without AVX-512) and
 // AVX-512 (the full set), which halves the instructions per weight. As llama.cpp
@@ -14,7 +14,11 @@
 //
 // The layout: output rows in blocks of 32; within a block, input column after column, 16 bytes a column,
 // byte i holding row i (low nibble) and row i + 16 (high). One 32-byte load is two columns of a block; the
-// nibbles are rearranged into (column k, column k + 1) pairs per row, the order vpmaddubsw sums.
+// nibbles are rearranged into (column k, column k + 1) pairs per row, the order vpmaddubsw sums. The (scale,
+// offset) pairs are block-major too, [N / 32, K / group, 32, 2]: a block's pairs for one group (128 bytes) are
+// followed by its next group's, so a block's scales are a second sequential stream beside its weights. (In torch's
+// [K / group, N, 2] a block's next pairs are a row of the array away; that stride defeats the prefetchers and
+// held batch-1 decode to 0.3-0.6 of the read bandwidth at group 32, against 0.7-0.9 block-major.)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,30 +35,34 @@ namespace {
 constexpr int64_t kBlockRows = 32;  // the layout's block of output rows
 // Columns summed in 16-bit lanes before widening to 32 bits: 8 pairs of at most 2 * 15 * 127 stay below 2^15.
 constexpr int64_t kColumnsPer16BitSum = 16;
-// A block's (scale, offset) pairs for one group are 128 bytes, a row of the [groups, N] array away from the next
-// group's: no prefetcher follows that stride, so each group would wait on memory for its scales.
+// The pairs of the group this many ahead are prefetched: a block's pairs are only 1/4 of its bytes at group 32, a
+// stream too thin for the hardware prefetchers to run ahead of.
 constexpr int64_t kPrefetchGroups = 4;
+constexpr int64_t kPairBytes = kBlockRows * 4;  // a block's (scale, offset) pairs for one group
 
 // One thread streams one block at a time, a single sequential stream, which the hardware prefetchers alone keep
 // well below a core's share of memory bandwidth; software prefetches into L2 this far ahead (into the next block at a
 // block's end: a thread's blocks are adjacent) keep enough lines in flight.
 constexpr int64_t kPrefetchBytes = 2048;
 
-inline void prefetch_scales(const uint32_t* scale_offset, int64_t g, int64_t groups, int64_t N) {
+// The pairs of group g of a block whose pairs start at `block_pairs`.
+inline const uint32_t* group_pairs(const uint32_t* block_pairs, int64_t g) { return block_pairs + g * kBlockRows; }
+
+inline void prefetch_pairs(const uint32_t* block_pairs, int64_t g, int64_t groups) {
   if (g >= groups) return;
-  const char* pairs = reinterpret_cast<const char*>(scale_offset + g * N);
-  _mm_prefetch(pairs, _MM_HINT_T0);
-  _mm_prefetch(pairs + 64, _MM_HINT_T0);
+  const char* pairs = reinterpret_cast<const char*>(group_pairs(block_pairs, g));
+  for (int64_t line = 0; line < kPairBytes; line += 64) _mm_prefetch(pairs + line, _MM_HINT_T0);
 }
 
-// 32 output rows (one block of the layout, K * 16 bytes at `block`) against R quantized rows of x (codes[r * K],
-// the per-group arrays at [r * groups]): y[r * N + n] = sum_g x_scale[g] * (scale[g, n] * (isum[g, n] - 8 *
-// code_sum[g]) + offset[g, n] * code_sum[g]), isum[g, n] = sum over the group of q[n, k] * code[k]. The nibbles
-// of each pair of columns are rearranged once for all R rows (the rearranging is most of the work).
+// S blocks of 32 output rows (one block of the layout is K * 16 bytes; S adjacent ones start at `block`, their pairs
+// at `pairs`) against R quantized rows of x (codes[r * K], the per-group arrays at [r * groups]): y[r * N + n] =
+// sum_g x_scale[g] * (scale[g, n] * (isum[g, n] - 8 * code_sum[g]) + offset[g, n] * code_sum[g]), isum[g, n] = sum
+// over the group of q[n, k] * code[k]. The nibbles of each pair of columns are rearranged once for all R rows (the
+// rearranging is most of the work).
 #ifndef __AVX512BW__
 template <int R, int S>  // S: blocks at once, 1 here
 void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales, const int32_t* code_sums,
-                const uint32_t* scale_offset, int64_t N, int64_t K, int64_t group, float* y) {
+                const uint32_t* pairs, int64_t N, int64_t K, int64_t group, float* y) {
   static_assert(S == 1, "the AVX2 form takes one block at a time");
   const int64_t groups = K / group;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -63,7 +71,7 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
   for (int r = 0; r < R; ++r)
     for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += group) {
-    prefetch_scales(scale_offset, g0 / group + kPrefetchGroups, groups, N);
+    prefetch_pairs(pairs, g0 / group + kPrefetchGroups, groups);
     // isum[r][i]: output rows 8i..8i+7; the 16-bit sums hold rows 0-7 | 16-23 (even) and 8-15 | 24-31 (odd).
     __m256i isum[R][4];
     for (int r = 0; r < R; ++r)
@@ -95,9 +103,8 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
       }
     }
     const int64_t g = g0 / group;
-    const uint32_t* pairs = scale_offset + g * N;  // this block's 32 (scale, offset) bf16 pairs
-    for (int i = 0; i < 4; ++i) {
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs + 8 * i));
+    for (int i = 0; i < 4; ++i) {  // this block's 32 (scale, offset) bf16 pairs for the group
+      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_pairs(pairs, g) + 8 * i));
       const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(packed, 16));
       const __m256 offset = _mm256_castsi256_ps(_mm256_and_si256(packed, high_half));
       for (int r = 0; r < R; ++r) {
@@ -133,8 +140,8 @@ constexpr RowsByColumn kRowsByColumn;
 
 template <int R, int S>
 void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales, const int32_t* code_sums,
-                const uint32_t* scale_offset, int64_t N, int64_t K, int64_t group, float* y) {
-  const int64_t groups = K / group, block_bytes = kBlockRows * K / 2;
+                const uint32_t* pairs, int64_t N, int64_t K, int64_t group, float* y) {
+  const int64_t groups = K / group, block_bytes = kBlockRows * K / 2, block_pairs = groups * kBlockRows;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const __m512i rows_by_column = _mm512_load_si512(kRowsByColumn.bytes);
@@ -143,7 +150,7 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
     for (int r = 0; r < R; ++r) acc[b][r][0] = acc[b][r][1] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += group) {
     const int64_t g = g0 / group;
-    prefetch_scales(scale_offset, g + kPrefetchGroups, groups, N);
+    for (int b = 0; b < S; ++b) prefetch_pairs(pairs + b * block_pairs, g + kPrefetchGroups, groups);
     __m512i isum[S][R][2];
     for (int b = 0; b < S; ++b)
       for (int r = 0; r < R; ++r) isum[b][r][0] = isum[b][r][1] = _mm512_setzero_si512();
@@ -170,7 +177,7 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
     for (int b = 0; b < S; ++b)
       for (int h = 0; h < 2; ++h) {
         // this block's (scale, offset) bf16 pairs for output rows 16h..16h+15
-        const __m512i packed = _mm512_loadu_si512(scale_offset + g * N + b * kBlockRows + 16 * h);
+        const __m512i packed = _mm512_loadu_si512(group_pairs(pairs + b * block_pairs, g) + 16 * h);
         const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
         const __m512 offset = _mm512_castsi512_ps(_mm512_and_si512(packed, high_half));
         for (int r = 0; r < R; ++r) {
@@ -186,10 +193,11 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < 2; ++h) _mm512_storeu_ps(y + r * N + b * kBlockRows + 16 * h, acc[b][r][h]);
 }
-// One row of x keeps two blocks' weights streaming at once: a single sequential stream a core leaves memory
-// idle between its requests (bench-1b's shapes: 2 streams 1.3x 1 at batch 1); more rows are compute enough.
+// One row of x keeps four blocks streaming at once (eight streams with their pairs): a single sequential stream a
+// core leaves memory idle between its requests (bench-1b's shapes at batch 1: 2 blocks 1.3x 1, 4 blocks 1.05-1.15x
+// 2); more rows are compute enough.
 template <int R>
-constexpr int kStreams = R == 1 ? 2 : 1;
+constexpr int kStreams = R == 1 ? 4 : 1;
 #endif
 
 }  // namespace
@@ -204,9 +212,10 @@ torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, i
   TORCH_CHECK(N % kBlockRows == 0, "N must be a multiple of 32");
   TORCH_CHECK(group % 32 == 0 && K % group == 0, "the group must be a multiple of 32 dividing K");
   TORCH_CHECK(scales_and_zeros.scalar_type() == at::kBFloat16 && scales_and_zeros.is_contiguous() &&
-                  scales_and_zeros.dim() == 3 && scales_and_zeros.size(0) == K / group &&
-                  scales_and_zeros.size(1) == N && scales_and_zeros.size(2) == 2,
-              "scales_and_zeros must be contiguous bf16 [K / group, N, 2]");
+                  scales_and_zeros.dim() == 4 && scales_and_zeros.size(0) == N / kBlockRows &&
+                  scales_and_zeros.size(1) == K / group && scales_and_zeros.size(2) == kBlockRows &&
+                  scales_and_zeros.size(3) == 2,
+              "scales_and_zeros must be contiguous bf16 [N / 32, K / group, 32, 2]");
   const pagoda::XCodes xq(x, group);
   auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
   float* yp = y.data_ptr<float>();
@@ -222,7 +231,7 @@ torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, i
           constexpr int R = decltype(count)::value;
           auto run = [&](auto streams, int64_t b) {
             block_rows<R, decltype(streams)::value>(wp + b * kBlockRows * K / 2, xq.row_codes(m), xq.row_scales(m),
-                                                    xq.row_sums(m), so + b * kBlockRows, N, K, group,
+                                                    xq.row_sums(m), so + b * (K / group) * kBlockRows, N, K, group,
                                                     yp + m * N + b * kBlockRows);
           };
           if (blocks == kStreams<R>) return run(std::integral_constant<int, kStreams<R>>{}, b0);

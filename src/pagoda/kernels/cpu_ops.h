@@ -13,8 +13,8 @@ torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& w, const to
 // cpu_int8.cpp (AVX2): y = (x @ w.T) * scale for int8 w and any number of rows of x, x quantized per 32
 // columns to int8 (cpu_gemv.cpp's gemv_int8 is the AVX-512 kernels' int8 path).
 torch::Tensor matmul_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale);
-// cpu_int4.cpp (AVX2): y = x @ W.T for any number of rows of x, int4 W in torch's CPU int4 layout with bf16
-// (scale, offset) per group, x quantized per group to int8.
+// cpu_int4.cpp (AVX2 and AVX-512 forms): y = x @ W.T for any number of rows of x, int4 W in pagoda's layout
+// (32-row blocks) with bf16 (scale, offset) per group, block-major; x quantized per group to int8.
 torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, int64_t group,
                         const torch::Tensor& scales_and_zeros);
 

@@ -1,7 +1,8 @@
 """4-bit weight-only linear layers (W4A16): pagoda's own group-wise quantizer and the layer that runs the codes.
 
 Storage is half a byte per weight in torch's CPU int4 layout (`pack_int4`), plus one
-bf16 (scale, offset) pair per group of input columns (`int4_format`): W = (q - 8) * scale + offset, q in 0..15.
+bf16 (scale, offset) pair per group of input columns (`int4_format`, `pack_group_pairs`): W = (q - 8) * scale +
+offset, q in 0..15.
 Every source of 4-bit weights (this module's quantizer, GPTQ and AWQ checkpoints) arrives as `Int4Weights` and is
 converted once, so there is one runtime form and one set of numerics.
 
@@ -19,7 +20,8 @@ weights; they differ only in how x is rounded and summed.
 
 torch's layout interleaves output rows in blocks whose size depends on the CPU torch was built to run on (32
 rows, or 64 on AVX-512 hosts); pagoda's kernel reads 32-row blocks on every host, so a layer packs its codes
-itself, in 32-row blocks for the kernel and in torch's block for torch's matmul.
+itself, in 32-row blocks for the kernel and in torch's block for torch's matmul. The pairs follow the same
+choice: block-major for the kernel (a block's pairs stream beside its codes), torch's [groups, out] otherwise.
 
 Shapes the int4 kernel cannot take are padded at construction, never at the caller: output rows up to a
 multiple of the layout's block, input columns up to a multiple of the group size (a ragged last group
@@ -145,7 +147,7 @@ class Int4Linear(nn.Module):
     """y = x W^T (+ bias) with W held as 4-bit codes in torch's CPU int4 layout (`pack_int4`)."""
 
     packed: torch.Tensor  # uint8 [padded_out, padded_in // 2], torch's int4 layout
-    scales_and_zeros: torch.Tensor  # bf16 [padded_in // kernel_group, padded_out, 2]: (scale, offset)
+    scales_and_zeros: torch.Tensor  # bf16 (scale, offset) per group and row, laid out by `pack_group_pairs`
     input_order: torch.Tensor | None  # int64 [in]: column order that makes the groups contiguous (act-order)
 
     def __init__(self, weights: Int4Weights, bias: torch.Tensor | None,
@@ -156,6 +158,7 @@ class Int4Linear(nn.Module):
         codes, scales, zeros, group_size, order = _contiguous_groups(weights)
         self.kernel_group = _kernel_group(group_size)
         self.block_rows = BLOCK_ROWS if kernels is not None else torch_int4_block_rows()
+        self.pair_block_rows = BLOCK_ROWS if kernels is not None else None  # `pack_group_pairs`'s layout
         self.padded_in = -(-self.in_features // group_size) * group_size
         self.padded_out = -(-self.out_features // self.block_rows) * self.block_rows
         pad_rows, pad_cols = self.padded_out - self.out_features, self.padded_in - self.in_features
@@ -167,7 +170,7 @@ class Int4Linear(nn.Module):
         scales, offsets = scales.repeat_interleave(repeat, dim=1), offsets.repeat_interleave(repeat, dim=1)
         self.register_buffer("packed", pack_int4(codes, self.block_rows))
         self.register_buffer("scales_and_zeros",
-                             torch.stack([scales.t(), offsets.t()], dim=-1).contiguous().bfloat16())
+                             pack_group_pairs(torch.stack([scales, offsets], dim=-1), self.pair_block_rows))
         self.register_buffer("input_order", order)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
 
@@ -208,8 +211,9 @@ class Int4Linear(nn.Module):
 
     def _scale_and_base(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """[out, groups, 1] each: W = q * scale + base, base = offset - 8 * scale."""
-        scale, offset = self.scales_and_zeros.float().unbind(-1)  # [groups, out] each
-        return scale.t()[..., None].to(dtype), (offset - 8 * scale).t()[..., None].to(dtype)
+        pairs = unpack_group_pairs(self.scales_and_zeros, self.pair_block_rows)
+        scale, offset = pairs.float().unbind(-1)  # [out, groups] each
+        return scale[..., None].to(dtype), (offset - 8 * scale)[..., None].to(dtype)
 
     def _dequantize_rows(self, start: int, end: int, scale: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
         """Rows start..end of W (multiples of the layout's block), in scale's dtype."""
@@ -238,6 +242,24 @@ def unpack_int4(packed: torch.Tensor, rows: int, cols: int, block_rows: int = BL
     nibbles = packed.view(rows // block_rows, cols, block_rows // 2)
     block = torch.cat([nibbles & 15, nibbles >> 4], dim=-1)  # [blocks, cols, block_rows]: rows in order
     return block.permute(0, 2, 1).reshape(rows, cols)
+
+
+def pack_group_pairs(pairs: torch.Tensor, block_rows: int | None) -> torch.Tensor:
+    """(scale, offset) pairs [rows, groups, 2] as bf16, in pagoda's kernel layout [rows / block_rows, groups,
+    block_rows, 2] (block_rows given: a block's pairs for consecutive groups side by side) or torch's [groups, rows,
+    2] (None)."""
+    if block_rows is None:
+        return pairs.transpose(0, 1).contiguous().bfloat16()
+    rows, groups, _ = pairs.shape
+    return pairs.view(rows // block_rows, block_rows, groups, 2).transpose(1, 2).contiguous().bfloat16()
+
+
+def unpack_group_pairs(packed: torch.Tensor, block_rows: int | None) -> torch.Tensor:
+    """`pack_group_pairs` undone: [rows, groups, 2]."""
+    if block_rows is None:
+        return packed.transpose(0, 1)
+    blocks, groups, _, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * block_rows, groups, 2)
 
 
 @functools.cache
