@@ -9,14 +9,14 @@ with n-gram drafts: both ways give the same tokens (checked).
   (a) the demo model, n-gram, batch 1, on its `copy` and `json` task prompts (outputs repeat the prompt),
       and `reverse` reported separately (its answer is the prompt backwards: lookup mostly fails);
   (b) a draft-model pair at batch 1: a bench model (`--bench-model`, default bench-125m) in fp32 with its
-      own quantized copy drafting (`--draft-quantization`: int8 with bf16 activations, or int4);
+      own quantized copy drafting (`--draft-quantization` int8 or int4, `--draft-dtype` its activations);
       with the acceptance per position, the measured step costs and `pagoda calc`'s predicted speed-up;
   (c) random prompts (drafts mostly fail): the demo model with n-gram (sampled, seeded), the bench model
       with its draft (greedy);
   (d) the batch size above which speculation stops paying: the demo model, n-gram, copy prompts.
 
     python benchmarks/speculative.py [--threads 2] [--quick]
-    python benchmarks/speculative.py --sections b --bench-model bench-1b --draft-quantization int4
+    python benchmarks/speculative.py --sections b --bench-model bench-1b --draft-dtype float32
 """
 
 from __future__ import annotations
@@ -37,14 +37,15 @@ from pagoda.demo.tasks import generate as task_items
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO_ROOT / "models"
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-# The draft's dtype per quantization: int8's matmul takes bf16 activations; int4 rounds x to bf16 itself.
+# The draft's default dtype per quantization: bf16 activations keep the int8 copy's step cheap where int8's matmul
+# is torch's (CPUs without pagoda's AVX-512 kernels); int4's kernel quantizes x to int8 itself.
 DRAFT_DTYPES = {"int8": "bfloat16", "int4": "float32"}
 
 
-def self_draft(model: Path, quantization: str) -> dict:
+def self_draft(model: Path, quantization: str, dtype: str | None) -> dict:
     """The model's own quantized copy as its draft model."""
     return {"method": "draft_model", "model": str(model), "quantization": quantization,
-            "dtype": DRAFT_DTYPES[quantization]}
+            "dtype": dtype or DRAFT_DTYPES[quantization]}
 
 
 @dataclass
@@ -168,7 +169,7 @@ def section_b_and_c(args, ks: list[int], model: Path) -> list[dict]:
     params = SamplingParams(temperature=0.0, max_tokens=args.bench_max_tokens, ignore_eos=True)
     prompts = make_prompts(args.bench_prompts, 32, 32000, seed=2)
     random_prompts = make_prompts(args.bench_prompts, 32, 32000, seed=3)
-    draft = self_draft(model, args.draft_quantization)
+    draft = self_draft(model, args.draft_quantization, args.draft_dtype)
     target = engine(model, None, num_kv_blocks=256)
     draft_alone = engine(model, None, num_kv_blocks=256, quantization=draft["quantization"], dtype=draft["dtype"])
     target_alone, draft_run = compare(target, draft_alone, prompts, params, args.repeats)
@@ -232,6 +233,8 @@ def main() -> None:
     parser.add_argument("--bench-max-tokens", type=int, default=48)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--bench-model", default="bench-125m", help="section b's model, under models/")
+    parser.add_argument("--draft-dtype", choices=["float32", "bfloat16"], default=None,
+                        help="section b's draft activations (default: bfloat16 for int8, float32 for int4)")
     parser.add_argument("--draft-quantization", choices=sorted(DRAFT_DTYPES), default="int8",
                         help="section b's draft: the bench model's own copy in this quantization")
     parser.add_argument("--sections", default="abcd")
