@@ -12,7 +12,16 @@ import pytest
 import torch
 
 import pagoda.kernels
-from pagoda.model.int4 import Int4Linear, Int4Options, pack_int4, quantize_int4, torch_int4_block_rows, unpack_int4
+from pagoda.model.int4 import (
+    Int4Linear,
+    Int4Options,
+    pack_group_pairs,
+    pack_int4,
+    quantize_int4,
+    torch_int4_block_rows,
+    unpack_group_pairs,
+    unpack_int4,
+)
 from pagoda.model.int4_weights import Int4Weights, stack_outputs
 from pagoda.sampling import SamplingParams
 from tests.conftest import random_prompts
@@ -74,6 +83,17 @@ def test_packed_layout_round_trips(block):
     packed = pack_int4(codes, block)
     assert packed.shape == (4 * block, 49)
     assert torch.equal(unpack_int4(packed, 4 * block, 98, block), codes.to(torch.uint8))
+
+
+def test_group_pairs_layouts_round_trip_and_place_each_pair():
+    """The kernel's pairs are block-major, pair (row, group) at [row // 32, group, row % 32]; torch's [group, row]."""
+    pairs = torch.randn(96, 5, 2, generator=torch.Generator().manual_seed(3)).bfloat16().float()
+    kernel, torchs = pack_group_pairs(pairs, 32), pack_group_pairs(pairs, None)
+    assert kernel.shape == (3, 5, 32, 2) and torchs.shape == (5, 96, 2)
+    assert torch.equal(kernel[70 // 32, 4, 70 % 32].float(), pairs[70, 4])
+    assert torch.equal(torchs[4, 70].float(), pairs[70, 4])
+    for packed, block_rows in ((kernel, 32), (torchs, None)):
+        assert torch.equal(unpack_group_pairs(packed, block_rows).float(), pairs)
 
 
 @pytest.mark.parametrize("sym", [False, True])
