@@ -10,7 +10,7 @@ interleaved, so a host whose bandwidth drifts (a neighbour's memory traffic) hit
 
 Kernels: fp32, bf16 and int8 GEMVs (the AVX-512 full set), and the int4 matmul at group sizes 32, 64 and 128
 (the full set's AVX-512 form where it is built, else the AVX2 module's). Weights are random codes in each
-kernel's own layout (the rate does not depend on their values).
+kernel's own layout (the rate does not depend on their values); x is fp32, bf16 for bf16 weights.
 
     python benchmarks/kernel_rates.py [--threads 2] [--model bench-1b] [--repeats 5] [--quick]
 """
