@@ -45,7 +45,11 @@ constexpr int64_t kPairBytes = kBlockRows * 4;  // a block's (scale, offset) pai
 // block's end: a thread's blocks are adjacent) keep enough lines in flight.
 constexpr int64_t kPrefetchBytes = 2048;
 
-// The pairs of group g of a block whose pairs start at `block_pairs`.
+// Where the block-major pairs of block b start (`pairs`: the array's or an earlier block's start), and within a
+// block's, those of group g: the layout's one statement of where a pair lives.
+inline const uint32_t* block_pairs(const uint32_t* pairs, int64_t b, int64_t groups) {
+  return pairs + b * groups * kBlockRows;
+}
 inline const uint32_t* group_pairs(const uint32_t* block_pairs, int64_t g) { return block_pairs + g * kBlockRows; }
 
 inline void prefetch_pairs(const uint32_t* block_pairs, int64_t g, int64_t groups) {
@@ -141,7 +145,7 @@ constexpr RowsByColumn kRowsByColumn;
 template <int R, int S>
 void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales, const int32_t* code_sums,
                 const uint32_t* pairs, int64_t N, int64_t K, int64_t group, float* y) {
-  const int64_t groups = K / group, block_bytes = kBlockRows * K / 2, block_pairs = groups * kBlockRows;
+  const int64_t groups = K / group, block_bytes = kBlockRows * K / 2;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i high_half = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   const __m512i rows_by_column = _mm512_load_si512(kRowsByColumn.bytes);
@@ -150,7 +154,7 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
     for (int r = 0; r < R; ++r) acc[b][r][0] = acc[b][r][1] = _mm512_setzero_ps();
   for (int64_t g0 = 0; g0 < K; g0 += group) {
     const int64_t g = g0 / group;
-    for (int b = 0; b < S; ++b) prefetch_pairs(pairs + b * block_pairs, g + kPrefetchGroups, groups);
+    for (int b = 0; b < S; ++b) prefetch_pairs(block_pairs(pairs, b, groups), g + kPrefetchGroups, groups);
     __m512i isum[S][R][2];
     for (int b = 0; b < S; ++b)
       for (int r = 0; r < R; ++r) isum[b][r][0] = isum[b][r][1] = _mm512_setzero_si512();
@@ -177,7 +181,7 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
     for (int b = 0; b < S; ++b)
       for (int h = 0; h < 2; ++h) {
         // this block's (scale, offset) bf16 pairs for output rows 16h..16h+15
-        const __m512i packed = _mm512_loadu_si512(group_pairs(pairs + b * block_pairs, g) + 16 * h);
+        const __m512i packed = _mm512_loadu_si512(group_pairs(block_pairs(pairs, b, groups), g) + 16 * h);
         const __m512 scale = _mm512_castsi512_ps(_mm512_slli_epi32(packed, 16));
         const __m512 offset = _mm512_castsi512_ps(_mm512_and_si512(packed, high_half));
         for (int r = 0; r < R; ++r) {
@@ -231,7 +235,7 @@ torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, i
           constexpr int R = decltype(count)::value;
           auto run = [&](auto streams, int64_t b) {
             block_rows<R, decltype(streams)::value>(wp + b * kBlockRows * K / 2, xq.row_codes(m), xq.row_scales(m),
-                                                    xq.row_sums(m), so + b * (K / group) * kBlockRows, N, K, group,
+                                                    xq.row_sums(m), block_pairs(so, b, K / group), N, K, group,
                                                     yp + m * N + b * kBlockRows);
           };
           if (blocks == kStreams<R>) return run(std::integral_constant<int, kStreams<R>>{}, b0);
