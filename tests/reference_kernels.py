@@ -169,6 +169,8 @@ class ReferenceDecodeStack:
 class ReferenceKernels:
     """Stands in for the compiled module: the same op names and arguments, each call appended to `log`."""
 
+    matmul_int4_max_rows = 512  # the AVX2 module's, which it stands in for where the engine runs without AVX-512
+
     def __init__(self) -> None:
         self.log: list[tuple[str, tuple[Any, ...]]] = []
 

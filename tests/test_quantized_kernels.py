@@ -8,11 +8,13 @@ exact x @ W.T each output is off by at most sum_k |W[n, k]| * x_step(k) / 2, hal
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import pagoda.kernels
-from pagoda.model.int4 import KERNEL_MAX_ROWS, Int4Linear, Int4Options, quantize_int4
+from pagoda.model.int4 import Int4Linear, Int4Options, quantize_int4
 from pagoda.model.quantization import INT8_MATMUL_MAX_ROWS, Int8Linear
 from pagoda.sampling import SamplingParams
 from tests.conftest import random_prompts
@@ -34,7 +36,7 @@ def module(request):
         pytest.skip(f"this CPU does not run the {request.param} build")
     return built
 
-ROWS = [1, 2, 3, 4, 5, 7, 9, 16, 33, 64, 130]
+ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64, 130]
 
 
 def _assert_within_x_rounding(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, group: int) -> None:
@@ -128,19 +130,24 @@ def test_bad_shapes_are_refused(module):
 
 
 def test_int4_layer_takes_the_kernel_up_to_its_row_bound(module):
-    """Inputs up to KERNEL_MAX_ROWS run the kernel (padding and bias handled by the layer); longer ones the
-    dequantized tiles, as without the kernel."""
+    """Inputs up to the module's `matmul_int4_max_rows` run the kernel (padding and bias handled by the layer);
+    longer ones the dequantized tiles, as without the kernel. The AVX2 form stops at 512 rows; the AVX-512 form has
+    no bound."""
+    bound = module.matmul_int4_max_rows
+    assert bound == (512 if module is pagoda.kernels.avx2_kernels() else sys.maxsize)
     layer = _layer(module, 96, 200, 64)  # 200 columns: padded to 256 by the layer, a ragged last group
     layer.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
-    for rows in (1, 8, 64, 65, 200, KERNEL_MAX_ROWS):
+    for rows in (1, 8, 64, 65, 200, 512, 1100):
         x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows))
+        if rows > bound:  # the tiles path, which the layer takes without the kernel from 65 rows on
+            without = _layer(module, 96, 200, 64)
+            without.kernels, without.bias = None, layer.bias
+            assert torch.equal(layer(x), without(x))
+            continue
+        # x as int8 codes: within 1e-5 of the kernel's reference (the exact x @ W.T is orders of magnitude further)
         padded = torch.nn.functional.pad(x, (0, layer.padded_in - 200))
         expected = reference_matmul_int4(padded, layer.packed, layer.kernel_group, layer.scales_and_zeros)[:, :96]
         torch.testing.assert_close(layer(x), expected + layer.bias, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
-    x = torch.randn(KERNEL_MAX_ROWS + 1, 200)
-    without = _layer(module, 96, 200, 64)
-    without.kernels, without.bias = None, layer.bias
-    assert torch.equal(layer(x), without(x))
 
 
 @pytest.mark.parametrize(("quantization", "kernel"), [("int4", "matmul_int4"), ("int8", "matmul_int8")])
@@ -172,8 +179,11 @@ def test_the_startup_summary_names_what_int4_layers_run(make_llm, checkpoint):
         return next(line for line in startup_summary(llm.engine, "m").splitlines() if "quantization" in line)
 
     with_kernel = make_llm(checkpoint("llama"), quantization="int4")
-    assert quantization_row(with_kernel).endswith("; pagoda's int4 kernel up to 512 rows (x as int8), dequantized "
-                                                  "tiles beyond")
+    if pagoda.kernels.cpu_kernels() is not None:
+        assert quantization_row(with_kernel).endswith("; pagoda's int4 kernel (x as int8)")
+    else:
+        assert quantization_row(with_kernel).endswith("; pagoda's int4 kernel up to 512 rows (x as int8), "
+                                                      "dequantized tiles beyond")
     if pagoda.kernels.cpu_kernels() is None:
         int8 = make_llm(checkpoint("llama"), quantization="int8")
         assert quantization_row(int8).endswith("; pagoda's int8 kernel up to 128 rows (x as int8), dequantized "

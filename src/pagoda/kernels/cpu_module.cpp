@@ -11,7 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("matmul_int8", &matmul_int8, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "y = (x @ w.T) * scale for int8 w, x quantized per 32 columns to int8");
   m.def("matmul_int4", &matmul_int4, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "y = x @ W.T for W in torch's CPU int4 layout, x quantized per group to int8 (x's dtype out)");
+        "y = x @ W.T for W in pagoda's int4 layout, x quantized per group to int8 (x's dtype out)");
+  m.attr("matmul_int4_max_rows") = matmul_int4_max_rows();
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta (if given) in place; returns RMSNorm(x) * weight");
   m.def("rotary_write_kv_", &rotary_write_kv_, "rotates qkv's q and k heads in place; writes k, v to the cache");
   m.def("silu_mul", &silu_mul, "[gate | up] -> silu(gate) * up");

@@ -17,6 +17,8 @@ torch::Tensor matmul_int8(const torch::Tensor& x, const torch::Tensor& w, const 
 // (32-row blocks) with bf16 (scale, offset) per group, block-major; x quantized per group to int8.
 torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, int64_t group,
                         const torch::Tensor& scales_and_zeros);
+// The most rows of x for which matmul_int4 beats dequantized tiles into a GEMM (the largest int64: no bound).
+int64_t matmul_int4_max_rows();
 
 // cpu_attention.cpp, cpu_prefill_attention.cpp: paged attention reading the cache in place.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,

@@ -36,6 +36,9 @@ class QuantizedKernels(Protocol):
     """A compiled module with the integer matmuls for quantized weights (kernels/cpu_int4.cpp, cpu_int8.cpp;
     AVX2): the full set's, or the AVX2 module's."""
 
+    # The most rows of x at which matmul_int4 beats dequantized tiles into a GEMM (sys.maxsize: no bound).
+    matmul_int4_max_rows: int
+
     def matmul_int4(self, x: torch.Tensor, packed: torch.Tensor, group: int,
                     scales_and_zeros: torch.Tensor) -> torch.Tensor: ...
     def matmul_int8(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor: ...

@@ -31,6 +31,7 @@ keeps its own statistics, from its real columns only; padded columns meet zero a
 from __future__ import annotations
 
 import functools
+import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -52,9 +53,6 @@ BLOCK_ROWS = 32  # pagoda's kernel reads output rows interleaved in blocks of th
 # Without pagoda's kernel: up to this many rows torch's int4 matmul beats dequantized tiles into a GEMM (it
 # re-reads the nibbles per few rows; 0.8x the tiles' time at 64 rows, 1.05x at 128, bench-1b gate/up, Zen 3).
 MATMUL_MAX_ROWS = 64
-# Up to this many rows pagoda's int4 kernel beats dequantized tiles into oneDNN's GEMM: 2-3x at 1-64 rows on
-# the bench models' shapes, 1.6-2.2x at 128, 0.9-1.5x at 512, 0.8-1.1x at 2048 (AVX2 Zen 3).
-KERNEL_MAX_ROWS = 512
 
 
 @dataclass(frozen=True)
@@ -179,7 +177,7 @@ class Int4Linear(nn.Module):
             x = x.index_select(-1, self.input_order)
         if self.padded_in != self.in_features:
             x = F.pad(x, (0, self.padded_in - self.in_features))
-        if self.kernels is not None and x.shape[0] <= KERNEL_MAX_ROWS:
+        if self.kernels is not None and x.shape[0] <= self.kernels.matmul_int4_max_rows:
             y = self.kernels.matmul_int4(x, self.packed, self.kernel_group, self.scales_and_zeros)
         elif self.kernels is None and x.shape[0] <= MATMUL_MAX_ROWS:
             y = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), self.packed, self.kernel_group,
@@ -202,7 +200,10 @@ class Int4Linear(nn.Module):
         """What it runs, for people reading the start-up summary."""
         if self.kernels is None:
             return f"torch's int4 matmul up to {MATMUL_MAX_ROWS} rows, dequantized tiles beyond"
-        return f"pagoda's int4 kernel up to {KERNEL_MAX_ROWS} rows (x as int8), dequantized tiles beyond"
+        max_rows = self.kernels.matmul_int4_max_rows
+        if max_rows == sys.maxsize:
+            return "pagoda's int4 kernel (x as int8)"
+        return f"pagoda's int4 kernel up to {max_rows} rows (x as int8), dequantized tiles beyond"
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [padded_out, padded_in] (padding included, columns in `input_order`), as the int4 kernel sees it."""
