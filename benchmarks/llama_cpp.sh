@@ -4,6 +4,7 @@
 # everything lands under $LLAMA_CPP_DIR (default /tmp/llama-cpp).
 #
 #   benchmarks/llama_cpp.sh build                      # llama-server, llama-quantize (native CPU flags)
+#   benchmarks/llama_cpp.sh build-no-amx               # the same into $LLAMA_CPP_DIR/build-no-amx, AVX-512 but no AMX
 #   benchmarks/llama_cpp.sh gguf models/bench-1b       # f32, bf16, q8_0 and Q4_K_M GGUFs of that model
 #   benchmarks/llama_cpp.sh server <gguf> <port> [extra llama-server flags]
 #
@@ -19,16 +20,28 @@ PYTHON=${PYTHON:-.venv/bin/python}
 SRC="$DIR/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BIN="$DIR/build/bin"
 
+# build [directory] [cmake flags...]: llama-server and llama-quantize, native CPU flags unless overridden.
 build() {
+  local build_dir=${1:-$DIR/build}
+  shift || true
   mkdir -p "$DIR"
   if [ ! -d "$SRC" ]; then
     "$PYTHON" -m pip download --no-deps --no-binary :all: "llama-cpp-python==$VERSION" -d "$DIR" -q
     tar -xzf "$DIR/llama_cpp_python-$VERSION.tar.gz" -C "$DIR"
   fi
-  cmake -S "$SRC" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
-  cmake --build "$DIR/build" -j "$(nproc)" --target llama-server llama-quantize
-  "$BIN/llama-server" --version 2>&1 | head -2
+  cmake -S "$SRC" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON "$@"
+  cmake --build "$build_dir" -j "$(nproc)" --target llama-server llama-quantize
+  "$build_dir/bin/llama-server" --version 2>&1 | head -2
+}
+
+# On a CPU with AMX whose virtual machine does not grant the tiles, the native build's AMX path stops
+# llama-server with an illegal instruction as it loads a quantized GGUF. This build names the AVX-512 features
+# instead, AMX off, so that its weight repacking (its fastest CPU kernels) runs.
+build-no-amx() {
+  build "$DIR/build-no-amx" -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+    -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+    -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 }
 
 gguf() {

@@ -36,7 +36,7 @@ WORKLOADS = {
 }
 
 
-def servers(model: Path, config: str, gguf: Path, slots: int, threads: int, logs: Path,
+def servers(model: Path, config: str, gguf: Path, slots: int, threads: int, logs: Path, llama_build: Path,
             llama_args: list[str]) -> list:
     """(name, process, url) of pagoda and llama.cpp serving the pair, both healthy."""
     context = 4096
@@ -45,7 +45,7 @@ def servers(model: Path, config: str, gguf: Path, slots: int, threads: int, logs
     pagoda = [str(REPO_ROOT / ".venv/bin/pagoda"), "serve", "--model", str(model), *weights,
               "--threads", str(threads), "--max-num-seqs", str(slots), "--max-model-len", str(context),
               "--port", str(free_port()), "--uvicorn-log-level", "warning"]
-    llama = [str(LLAMA_DIR / "build/bin/llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+    llama = [str(llama_build / "bin/llama-server"), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
              "-np", str(slots), "-c", str(context * slots), "--cont-batching", "--host", "127.0.0.1",
              "--port", str(free_port()), *llama_args]
     started = []
@@ -78,7 +78,7 @@ def run_pair(args, pair: str, logs: Path) -> dict:
     gguf = LLAMA_DIR / f"{args.model.name}-{gguf_type}.gguf"
     log(f"{pair}: starting pagoda {config} and llama.cpp {gguf.name}")
     started = servers(args.model, config, gguf, WORKLOADS[args.workload]["slots"], args.threads, logs,
-                      args.llama_args.split())
+                      args.llama_build, args.llama_args.split())
     rounds: dict[str, list[dict]] = {"pagoda": [], "llama.cpp": []}
     try:
         for index in range(args.rounds):
@@ -111,9 +111,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--requests", type=int, default=None, help="per round (default: 4 batch1, 64 streams)")
     parser.add_argument("--threads", type=int, default=2)
-    # llama-server's weight repacking crashes at load for quantized GGUFs on some AVX-512 hosts (an Intel Xeon
-    # with AMX, llama.cpp as pinned): "--no-repack" runs it there, with its plain (unrepacked) kernels.
+    # The native build's AMX path stops llama-server with an illegal instruction at load of a quantized GGUF on an
+    # Intel Xeon VM that lists AMX: "--no-repack" runs it there with its plain kernels; `llama_cpp.sh
+    # build-no-amx` and --llama-build run its repacked (fastest) kernels.
     parser.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. --no-repack")
+    parser.add_argument("--llama-build", type=Path, default=LLAMA_DIR / "build",
+                        help="llama.cpp's build directory (llama_cpp.sh build-no-amx: $LLAMA_CPP_DIR/build-no-amx)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.requests = args.requests or (4 if args.workload == "batch1" else 64)
