@@ -7,10 +7,11 @@ Every source of 4-bit weights (this module's quantizer, GPTQ and AWQ checkpoints
 converted once, so there is one runtime form and one set of numerics.
 
 Where the model was given pagoda's int4 kernel (kernels/cpu_int4.cpp: an AVX-512 form in the full set, an
-AVX2 one beside it), inputs up to `KERNEL_MAX_ROWS` rows run it: x quantized per group to int8, as llama.cpp
-does, and integer products summed from the packed nibbles in place. At one row it runs 2.7-4x torch's int4
-matmul on bench-1b's shapes, and it outruns dequantized fp32 GEMMs up to a few hundred rows; longer prefill
-chunks go to the tiles described next. Without it, decode-sized inputs
+AVX2 one beside it), inputs up to the module's `matmul_int4_max_rows` run it (the AVX-512 form: any number; the
+AVX2 one: 512): x quantized per group to int8, as llama.cpp does, and integer products summed from the packed
+nibbles in place. At one row it runs 2.7-4x torch's int4 matmul on bench-1b's shapes; the AVX2 form outruns
+dequantized fp32 GEMMs up to a few hundred rows, and longer prefill chunks go to the tiles described next.
+Without it, decode-sized inputs
 (up to `MATMUL_MAX_ROWS` rows) run torch's int4 matmul, which takes bf16 activations (its fp32 path is
 scalar and an order of magnitude slower), so fp32 models round x to bf16 for these layers; larger inputs
 are matrix multiplications: the weight is dequantized to the input's dtype, from the same packed codes and
