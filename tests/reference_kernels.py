@@ -170,6 +170,7 @@ class ReferenceKernels:
     """Stands in for the compiled module: the same op names and arguments, each call appended to `log`."""
 
     matmul_int4_max_rows = 512  # the AVX2 module's, which it stands in for where the engine runs without AVX-512
+    prefill_attention_amx = False
 
     def __init__(self) -> None:
         self.log: list[tuple[str, tuple[Any, ...]]] = []
@@ -222,7 +223,8 @@ class ReferenceKernels:
         return _paged_decode_attention(q, k_cache, v_cache, key_slots, seq_lens, window, scale)
 
     def paged_prefill_attention_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor) -> None:
+                                 key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor,
+                                 use_amx: bool = True) -> None:
         self._logged("paged_prefill_attention_", (q, k_cache, v_cache, key_slots, window, scale, out))
         _paged_prefill_attention_(q, k_cache, v_cache, key_slots, window, scale, out)
 

@@ -15,7 +15,7 @@ from conftest import random_prompts
 from torch import nn
 
 from pagoda import SamplingParams
-from pagoda.kernels import cpu_has_kernel_features, cpu_kernels
+from pagoda.kernels import cpu_flags, cpu_has_kernel_features, cpu_kernels
 from pagoda.model.quantization import DenseLinear, Int8Linear
 
 KERNELS_APPLY = cpu_has_kernel_features()
@@ -253,6 +253,43 @@ def test_paged_prefill_kernel_matches_fp32_attention(kernels, dtype, heads, kv_h
     # bf16: the output's own rounding, and the probabilities' (rounded to bf16 before p @ v, as torch does)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(fast, reference, atol=tolerance, rtol=tolerance)
+
+
+def _attention_in_fp32(q, k_cache, v_cache, key_slots, window, scale):
+    """Each of q's T rows (the last T of the key positions) attending causally to the keys at key_slots."""
+    queries, heads, _ = q.shape
+    group = heads // k_cache.shape[1]
+    keys, values = (cache[key_slots].float().repeat_interleave(group, 1) for cache in (k_cache, v_cache))
+    scores = torch.einsum("thd,lhd->htl", q.float(), keys) * scale
+    position = torch.arange(len(key_slots) - queries, len(key_slots))[:, None]
+    key = torch.arange(len(key_slots))[None]
+    visible = (key <= position) & ((key > position - window) if window else True)
+    return torch.einsum("htl,lhd->thd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
+
+
+@needs_kernels
+def test_prefill_attention_takes_amx_tiles_where_the_cpu_has_them(kernels):
+    assert kernels.prefill_attention_amx == ({"amx_bf16", "amx_tile"} <= cpu_flags())
+
+
+@needs_kernels
+@pytest.mark.parametrize("use_amx", [True, False])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128), (8, 1, 32), (6, 6, 96)])
+@pytest.mark.parametrize("window", [0, 13, 70])
+@pytest.mark.parametrize("spread", [1.0, 12.0])  # 12: peaked rows, most probabilities below fp32's range
+def test_bf16_prefill_kernel_forms_match_fp32_attention(kernels, use_amx, heads, kv_heads, head_dim, window, spread):
+    """Both bf16 forms (AMX tiles where the CPU has them; vdpbf16ps) on a chunk of 150 queries after 170
+    cached keys, on scattered slots: 5 key blocks, tiles of rows that straddle query heads and positions."""
+    gen = torch.Generator().manual_seed(heads * head_dim + window)
+    cached, queries = 170, 150
+    slots = torch.randperm(400, generator=gen)[: cached + queries]
+    k_cache, v_cache = (torch.randn(400, kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+    q = (torch.randn(queries, heads, head_dim, generator=gen) * spread).bfloat16()
+    out = torch.empty_like(q)
+    kernels.paged_prefill_attention_(q, k_cache, v_cache, slots, window, head_dim**-0.5, out, use_amx=use_amx)
+    reference = _attention_in_fp32(q, k_cache, v_cache, slots, window, head_dim**-0.5)
+    # the output's own rounding, and the probabilities' (bf16 before p @ v, as torch's flash kernel)
+    torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
 
 @needs_kernels

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 
 def native_kernels_status(config: EngineConfig) -> str:
-    """'on', or 'off: <why>' (the reasons pagoda.kernels.cpu_kernels returns None for, and the user's own)."""
+    """'on' (saying where bf16 prefill attention runs on AMX tiles), or 'off: <why>' (the reasons
+    pagoda.kernels.cpu_kernels returns None for, and the user's own)."""
     from pagoda.kernels import REQUIRED_CPU_FLAGS, cpu_has_kernel_features, cpu_kernels
 
     if not config.use_kernels:
@@ -24,9 +25,10 @@ def native_kernels_status(config: EngineConfig) -> str:
         return "off: PAGODA_DISABLE_KERNELS=1"
     if not cpu_has_kernel_features():
         return f"off: the CPU lacks AVX-512 with BF16 and VNNI ({', '.join(sorted(REQUIRED_CPU_FLAGS))}); torch path"
-    if cpu_kernels() is None:
+    kernels = cpu_kernels()
+    if kernels is None:
         return "off: they did not build or load (see the warning above); torch path"
-    return "on"
+    return "on, bf16 prefill attention on AMX tiles" if kernels.prefill_attention_amx else "on"
 
 
 def quantization_summary(config: EngineConfig, matmul: str | None = None) -> str:

@@ -35,7 +35,7 @@ class _Build:
     cpu_flags: frozenset[str]
 
 
-_HEADERS = ("cpu_vec.h", "cpu_ops.h", "cpu_x_codes.h")
+_HEADERS = ("cpu_vec.h", "cpu_ops.h", "cpu_x_codes.h", "cpu_prefill_attention.h")
 # -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
 _LINK_FLAGS = ["-lgomp"]
 # The full set, for AVX-512 with bf16 dot products (vdpbf16ps), VNNI (vpdpwssd, vpdpbusd) and VBMI (vpermb).
@@ -43,8 +43,8 @@ _LINK_FLAGS = ["-lgomp"]
 # -ffp-contract=off: a multiply and an add that torch rounds separately stay separate (cpu_fused.cpp).
 _AVX512 = _Build(
     "pagoda_cpu_kernels",
-    ("cpu_gemv.cpp", "cpu_int8.cpp", "cpu_int4.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_fused.cpp",
-     "cpu_decode.cpp", "cpu_module.cpp"),
+    ("cpu_gemv.cpp", "cpu_int8.cpp", "cpu_int4.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp",
+     "cpu_prefill_attention_amx.cpp", "cpu_fused.cpp", "cpu_decode.cpp", "cpu_module.cpp"),
     ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi", "-mfma",
      "-fopenmp", "-ffp-contract=off"),
     frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512vbmi"}),

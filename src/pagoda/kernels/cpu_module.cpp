@@ -17,6 +17,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_write_kv_", &rotary_write_kv_, "rotates qkv's q and k heads in place; writes k, v to the cache");
   m.def("silu_mul", &silu_mul, "[gate | up] -> silu(gate) * up");
   m.def("paged_prefill_attention_", &paged_prefill_attention_,
-        "one sequence's bf16 queries attending causally to its keys in the paged KV cache, into out");
+        "one sequence's queries attending causally to its keys in the paged KV cache, into out (use_amx: bf16 "
+        "on AMX tiles where the CPU grants them)",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("key_slots"),
+        pybind11::arg("window"), pybind11::arg("scale"), pybind11::arg("out"), pybind11::arg("use_amx") = true);
+  m.attr("prefill_attention_amx") = prefill_attention_amx_available();
   define_decode_stack(m);
 }

@@ -20,12 +20,15 @@ torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, i
 // The most rows of x for which matmul_int4 beats dequantized tiles into a GEMM (the largest int64: no bound).
 int64_t matmul_int4_max_rows();
 
-// cpu_attention.cpp, cpu_prefill_attention.cpp: paged attention reading the cache in place.
+// cpu_attention.cpp, cpu_prefill_attention*.cpp: paged attention reading the cache in place.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& slots,
                                      const torch::Tensor& seq_lens, int64_t window, double scale);
+// use_amx: bf16 on AMX tiles where prefill_attention_amx_available() (cpu_prefill_attention_amx.cpp).
 void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out);
+                              const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out,
+                              bool use_amx);
+bool prefill_attention_amx_available();
 
 // cpu_fused.cpp: the small steps between a layer's matmuls.
 torch::Tensor add_rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& delta, const torch::Tensor& weight,

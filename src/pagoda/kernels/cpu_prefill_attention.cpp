@@ -1,5 +1,6 @@
 // Paged prefill attention on the CPU: one sequence's queries (a prompt or a chunk of one) attending
-// causally to its keys in the paged cache, flash-attention style; bf16 on vdpbf16ps, fp32 on FMAs.
+// causally to its keys in the paged cache, flash-attention style; bf16 on AMX tiles where the CPU grants
+// them (cpu_prefill_attention_amx.cpp), else on vdpbf16ps; fp32 on FMAs.
 //
 // Torch's SDPA needs the keys gathered out of the cache and repeated to the query heads, and runs at
 // about 100 GFLOP/s here in either dtype (a quarter of the bf16 GEMMs' rate without AMX). Here:
@@ -11,24 +12,13 @@
 //  - per key block of 64 and tile of R rows: scores in registers, an online softmax in fp32, the
 //    probabilities in the model dtype (bf16 rounds them, as torch's flash kernel does) accumulated into
 //    fp32 outputs; key blocks wholly outside a block's causal window are skipped.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <immintrin.h>
-
-#include <atomic>
-#include <cmath>
-#include <limits>
-#include <vector>
+#include "cpu_prefill_attention.h"
 
 #include "cpu_ops.h"
 #include "cpu_vec.h"
 
+namespace pagoda::prefill {
 namespace {
-
-using bf16 = at::BFloat16;
-
-constexpr int64_t kKeys = 64;  // keys per block: 4 vectors of scores per row
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // An element type's 32-bit words: bf16 packs two elements a word, and `dot` adds both products of a
 // word pair to each fp32 lane (vdpbf16ps); fp32 is one element a word and an FMA.
@@ -58,6 +48,7 @@ template <> struct Words<float> {
 inline __m512i broadcast(const uint32_t* words, int64_t w) { return _mm512_set1_epi32(static_cast<int>(words[w])); }
 inline __m512i load(const uint32_t* words) { return _mm512_loadu_si512(words); }
 
+
 // One kv head's keys as [key / 16][word][key % 16] (W = D / kPer words a key), and its values as
 // [key / kPer][D][key % kPer] elements (a word: dim d of kPer consecutive keys). Keys past len are zero.
 template <typename T>
@@ -76,75 +67,6 @@ void pack_kv(const T* k_cache, const T* v_cache, const int64_t* slots, int64_t l
     Bits* vdst = reinterpret_cast<Bits*>(values) + (key / per) * D * per + key % per;
     for (int64_t d = 0; d < D; ++d) vdst[d * per] = live ? v[d] : 0;
   }
-}
-
-// Raw scores of R query rows against one block of 64 packed keys (W words a key).
-template <typename T, int R>
-inline void score_tile(const uint32_t* const* q, const uint32_t* keys, int64_t W, __m512 s[R][4]) {
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) s[r][v] = _mm512_setzero_ps();
-  for (int64_t w = 0; w < W; ++w) {
-    __m512i k[4];
-    for (int v = 0; v < 4; ++v) k[v] = load(keys + (v * W + w) * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512i qr = broadcast(q[r], w);
-      for (int v = 0; v < 4; ++v) s[r][v] = Words<T>::dot(s[r][v], qr, k[v]);
-    }
-  }
-}
-
-// out[r] = out[r] * alpha[r] + P[r] @ V for one key block; a row of P is 64 / kPer words.
-template <typename T, int R, int C>
-inline void accumulate_tile(const uint32_t* probs, const uint32_t* values, float* const* out, const float* alpha) {
-  constexpr int64_t D = 16 * C, words = kKeys / Words<T>::kPer;
-  __m512 acc[R][C];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out[r] + c * 16), _mm512_set1_ps(alpha[r]));
-  for (int64_t j = 0; j < words; ++j) {
-    __m512i v[C];
-    for (int c = 0; c < C; ++c) v[c] = load(values + j * D + c * 16);
-    for (int r = 0; r < R; ++r) {
-      const __m512i p = broadcast(probs + r * kKeys, j);
-      for (int c = 0; c < C; ++c) acc[r][c] = Words<T>::dot(acc[r][c], p, v[c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[r] + c * 16, acc[r][c]);
-}
-
-template <typename T>
-struct Sequence {
-  const T* q;
-  T* out;
-  int64_t q_stride, out_stride;  // elements between consecutive query positions
-  int64_t queries, first_pos;    // query i sits at position first_pos + i; keys are positions 0..
-  int64_t H, G, window;          // window: 0 for none, else keys at positions > pos - window
-  float scale;
-};
-
-// Online-softmax state of a task's rows; rows past the task's count are scratch for the last tile.
-template <typename T>
-struct Rows {
-  std::vector<const uint32_t*> q;
-  std::vector<T*> out;
-  std::vector<int64_t> pos;
-  std::vector<float> max, acc;  // acc: [rows][D] fp32
-  std::vector<__m512> sum;      // per lane, reduced at the end
-};
-
-// 2^x for x <= 0: 2^n * p(r) with n = round(x), |r| <= 1/2, p a degree-5 polynomial fitted to 2^r
-// (relative error 2e-7 in fp32); x below -200 (-inf included) gives 0.
-inline __m512 exp2_16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
-  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.32187e-3f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.67171e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.550893e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022238f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69314686f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // One row's raw scores (4 vectors) against a block, masked to the keys [lo, hi): the online softmax
@@ -184,104 +106,132 @@ inline float softmax_row(__m512 s[4], int64_t lo, int64_t hi, float scale, float
   return alpha;
 }
 
-template <typename T, int C>
-void attend_block(const Sequence<T>& seq, const uint32_t* keys, const uint32_t* values, int64_t first_query,
-                  int64_t count, int64_t kvh, Rows<T>& rows) {
-  constexpr int64_t D = 16 * C, per = Words<T>::kPer, W = D / per;  // W: words a key
-  constexpr int R = C <= 4 ? 6 : 24 / C;  // rows per tile: R x C output accumulators in registers
-  const int64_t n = seq.G * count, padded = (n + R - 1) / R * R;
-  for (int64_t r = 0; r < padded; ++r) {
-    const int64_t live = std::min(r, n - 1), g = live / count, i = first_query + live % count;
-    rows.q[r] = reinterpret_cast<const uint32_t*>(seq.q + i * seq.q_stride + (kvh * seq.G + g) * D);
-    rows.out[r] = seq.out + i * seq.out_stride + (kvh * seq.G + g) * D;
-    rows.pos[r] = seq.first_pos + i;
-    rows.max[r] = kNegInf;
-    rows.sum[r] = _mm512_setzero_ps();
-  }
-  std::fill(rows.acc.begin(), rows.acc.begin() + padded * D, 0.0f);
-  const int64_t low = seq.first_pos + first_query, high = low + count - 1;  // the block's positions
-  const int64_t first_block = seq.window > 0 ? std::max<int64_t>(0, low - seq.window + 1) / kKeys : 0;
-  for (int64_t block = first_block; block * kKeys <= high; ++block) {
-    const int64_t base = block * kKeys;
-    const uint32_t* block_keys = keys + block * kKeys * W;
-    const uint32_t* block_values = values + block * (kKeys / per) * D;
-    for (int64_t r0 = 0; r0 < padded; r0 += R) {
-      __m512 s[R][4];
-      score_tile<T, R>(rows.q.data() + r0, block_keys, W, s);
-      alignas(64) uint32_t probs[R][kKeys];
-      float alpha[R];
-      float* out[R];
-      for (int r = 0; r < R; ++r) {
-        const int64_t pos = rows.pos[r0 + r];
-        const int64_t lo = seq.window > 0 ? pos - seq.window + 1 - base : 0, hi = pos + 1 - base;
-        alpha[r] = softmax_row<T>(s[r], lo, hi, seq.scale, rows.max[r0 + r], rows.sum[r0 + r], probs[r]);
-        out[r] = rows.acc.data() + (r0 + r) * D;
-      }
-      accumulate_tile<T, R, C>(&probs[0][0], block_values, out, alpha);
+// Raw scores of R query rows against one block of 64 packed keys (W words a key).
+template <typename T, int R>
+inline void score_tile(const uint32_t* const* q, const uint32_t* keys, int64_t W, __m512 s[R][4]) {
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) s[r][v] = _mm512_setzero_ps();
+  for (int64_t w = 0; w < W; ++w) {
+    __m512i k[4];
+    for (int v = 0; v < 4; ++v) k[v] = load(keys + (v * W + w) * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512i qr = broadcast(q[r], w);
+      for (int v = 0; v < 4; ++v) s[r][v] = Words<T>::dot(s[r][v], qr, k[v]);
     }
-  }
-  for (int64_t r = 0; r < n; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(rows.sum[r]));
-    for (int c = 0; c < C; ++c)
-      pagoda::store16(rows.out[r] + c * 16, _mm512_mul_ps(_mm512_loadu_ps(rows.acc.data() + r * D + c * 16), inv),
-                      0xFFFF);
   }
 }
 
+// out[r] = out[r] * alpha[r] + P[r] @ V for one key block; a row of P is 64 / kPer words.
+template <typename T, int R, int C>
+inline void accumulate_tile(const uint32_t* probs, const uint32_t* values, float* const* out, const float* alpha) {
+  constexpr int64_t D = 16 * C, words = kKeys / Words<T>::kPer;
+  __m512 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(out[r] + c * 16), _mm512_set1_ps(alpha[r]));
+  for (int64_t j = 0; j < words; ++j) {
+    __m512i v[C];
+    for (int c = 0; c < C; ++c) v[c] = load(values + j * D + c * 16);
+    for (int r = 0; r < R; ++r) {
+      const __m512i p = broadcast(probs + r * kKeys, j);
+      for (int c = 0; c < C; ++c) acc[r][c] = Words<T>::dot(acc[r][c], p, v[c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out[r] + c * 16, acc[r][c]);
+}
+
+// The vdpbf16ps / FMA form's per-thread state: the online softmax of a task's rows (rows past the
+// task's count are scratch for the last tile).
 template <typename T, int C>
-void attend(const Sequence<T>& seq, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t KVH) {
-  constexpr int64_t D = 16 * C;
-  const int64_t len = seq.first_pos + seq.queries, padded = (len + kKeys - 1) / kKeys * kKeys;
-  const int64_t head_words = padded * D / Words<T>::kPer;  // one kv head's keys (or values)
-  std::vector<uint32_t> keys(KVH * head_words), values(KVH * head_words);
-  at::parallel_for(0, KVH, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t kvh = begin; kvh < end; ++kvh)
-      pack_kv(k_cache, v_cache, slots, len, padded, KVH, kvh, D, keys.data() + kvh * head_words,
-              values.data() + kvh * head_words);
-  });
+struct Rows {
+  static constexpr int64_t D = 16 * C, per = Words<T>::kPer, W = D / per;  // W: words a key
+  static constexpr int R = C <= 4 ? 6 : 24 / C;  // rows per tile: R x C output accumulators in registers
+  const Sequence<T>& seq;
+  std::vector<const uint32_t*> q;
+  std::vector<T*> out;
+  std::vector<int64_t> pos;
+  std::vector<float> max, acc;  // acc: [rows][D] fp32
+  std::vector<__m512> sum;      // per lane, reduced at the end
+
+  static constexpr auto pack = pack_kv<T>;
+
+  Rows(const Sequence<T>& seq, int64_t block)
+      : seq(seq), q(seq.G * block + R), out(q.size()), pos(q.size()), max(q.size()), acc(q.size() * D),
+        sum(q.size()) {}
+
+  void operator()(const uint32_t* keys, const uint32_t* values, int64_t first_query, int64_t count, int64_t kvh) {
+    const int64_t n = seq.G * count, padded = (n + R - 1) / R * R;
+    for (int64_t r = 0; r < padded; ++r) {
+      const int64_t live = std::min(r, n - 1), g = live / count, i = first_query + live % count;
+      q[r] = reinterpret_cast<const uint32_t*>(seq.q + i * seq.q_stride + (kvh * seq.G + g) * D);
+      out[r] = seq.out + i * seq.out_stride + (kvh * seq.G + g) * D;
+      pos[r] = seq.first_pos + i;
+      max[r] = kNegInf;
+      sum[r] = _mm512_setzero_ps();
+    }
+    std::fill(acc.begin(), acc.begin() + padded * D, 0.0f);
+    const int64_t low = seq.first_pos + first_query, high = low + count - 1;  // the block's positions
+    const int64_t first_block = seq.window > 0 ? std::max<int64_t>(0, low - seq.window + 1) / kKeys : 0;
+    for (int64_t block = first_block; block * kKeys <= high; ++block)
+      for (int64_t r0 = 0; r0 < padded; r0 += R) attend_tile(keys, values, block, r0);
+    for (int64_t r = 0; r < n; ++r) {
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum[r]));
+      for (int c = 0; c < C; ++c)
+        store16(out[r] + c * 16, _mm512_mul_ps(_mm512_loadu_ps(acc.data() + r * D + c * 16), inv), 0xFFFF);
+    }
+  }
+
+  // Rows r0 .. r0 + R against key block `block`.
+  void attend_tile(const uint32_t* keys, const uint32_t* values, int64_t block, int64_t r0) {
+    const int64_t base = block * kKeys;
+    __m512 s[R][4];
+    score_tile<T, R>(q.data() + r0, keys + block * kKeys * W, W, s);
+    alignas(64) uint32_t probs[R][kKeys];
+    float alpha[R];
+    float* rows[R];
+    for (int r = 0; r < R; ++r) {
+      const int64_t p = pos[r0 + r];
+      const int64_t lo = seq.window > 0 ? p - seq.window + 1 - base : 0, hi = p + 1 - base;
+      alpha[r] = softmax_row<T>(s[r], lo, hi, seq.scale, max[r0 + r], sum[r0 + r], probs[r]);
+      rows[r] = acc.data() + (r0 + r) * D;
+    }
+    accumulate_tile<T, R, C>(&probs[0][0], values + block * (kKeys / per) * D, rows, alpha);
+  }
+};
+
+template <typename T>
+void dispatch_head_dim(const Sequence<T>& seq, const T* k, const T* v, const int64_t* s, int64_t KVH, int64_t D) {
   // ~256 rows a task: a block's scores and outputs stay in L2 beside the packed keys and values.
   const int64_t block = std::max<int64_t>(16, 256 / seq.G);
-  const int64_t blocks = (seq.queries + block - 1) / block, tasks = blocks * KVH;
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), tasks);
-  // Later query blocks see more keys: tasks go largest first to whichever thread is free.
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Rows<T> rows;
-    const int64_t capacity = seq.G * block + 8;
-    rows.q.resize(capacity), rows.out.resize(capacity), rows.pos.resize(capacity);
-    rows.max.resize(capacity), rows.sum.resize(capacity), rows.acc.resize(capacity * D);
-    for (int64_t task = next++; task < tasks; task = next++) {
-      const int64_t b = blocks - 1 - task / KVH, kvh = task % KVH;
-      const int64_t first = b * block, count = std::min(block, seq.queries - first);
-      attend_block<T, C>(seq, keys.data() + kvh * head_words, values.data() + kvh * head_words, first, count, kvh,
-                         rows);
-    }
-  });
+  switch (D / 16) {
+    case 2: return run_tasks<T, Rows<T, 2>>(seq, k, v, s, KVH, D, block);
+    case 4: return run_tasks<T, Rows<T, 4>>(seq, k, v, s, KVH, D, block);
+    case 6: return run_tasks<T, Rows<T, 6>>(seq, k, v, s, KVH, D, block);
+    case 8: return run_tasks<T, Rows<T, 8>>(seq, k, v, s, KVH, D, block);
+  }
 }
 
 template <typename T>
-void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                       const torch::Tensor& slots, int64_t window, double scale, torch::Tensor& out) {
-  const int64_t T_ = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
-  const Sequence<T> seq{q.data_ptr<T>(), out.data_ptr<T>(), q.stride(0), out.stride(0), T_, slots.size(0) - T_,
-                        H, H / KVH, window, static_cast<float>(scale)};
-  const T *k = k_cache.data_ptr<T>(), *v = v_cache.data_ptr<T>();
-  const int64_t* s = slots.data_ptr<int64_t>();
-  switch (D / 16) {
-    case 2: return attend<T, 2>(seq, k, v, s, KVH);
-    case 4: return attend<T, 4>(seq, k, v, s, KVH);
-    case 6: return attend<T, 6>(seq, k, v, s, KVH);
-    case 8: return attend<T, 8>(seq, k, v, s, KVH);
-  }
+Sequence<T> sequence(const torch::Tensor& q, const torch::Tensor& out, const torch::Tensor& slots, int64_t KVH,
+                     int64_t window, double scale) {
+  const int64_t T_ = q.size(0), H = q.size(1);
+  return {q.data_ptr<T>(), out.data_ptr<T>(), q.stride(0), out.stride(0), T_, slots.size(0) - T_,
+          H, H / KVH, window, static_cast<float>(scale)};
 }
 
 }  // namespace
+}  // namespace pagoda::prefill
+
+bool prefill_attention_amx_available() { return pagoda::prefill::amx_granted(); }
 
 // q: [T, H, D] fp32 or bf16 (rows may be strided: a view into the fused qkv); out: [T, H, D], written
 // in place; caches [S, KVH, D], all of one dtype; key_slots: [L] int64, the slots of positions
-// 0..L-1, the last T of which are the queries' own. window: 0 for none.
+// 0..L-1, the last T of which are the queries' own. window: 0 for none. use_amx: bf16 on AMX tiles
+// where the CPU grants them (false: vdpbf16ps, to compare the two forms).
 void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                              const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out) {
+                              const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out,
+                              bool use_amx) {
+  using namespace pagoda::prefill;
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 3, "q, out [T,H,D]; caches [S,KVH,D]");
   const auto dtype = q.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "fp32 or bf16 only");
@@ -296,6 +246,12 @@ void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cac
   TORCH_CHECK(H % KVH == 0 && D % 32 == 0 && D <= 128 && k_cache.size(2) == D,
               "head_dim 32..128 in steps of 32, query heads a multiple of kv heads");
   if (T == 0) return;
-  if (dtype == at::kFloat) return dispatch_head_dim<float>(q, k_cache, v_cache, slots, window, scale, out);
-  dispatch_head_dim<bf16>(q, k_cache, v_cache, slots, window, scale, out);
+  const int64_t* s = slots.data_ptr<int64_t>();
+  if (dtype == at::kFloat)
+    return dispatch_head_dim(sequence<float>(q, out, slots, KVH, window, scale), k_cache.data_ptr<float>(),
+                             v_cache.data_ptr<float>(), s, KVH, D);
+  const auto seq = sequence<bf16>(q, out, slots, KVH, window, scale);
+  const bf16 *k = k_cache.data_ptr<bf16>(), *v = v_cache.data_ptr<bf16>();
+  if (use_amx && amx_granted()) return attend_amx(seq, k, v, s, KVH, D);
+  dispatch_head_dim(seq, k, v, s, KVH, D);
 }

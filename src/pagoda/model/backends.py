@@ -48,6 +48,7 @@ class CpuKernels(QuantizedKernels, Protocol):
     """The compiled module of pagoda's CPU kernels (kernels/cpu_module.cpp), as model/ calls it."""
 
     DecodeStack: Callable[[int, int, int, float, float, torch.Tensor], CompiledDecodeStack]
+    prefill_attention_amx: bool  # bf16 prefill attention runs on AMX tiles (the CPU has them, Linux granted them)
 
     def gemv_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
     def gemv_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
@@ -61,7 +62,8 @@ class CpuKernels(QuantizedKernels, Protocol):
                                key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int,
                                scale: float) -> torch.Tensor: ...
     def paged_prefill_attention_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor) -> None: ...
+                                 key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor,
+                                 use_amx: bool = True) -> None: ...
 
 
 @dataclass(frozen=True)
