@@ -12,6 +12,7 @@ import statistics
 import pytest
 import torch
 from conftest import random_prompts
+from reference_kernels import ReferenceKernels
 from torch import nn
 
 from pagoda import SamplingParams
@@ -255,18 +256,6 @@ def test_paged_prefill_kernel_matches_fp32_attention(kernels, dtype, heads, kv_h
     torch.testing.assert_close(fast, reference, atol=tolerance, rtol=tolerance)
 
 
-def _attention_in_fp32(q, k_cache, v_cache, key_slots, window, scale):
-    """Each of q's T rows (the last T of the key positions) attending causally to the keys at key_slots."""
-    queries, heads, _ = q.shape
-    group = heads // k_cache.shape[1]
-    keys, values = (cache[key_slots].float().repeat_interleave(group, 1) for cache in (k_cache, v_cache))
-    scores = torch.einsum("thd,lhd->htl", q.float(), keys) * scale
-    position = torch.arange(len(key_slots) - queries, len(key_slots))[:, None]
-    key = torch.arange(len(key_slots))[None]
-    visible = (key <= position) & ((key > position - window) if window else True)
-    return torch.einsum("htl,lhd->thd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values)
-
-
 @needs_kernels
 def test_prefill_attention_takes_amx_tiles_where_the_cpu_has_them(kernels):
     assert kernels.prefill_attention_amx == ({"amx_bf16", "amx_tile"} <= cpu_flags())
@@ -287,7 +276,9 @@ def test_bf16_prefill_kernel_forms_match_fp32_attention(kernels, use_amx, heads,
     q = (torch.randn(queries, heads, head_dim, generator=gen) * spread).bfloat16()
     out = torch.empty_like(q)
     kernels.paged_prefill_attention_(q, k_cache, v_cache, slots, window, head_dim**-0.5, out, use_amx=use_amx)
-    reference = _attention_in_fp32(q, k_cache, v_cache, slots, window, head_dim**-0.5)
+    reference = torch.empty(q.shape)  # the stand-in kernel, computing in fp32 on the same values
+    ReferenceKernels().paged_prefill_attention_(q.float(), k_cache.float(), v_cache.float(), slots, window,
+                                                head_dim**-0.5, reference)
     # the output's own rounding, and the probabilities' (bf16 before p @ v, as torch's flash kernel)
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
