@@ -156,34 +156,6 @@ void quantize_blocks(const T* x, int64_t K, int16_t* q, float* scales) {
   }
 }
 
-// More rows of x (M <= kInt8RowGroup) against int8 W: each weight block of 32 widened once, then one
-// vpdpwssd a row of x; every kQuantBlock, each row's integer sums are scaled by that block of x into fp32
-// (as Int8Dot does).
-constexpr int kInt8RowGroup = 8;
-
-template <int M>
-void block_int8(const int16_t* x, const float* x_scales, int64_t blocks_per_row, const int8_t* w, float* y, int64_t K,
-                int64_t N, int64_t begin, int64_t end, int64_t k0, int64_t k1) {
-  for (int64_t n = begin; n < end; ++n) {
-    const int8_t* row = w + n * K;
-    __m512 acc[M];
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-    for (int64_t b0 = k0; b0 < k1; b0 += kQuantBlock) {
-      __m512i partial[M];
-      for (int m = 0; m < M; ++m) partial[m] = _mm512_setzero_si512();
-      for (int64_t k = b0; k < std::min(k1, b0 + kQuantBlock); k += 32) {
-        const __m512i w16 = Int8Dot::load_w(row + k);
-        for (int m = 0; m < M; ++m) partial[m] = Int8Dot::dot(partial[m], w16, Int8Dot::load_x(x + m * K + k));
-      }
-      for (int m = 0; m < M; ++m) {
-        const __m512 scale = _mm512_set1_ps(x_scales[m * blocks_per_row + b0 / kQuantBlock]);
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(partial[m]), scale, acc[m]);
-      }
-    }
-    for (int m = 0; m < M; ++m) y[m * N + n] += _mm512_reduce_add_ps(acc[m]);
-  }
-}
-
 // More rows of x against float W: R weight rows at a time against M rows of x (M <= kFloatRowGroup, R * M
 // = 16 independent sums, half the registers), each weight vector loaded once for the M rows and each x
 // vector once for the R weight rows. One weight row against 8 rows of x took 18 loads per 16 FMAs, and
@@ -229,6 +201,61 @@ void block_float(const typename Dot::X* x, const typename Dot::W* w, float* y, i
   int64_t n = begin;
   for (; n + R <= end; n += R) weight_rows<Dot, M, R>(x, w + n * K, y + n, K, N, k0, k1);
   for (; n < end; ++n) weight_rows<Dot, M, 1>(x, w + n * K, y + n, K, N, k0, k1);
+}
+
+// More rows of x (M <= kInt8RowGroup) against int8 W: R weight rows at a time (R * M integer sums), each
+// block of 32 weights widened once, then one vpdpwssd per row of x; every kQuantBlock, each row's integer
+// sums are scaled by that block of x into fp32 (as Int8Dot does). One weight row at a time left only M
+// independent sums, a chain of dependent vpdpwssd: 2 rows of x ran at half the one-row rate.
+constexpr int kInt8RowGroup = 8;
+
+template <int M, int R>
+void int8_weight_rows(const int16_t* x, const float* x_scales, int64_t blocks_per_row, const int8_t* rows, float* y,
+                      int64_t K, int64_t N, int64_t k0, int64_t k1) {
+  __m512 acc[R * M];  // acc[r * M + m]: weight row r against row m of x
+#pragma GCC unroll 32
+  for (int i = 0; i < R * M; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b0 = k0; b0 < k1; b0 += kQuantBlock) {
+    __m512i partial[R * M];
+#pragma GCC unroll 32
+    for (int i = 0; i < R * M; ++i) partial[i] = _mm512_setzero_si512();
+    for (int64_t k = b0; k < std::min(k1, b0 + kQuantBlock); k += 32) {
+      __m512i wv[R];
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        pagoda::prefetch_line_into_l2(rows + (kFarRows + r) * K + k);
+        wv[r] = Int8Dot::load_w(rows + r * K + k);
+        asm("" : "+v"(wv[r]));  // widened once, kept in a register for the M rows of x
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < M; ++m) {
+        __m512i xv = Int8Dot::load_x(x + m * K + k);
+        asm("" : "+v"(xv));
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) partial[r * M + m] = Int8Dot::dot(partial[r * M + m], wv[r], xv);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) {
+      const __m512 scale = _mm512_set1_ps(x_scales[m * blocks_per_row + b0 / kQuantBlock]);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r * M + m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(partial[r * M + m]), scale,
+                                                                 acc[r * M + m]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 8
+    for (int m = 0; m < M; ++m) y[m * N + r] += _mm512_reduce_add_ps(acc[r * M + m]);
+}
+
+template <int M>
+void block_int8(const int16_t* x, const float* x_scales, int64_t blocks_per_row, const int8_t* w, float* y, int64_t K,
+                int64_t N, int64_t begin, int64_t end, int64_t k0, int64_t k1) {
+  constexpr int R = std::max(1, std::min(4, 8 / M));  // R * M sums and R * M totals: 16 of the 32 registers
+  int64_t n = begin;
+  for (; n + R <= end; n += R) int8_weight_rows<M, R>(x, x_scales, blocks_per_row, w + n * K, y + n, K, N, k0, k1);
+  for (; n < end; ++n) int8_weight_rows<M, 1>(x, x_scales, blocks_per_row, w + n * K, y + n, K, N, k0, k1);
 }
 
 // body(std::integral_constant<int, rows>) for rows in 1..Max: the row count as a compile-time constant.
