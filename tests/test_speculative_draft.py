@@ -124,6 +124,39 @@ def test_with_the_native_decode_stack(make_llm, target_dir, drafts, monkeypatch)
 
 
 @pytest.mark.parametrize("draft", ["self", "small"])
+def test_a_step_of_k_drafts_runs_the_draft_k_times(make_llm, target_dir, drafts, draft):
+    """The draft's forward over a step's kept tokens also samples the next step's first draft, so a step
+    checking d drafts costs d draft forwards (that one and d - 1 proposals), not d + 1; and that forward
+    takes only the tokens without its K/V: the accepted drafts and the newest token (the step's first token
+    was the last one's newest). One block holds the whole request here, so the newest always has a slot."""
+    k = 3
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    expected = generate(make_llm(target_dir, block_size=64), PROMPTS[:1], params)
+    llm = with_draft(make_llm, target_dir, drafts[draft], k, block_size=64)
+    forwards: list[int] = []  # the number of tokens each draft forward took
+    llm.engine.draft_proposer.model.register_forward_hook(lambda _, args, __: forwards.append(len(args[0])))
+    steps, schedule = [], llm.engine.scheduler.schedule
+
+    def spy():
+        before = len(forwards)  # the previous step's forwards end here (its follow included)
+        output = schedule()
+        steps.append((sum(len(item.draft_token_ids) for item in output.scheduled), before))
+        return output
+
+    llm.engine.scheduler.schedule = spy
+    assert_same_outputs(expected, generate(llm, PROMPTS[:1], params))
+    ends = [before for _, before in steps[1:]] + [len(forwards)]
+    per_step = [(num_drafts, forwards[before:end]) for (num_drafts, before), end in zip(steps, ends)]
+    assert len(per_step[0][1]) == 1  # the prefill: its follow forward samples the first draft
+    assert all(len(step) == max(num_drafts, 1) for num_drafts, step in per_step), per_step
+    assert all(step[:-1] == [1] * (len(step) - 1) for _, step in per_step)  # one-token proposals
+    assert all(step[-1] <= num_drafts + 1 for num_drafts, step in per_step[1:])  # the follow
+    if draft == "self":  # every draft accepted
+        assert all(step[-1] == num_drafts + 1 for num_drafts, step in per_step[1:])
+    assert sum(num_drafts for num_drafts, _ in per_step) >= len(per_step)  # it did speculate
+
+
+@pytest.mark.parametrize("draft", ["self", "small"])
 def test_chunked_prefill_beside_speculating_decodes(make_llm, target_dir, drafts, draft):
     """The draft computes every prompt chunk with the target, so its cache is complete at the first decode."""
     prompts = [REPEATING[0], *PROMPTS[4:6], REPEATING[1]]

@@ -2,14 +2,16 @@
 speculating request's next k tokens, one batched draft forward per token.
 
 KV: the draft has its own KV tensors, laid out like the target's: slot s holds the draft's K/V of the token
-whose target K/V is at slot s. `write_kv` runs the draft over every step's batch (prefill chunks, decodes
-and checked drafts: the same tokens at the same slots, with the same attention metadata), so the draft's
-cache is valid exactly where the target's is, whatever happens to the blocks afterwards: a rollback of
-rejected drafts, a preemption, a prefix-cache hit on a block another request computed. No per-request state.
+whose target K/V is at slot s. After every target step, `follow` runs the draft over the tokens the step
+kept (prompt chunks, decodes and accepted drafts, at the target's slots) and the newest token, so the
+draft's cache is valid wherever the target's is, whatever happens to the blocks afterwards: a rollback of
+rejected drafts, a preemption, a prefix-cache hit on a block another request computed. No per-request KV
+state. The same forward's logits at each request's newest token give its first draft for the next step,
+so a step of k drafts costs k draft forwards: this one and k - 1 one-token proposals.
 
 Proposing writes K/V only past a request's computed tokens: into its own blocks where it has them (not
-yet full, so never shared or cached, and rewritten by the next step's `write_kv` before anything reads
-them) and, past its last block, into scratch blocks after the pool's end, which only proposals use.
+yet full, so never shared or cached, and rewritten by the next `follow` before anything reads them) and,
+past its last block, into scratch blocks after the pool's end, which only proposals use.
 
 Sampled requests keep q, the distribution each draft was drawn from, for the target's rejection sampling
 (`sampler.Proposal`). Constrained requests draft under their grammar's mask (the matcher advances along
@@ -19,7 +21,7 @@ the drafts and is rolled back), so every draft is valid before verification and 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,9 +30,10 @@ import torch
 from pagoda.config import ModelConfig, SpeculativeConfig, parse_dtype
 from pagoda.engine.request import Request
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample_draft
-from pagoda.engine.speculative import draft_room
+from pagoda.engine.scheduler import ScheduledRequest
+from pagoda.engine.speculative import accept_drafts, draft_room
 from pagoda.engine.structured import StructuredOutputs
-from pagoda.model.attention import AttentionMetadata, build_metadata
+from pagoda.model.attention import build_metadata
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import ModelLoadError, load_model, load_model_config
 from pagoda.model.tokenizer import has_tokenizer, load_tokenizer
@@ -90,6 +93,41 @@ def _optional_tokenizer(path: str) -> Any | None:
     return load_tokenizer(path) if has_tokenizer(path) else None
 
 
+@dataclass(frozen=True)
+class _FollowRows:
+    """What `follow` computes for one request: its tokens and their attention queries."""
+
+    request: Request
+    start: int  # the position of its first token
+    token_ids: list[int]
+    query_lens: list[int]  # the known tokens as the target's step took them, then one row per kept token
+    kept: list[int]  # the tokens the step appended (empty: none, or the newest has no slot)
+
+    def proposes(self, k: int) -> bool:
+        """Does its newest token's draft open the next step's proposal? Not under a grammar (the matcher
+        stands before this step's tokens until the engine advances it), nor without room for drafts."""
+        room = self.request.max_output_tokens - self.request.num_output_tokens - len(self.kept) - 1
+        return bool(self.kept) and self.request.grammar is None and min(k, room) > 0
+
+
+@dataclass(frozen=True)
+class _NewestWritten:
+    """`follow` wrote a request's newest token's K/V, at its slot, when the request had num_tokens tokens
+    (a preemption since then freed that slot)."""
+
+    num_tokens: int
+    num_preemptions: int
+
+
+@dataclass(frozen=True)
+class _FirstDraft:
+    """A request's first draft, sampled by `follow`: it opens the proposal while the request has num_tokens."""
+
+    num_tokens: int
+    token_id: int
+    q: torch.Tensor | None  # the distribution it was drawn from (random requests)
+
+
 @dataclass
 class _Drafting:
     """One request's proposal in progress."""
@@ -145,14 +183,78 @@ class DraftModelProposer:
             (torch.empty(shape, dtype=model.dtype, device=device), torch.empty(shape, dtype=model.dtype, device=device))
             for _ in range(model.config.num_layers)
         ]
+        self.disable_by_batch_size = config.disable_by_batch_size
         self._proposals: dict[str, list[Proposal]] = {}
+        self._first_drafts: dict[str, _FirstDraft] = {}
+        self._newest_written: dict[str, _NewestWritten] = {}
 
     # --- the runner's side: the draft's KV follows the target's ------------------------------------
 
     @torch.inference_mode()
-    def write_kv(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
-        """The draft over the step's batch, for its K/V only: the same tokens at the same slots as the target."""
-        self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta)
+    def follow(self, scheduled: Sequence[ScheduledRequest], sampled: Mapping[str, Sequence[int]]) -> None:
+        """The draft over what the target's step kept, after it sampled: each request's known tokens, its
+        accepted drafts and its newest token, at the target's slots; and the first draft of the next step
+        for each request that may speculate, from the newest token's logits."""
+        batch = [self._follow_rows(item, sampled.get(item.request.request_id)) for item in scheduled]
+        self._newest_written = {
+            rows.request.request_id: _NewestWritten(rows.request.num_tokens + len(rows.kept),
+                                                    rows.request.num_preemptions)
+            for rows in batch if rows.kept
+        }
+        batch = [rows for rows in batch if rows.token_ids]
+        if not batch:
+            self._first_drafts = {}
+            return
+        query_lens, seq_lens, block_tables = [], [], []
+        for rows in batch:
+            end = rows.start
+            for length in rows.query_lens:
+                end += length
+                query_lens.append(length)
+                seq_lens.append(end)
+                block_tables.append(rows.request.block_ids)
+        meta = build_metadata(query_lens, seq_lens, block_tables, self.block_size, self.windows)
+        input_ids = torch.tensor([t for rows in batch for t in rows.token_ids], dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta)
+        self._first_drafts = self._sample_first_drafts(batch, hidden)
+
+    def _follow_rows(self, item: ScheduledRequest, sampled: Sequence[int] | None) -> _FollowRows:
+        """The tokens `follow` computes for one scheduled request. A decode's last known token is left out
+        when the last `follow` wrote it (as that step's newest); the newest token is left out where its slot
+        lies past the request's blocks (then the next proposal starts from it, as without `follow`)."""
+        request = item.request
+        start = request.num_computed_tokens
+        known = item.input_token_ids()[: item.num_known_tokens]
+        if item.is_decode and self._newest_written.get(request.request_id) == _NewestWritten(
+                request.num_tokens, request.num_preemptions):
+            start, known = start + 1, []
+        kept = [] if sampled is None else accept_drafts(item.draft_token_ids, sampled)
+        known_lens = [len(known)] if known else []
+        if start + len(known) + len(kept) > len(request.block_ids) * self.block_size:
+            return _FollowRows(request, start, known + kept[:-1], known_lens + [1] * (len(kept) - 1), [])
+        return _FollowRows(request, start, known + kept, known_lens + [1] * len(kept), kept)
+
+    def _sample_first_drafts(self, batch: list[_FollowRows], hidden: torch.Tensor) -> dict[str, _FirstDraft]:
+        if self.disable_by_batch_size is not None and len(batch) > self.disable_by_batch_size:
+            return {}  # too many requests for the next step to speculate
+        rows, indices, end = [], [], 0
+        for follow_rows in batch:
+            end += len(follow_rows.token_ids)
+            if follow_rows.proposes(self.k):
+                rows.append(follow_rows)
+                indices.append(end - 1)
+        if not rows:
+            return {}
+        logits = self.model.compute_logits(hidden[torch.tensor(indices, device=self.device)])
+        sample_rows = [SampleRow(r.request, r.kept) for r in rows]
+        token_ids, probs = sample_draft(logits, build_sampling_metadata(sample_rows, logits.shape[1], None))
+        first_drafts, random_index = {}, 0
+        for r, token_id in zip(rows, token_ids):
+            q = None
+            if r.request.params.temperature >= GREEDY_EPS:
+                q, random_index = probs[random_index], random_index + 1
+            first_drafts[r.request.request_id] = _FirstDraft(r.request.num_tokens + len(r.kept), token_id, q)
+        return first_drafts
 
     def proposal(self, request_id: str, index: int, token_id: int) -> Proposal | None:
         """The proposal behind a sampled request's draft number `index` (None for a greedy request)."""
@@ -197,7 +299,13 @@ class DraftModelProposer:
                 room, missing = 0, 0  # cannot happen with the scratch sized for max_num_seqs; no drafts
             scratch = list(range(next_scratch, next_scratch + missing))
             next_scratch += missing
-            drafting.append(_Drafting(request, room, [*request.block_ids, *scratch]))
+            d = _Drafting(request, room, [*request.block_ids, *scratch])
+            first = self._first_drafts.get(request.request_id)
+            if room and first is not None and first.num_tokens == request.num_tokens:
+                d.tokens.append(first.token_id)
+                if first.q is not None:
+                    d.probs.append(first.q)
+            drafting.append(d)
         return drafting
 
     def _draft_one_token(self, active: list[_Drafting]) -> None:

@@ -6,13 +6,15 @@ token and each of its drafts. A speculating request's tokens attend as that many
 seeing the keys up to its own position: every position is then computed exactly as decoding computes it
 (same path, same rounding, in every dtype), and a decode-only step stays one for the native decode stack.
 
-With a draft model (engine/draft_model.py), the draft runs over every step's batch too, after the target,
-so that its KV cache holds the same tokens at the same slots; a sampled request's checked drafts carry the
-distributions the draft drew them from, for the sampler's rejection rule.
+With a draft model (engine/draft_model.py), the draft runs over the tokens each step kept, after the target
+sampled, so that its KV cache holds the same tokens at the same slots (and its logits give the next step's
+first drafts); a sampled request's checked drafts carry the distributions the draft drew them from, for the
+sampler's rejection rule.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -22,7 +24,7 @@ import torch
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.engine.structured import StructuredOutputs
-from pagoda.model.attention import AttentionMetadata, build_metadata
+from pagoda.model.attention import build_metadata
 from pagoda.model.llama import LlamaModel
 
 # A chunk of one request's prompt logprobs: (index of the first prompt position covered, logprobs of the
@@ -43,8 +45,9 @@ class DraftModel(Protocol):
 
     windows: set[int | None]  # its attention windows: the step's metadata must hold masks for them too
 
-    def write_kv(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> None:
-        """Computes the draft's K/V of the step's tokens at their slots, as the target just did."""
+    def follow(self, scheduled: Sequence[ScheduledRequest], sampled: Mapping[str, Sequence[int]]) -> None:
+        """Computes the draft's K/V of the tokens the step kept, at their slots (sampled: as `execute`
+        returns it, before acceptance)."""
         ...
 
     def proposal(self, request_id: str, index: int, token_id: int) -> Proposal | None:
@@ -85,10 +88,9 @@ class ModelRunner:
         meta = build_metadata(query_lens, seq_lens, block_tables, self.block_size, self.windows)
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids_t, meta.positions.to(self.device), self.kv_caches, meta)
-        if self.draft is not None:
-            self.draft.write_kv(input_ids_t, meta)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         if not rows:
+            self._follow(scheduled, {})
             return ModelRunnerOutput({}, {}, prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(_sampling_indices(scheduled), device=self.device)])
         bitmask = None if masks is None else masks.result()
@@ -100,7 +102,12 @@ class ModelRunner:
             sampled.setdefault(request_id, []).append(token_id)
             if row_logprobs is not None:
                 logprobs.setdefault(request_id, []).append(row_logprobs)
+        self._follow(scheduled, sampled)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _follow(self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]]) -> None:
+        if self.draft is not None:
+            self.draft.follow(scheduled, sampled)
 
     def _sample_rows(self, scheduled: list[ScheduledRequest]) -> list[SampleRow]:
         """The step's rows to sample, in batch order: one per sampled position of each request, each with
