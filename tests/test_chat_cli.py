@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 
 import pexpect
@@ -47,8 +48,11 @@ def spawn_chat_with_start_up(*args: str) -> tuple[pexpect.spawn, str]:
     """The chat at its first prompt, and what it printed before its greeting."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
            "TERM": "dumb"}
+    # ^C as a terminal's shell would deliver it: a suite started in the background (`cmd &` in a script)
+    # ignores SIGINT, the child would inherit that, and Python then raises no KeyboardInterrupt.
     child = pexpect.spawn(sys.executable, ["-m", "pagoda", "chat", *args], env=env, encoding="utf-8",
-                          timeout=EXPECT_TIMEOUT_S, dimensions=(50, 400))
+                          timeout=EXPECT_TIMEOUT_S, dimensions=(50, 400),
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child.expect_exact("chatting with")
     start_up = child.before
     child.expect_exact(PROMPT)
