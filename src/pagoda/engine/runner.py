@@ -43,8 +43,6 @@ class ModelRunnerOutput:
 class DraftModel(Protocol):
     """A draft model beside the target (`draft_model.DraftModelProposer`)."""
 
-    windows: set[int | None]  # its attention windows: the step's metadata must hold masks for them too
-
     def follow(self, scheduled: Sequence[ScheduledRequest], sampled: Mapping[str, Sequence[int]]) -> None:
         """Computes the draft's K/V of the tokens the step kept, at their slots (sampled: as `execute`
         returns it, before acceptance)."""
@@ -76,7 +74,7 @@ class ModelRunner:
             (torch.empty(shape, dtype=model.dtype, device=device), torch.empty(shape, dtype=model.dtype, device=device))
             for _ in range(config.num_layers)
         ]
-        self.windows = (set(config.sliding_windows) or {None}) | (draft.windows if draft is not None else set())
+        self.windows = set(config.sliding_windows) or {None}
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

@@ -166,28 +166,34 @@ void quantize_blocks(const T* x, int64_t K, int16_t* q, float* scales) {
 constexpr int kFloatRowGroup = 8;
 constexpr int64_t kFarRows = 8;
 
+// One step of kStep elements: R weight rows' vectors loaded once, each x row's vector once, and
+// sums[r * M + m] += weight row r . row m of x.
+template <typename Dot, int M, int R>
+__attribute__((always_inline)) inline void weight_rows_step(const typename Dot::X* x, const typename Dot::W* rows,
+                                                            int64_t K, int64_t k, typename Dot::Sum* sums) {
+  decltype(Dot::load_w(rows)) wv[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    pagoda::prefetch_line_into_l2(rows + (kFarRows + r) * K + k);
+    wv[r] = Dot::load_w(rows + r * K + k);
+    asm("" : "+v"(wv[r]));  // keep the operands in registers: GCC folds a load into each product that uses
+  }                         // it, loading every vector R or M times
+#pragma GCC unroll 8
+  for (int m = 0; m < M; ++m) {
+    auto xv = Dot::load_x(x + m * K + k);
+    asm("" : "+v"(xv));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) sums[r * M + m] = Dot::dot(sums[r * M + m], wv[r], xv);
+  }
+}
+
 template <typename Dot, int M, int R>
 void weight_rows(const typename Dot::X* x, const typename Dot::W* rows, float* y, int64_t K, int64_t N, int64_t k0,
                  int64_t k1) {
   __m512 acc[R * M];  // acc[r * M + m]: weight row r against row m of x
 #pragma GCC unroll 32
   for (int i = 0; i < R * M; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t k = k0; k < k1; k += Dot::kStep) {  // kStep elements: one 64-byte line of each row
-    decltype(Dot::load_w(rows)) wv[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-      pagoda::prefetch_line_into_l2(rows + (kFarRows + r) * K + k);
-      wv[r] = Dot::load_w(rows + r * K + k);
-      asm("" : "+v"(wv[r]));  // keep the operands in registers: GCC folds a load into each product that uses
-    }                         // it, loading every vector R or M times
-#pragma GCC unroll 8
-    for (int m = 0; m < M; ++m) {
-      auto xv = Dot::load_x(x + m * K + k);
-      asm("" : "+v"(xv));
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r * M + m] = Dot::dot(acc[r * M + m], wv[r], xv);
-    }
-  }
+  for (int64_t k = k0; k < k1; k += Dot::kStep) weight_rows_step<Dot, M, R>(x, rows, K, k, acc);
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
 #pragma GCC unroll 8
@@ -219,21 +225,8 @@ void int8_weight_rows(const int16_t* x, const float* x_scales, int64_t blocks_pe
     __m512i partial[R * M];
 #pragma GCC unroll 32
     for (int i = 0; i < R * M; ++i) partial[i] = _mm512_setzero_si512();
-    for (int64_t k = b0; k < std::min(k1, b0 + kQuantBlock); k += 32) {
-      __m512i wv[R];
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        pagoda::prefetch_line_into_l2(rows + (kFarRows + r) * K + k);
-        wv[r] = Int8Dot::load_w(rows + r * K + k);
-        asm("" : "+v"(wv[r]));  // widened once, kept in a register for the M rows of x
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < M; ++m) {
-        __m512i xv = Int8Dot::load_x(x + m * K + k);
-        asm("" : "+v"(xv));
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) partial[r * M + m] = Int8Dot::dot(partial[r * M + m], wv[r], xv);
-      }
+    for (int64_t k = b0; k < std::min(k1, b0 + kQuantBlock); k += Int8Dot::kStep) {
+      weight_rows_step<Int8Dot, M, R>(x, rows, K, k, partial);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; ++m) {
