@@ -285,8 +285,13 @@ def _gemm_op(kind: str, m: int, g: Gemm):
 
 
 def gemm_seconds(kind: str, m: int, gemm: Gemm, repeats: int, min_seconds: float = 0.05) -> list[float]:
-    """Seconds per call (median-able samples); each sample loops until it lasts min_seconds."""
-    op = _gemm_op(kind, m, gemm)
+    """Seconds per call of one GEMM (median-able samples), as `call_seconds` measures them."""
+    return call_seconds(_gemm_op(kind, m, gemm), repeats, min_seconds)
+
+
+def call_seconds(op, repeats: int, min_seconds: float = 0.05) -> list[float]:
+    """Seconds per call of op (median-able samples), after a warm-up call; each sample loops until it
+    lasts about min_seconds."""
     op()
     started, calls = time.perf_counter(), 0
     while time.perf_counter() - started < min_seconds / 5 or calls < 1:

@@ -11,25 +11,14 @@ The forms are interleaved round by round, so each round sees one host state; med
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
-from common import add_common_args, environment, load_average, log, set_threads, summary, write_json
+from common import add_common_args, call_seconds, environment, load_average, log, set_threads, summary, write_json
 
 from pagoda.kernels import cpu_kernels
 from pagoda.model.attention import PrefillSeq, sdpa_prefill
 
 SHAPES = {"bench-125m": (9, 3, 64), "bench-1b": (32, 4, 64)}  # query heads, kv heads, head_dim
-
-
-def seconds(call, min_seconds: float = 0.2) -> float:
-    """Mean seconds per call over at least min_seconds, after one warm-up call."""
-    call()
-    calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < min_seconds:
-        call()
-        calls += 1
-    return elapsed / calls
 
 
 def forms(kernels, q, k_cache, v_cache, slots, scale, out) -> dict:
@@ -68,7 +57,7 @@ def main() -> None:
                 samples: dict[str, list[float]] = {name: [] for name in calls}
                 for _ in range(repeats):
                     for name, call in calls.items():
-                        samples[name].append(seconds(call))
+                        samples[name] += call_seconds(call, 1, min_seconds=0.2)
                 row = {"model": model, "tokens": length, "dtype": str(dtype).removeprefix("torch."),
                        "forms": {name: {"seconds": summary(s), "gflops": flops / summary(s)["median"] / 1e9}
                                  for name, s in samples.items()}}

@@ -106,24 +106,27 @@ class _FollowRows:
     def proposes(self, k: int) -> bool:
         """Does its newest token's draft open the next step's proposal? Not under a grammar (the matcher
         stands before this step's tokens until the engine advances it), nor without room for drafts."""
-        room = self.request.max_output_tokens - self.request.num_output_tokens - len(self.kept) - 1
-        return bool(self.kept) and self.request.grammar is None and min(k, room) > 0
+        return bool(self.kept) and self.request.grammar is None and draft_room(self.request, k, len(self.kept)) > 0
 
 
 @dataclass(frozen=True)
 class _NewestWritten:
     """`follow` wrote a request's newest token's K/V, at its slot, when the request had num_tokens tokens
-    (a preemption since then freed that slot)."""
+    (a preemption since then freed that slot). While it holds, that token needs no draft forward again, and
+    the first draft `follow` sampled from it opens the next proposal."""
 
     num_tokens: int
     num_preemptions: int
 
+    @staticmethod
+    def of(request: Request, num_pending: int = 0) -> _NewestWritten:
+        return _NewestWritten(request.num_tokens + num_pending, request.num_preemptions)
+
 
 @dataclass(frozen=True)
 class _FirstDraft:
-    """A request's first draft, sampled by `follow`: it opens the proposal while the request has num_tokens."""
+    """A request's first draft, sampled by `follow` from its newest token."""
 
-    num_tokens: int
     token_id: int
     q: torch.Tensor | None  # the distribution it was drawn from (random requests)
 
@@ -197,9 +200,7 @@ class DraftModelProposer:
         for each request that may speculate, from the newest token's logits."""
         batch = [self._follow_rows(item, sampled.get(item.request.request_id)) for item in scheduled]
         self._newest_written = {
-            rows.request.request_id: _NewestWritten(rows.request.num_tokens + len(rows.kept),
-                                                    rows.request.num_preemptions)
-            for rows in batch if rows.kept
+            rows.request.request_id: _NewestWritten.of(rows.request, len(rows.kept)) for rows in batch if rows.kept
         }
         batch = [rows for rows in batch if rows.token_ids]
         if not batch:
@@ -225,8 +226,7 @@ class DraftModelProposer:
         request = item.request
         start = request.num_computed_tokens
         known = item.input_token_ids()[: item.num_known_tokens]
-        if item.is_decode and self._newest_written.get(request.request_id) == _NewestWritten(
-                request.num_tokens, request.num_preemptions):
+        if item.is_decode and self._wrote_newest(request):
             start, known = start + 1, []
         kept = [] if sampled is None else accept_drafts(item.draft_token_ids, sampled)
         known_lens = [len(known)] if known else []
@@ -253,8 +253,12 @@ class DraftModelProposer:
             q = None
             if r.request.params.temperature >= GREEDY_EPS:
                 q, random_index = probs[random_index], random_index + 1
-            first_drafts[r.request.request_id] = _FirstDraft(r.request.num_tokens + len(r.kept), token_id, q)
+            first_drafts[r.request.request_id] = _FirstDraft(token_id, q)
         return first_drafts
+
+    def _wrote_newest(self, request: Request) -> bool:
+        """Did the last `follow` write the K/V of the request's newest token, which it still has?"""
+        return self._newest_written.get(request.request_id) == _NewestWritten.of(request)
 
     def proposal(self, request_id: str, index: int, token_id: int) -> Proposal | None:
         """The proposal behind a sampled request's draft number `index` (None for a greedy request)."""
@@ -301,7 +305,7 @@ class DraftModelProposer:
             next_scratch += missing
             d = _Drafting(request, room, [*request.block_ids, *scratch])
             first = self._first_drafts.get(request.request_id)
-            if room and first is not None and first.num_tokens == request.num_tokens:
+            if room and first is not None and self._wrote_newest(request):
                 d.tokens.append(first.token_id)
                 if first.q is not None:
                     d.probs.append(first.q)

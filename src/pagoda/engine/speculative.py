@@ -44,10 +44,12 @@ class DraftSource(Protocol):
         ...
 
 
-def draft_room(request: Request, num_speculative_tokens: int) -> int:
+def draft_room(request: Request, num_speculative_tokens: int, num_pending: int = 0) -> int:
     """How many drafts a request may take: the target adds one token of its own to the accepted drafts,
-    so drafts stop one short of max_tokens (which the context room caps)."""
-    return max(0, min(num_speculative_tokens, request.max_output_tokens - request.num_output_tokens - 1))
+    so drafts stop one short of max_tokens (which the context room caps). num_pending: output tokens
+    sampled but not yet appended to the request."""
+    room = request.max_output_tokens - request.num_output_tokens - num_pending - 1
+    return max(0, min(num_speculative_tokens, room))
 
 
 _TOKEN = "I"  # array type code of a token id: 4 bytes, unsigned
