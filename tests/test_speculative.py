@@ -32,12 +32,15 @@ from pagoda.engine.request import FinishReason, Request, RequestStatus
 from pagoda.engine.sampler import SampleRow, build_sampling_metadata
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.speculative import (
+    Draft,
     SpecDecodeStats,
     Speculator,
     accept_drafts,
+    accepted_rows,
     draft_room,
     ngram_lookup,
 )
+from pagoda.model.attention import build_metadata
 from pagoda.server.metrics import ServerMetrics
 from pagoda.structured import StructuredOutputsParams
 
@@ -118,7 +121,7 @@ class OracleProposer:
         self.wrong_every = wrong_every
         self.num_proposed = 0
 
-    def propose(self, requests: Sequence[Request]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request]) -> list[Draft]:
         drafts = []
         for request in requests:
             answer = self.answers[(tuple(request.prompt_token_ids), request.sample_index)]
@@ -127,7 +130,7 @@ class OracleProposer:
             self.num_proposed += 1
             if draft and self.num_proposed % self.wrong_every == 0:
                 draft[-1] = (draft[-1] + 1) % VOCAB
-            drafts.append(draft)
+            drafts.append(Draft(draft))
         return drafts
 
 
@@ -459,6 +462,29 @@ def test_accept_drafts_keeps_the_targets_tokens_up_to_the_first_mismatch():
     assert accept_drafts([4, 5, 6], [1, 5, 6, 7]) == [1]
 
 
+def test_accepted_rows_take_an_alternative_only_where_the_first_draft_fails():
+    # rows: the known token, drafts 4 5 6 (targets 1-3, bonus), alternatives 7 8 (the target's token after each)
+    assert accepted_rows([4, 5, 6], [7, 8], [4, 5, 9, 9, 50, 51]) == [0, 1, 2]  # the chain's run
+    assert accepted_rows([4, 5, 6], [7, 8], [8, 5, 6, 9, 50, 51]) == [0, 5]  # 8 kept, then its own next token
+    assert accepted_rows([4, 5, 6], [7, 8], [3, 5, 6, 9, 50, 51]) == [0]  # no guess was right
+    assert accepted_rows([4], [], [3, 9]) == [0]
+
+
+def test_a_branch_attends_to_the_keys_before_it_and_its_own_slot():
+    """The alternative after a 2-draft chain stands at the first draft's position, writes its K/V to the
+    slot allocated past the chain and sees the known tokens and itself, not the drafts."""
+    block_size, table = 4, [5, 2]  # positions 0-3 in block 5, 4-7 in block 2
+    # A request with 3 computed tokens: the known token at position 3, drafts at 4 and 5, the branch at 4
+    # whose slot is position 6's.
+    branch_slot = 2 * block_size + 2
+    meta = build_metadata([1, 1, 1, 1], [4, 5, 6, 5], [table] * 4, block_size, {None}, {3: branch_slot})
+    assert meta.positions.tolist() == [3, 4, 5, 4]
+    assert meta.slot_mapping.tolist() == [23, 8, 9, branch_slot]
+    assert meta.decode_seq_lens.tolist() == [4, 5, 6, 5]
+    assert meta.decode_key_slots[3, :5].tolist() == [20, 21, 22, 23, branch_slot]
+    assert meta.decode_key_slots[1, :5].tolist() == [20, 21, 22, 23, 8]
+
+
 def make_request(request_id: str, prompt: list[int], max_tokens: int = 32, **params) -> Request:
     return Request(request_id=request_id, prompt_token_ids=list(prompt),
                    params=SamplingParams(max_tokens=max_tokens, **params), seed=1, max_model_len=1024)
@@ -484,9 +510,9 @@ class StepDrafts:
     def __init__(self) -> None:
         self.next: dict[str, list[int]] = {}
 
-    def drafts(self, running: Sequence[Request]) -> dict[str, list[int]]:
+    def drafts(self, running: Sequence[Request]) -> dict[str, Draft]:
         drafts, self.next = self.next, {}
-        return drafts
+        return {request_id: Draft(tokens) for request_id, tokens in drafts.items()}
 
 
 def make_scheduler(num_blocks: int = 32, budget: int = 64) -> Scheduler:
@@ -575,9 +601,9 @@ class FixedProposer:
         self.draft = draft
         self.asked: list[str] = []
 
-    def propose(self, requests: Sequence[Request]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request]) -> list[Draft]:
         self.asked += [r.request_id for r in requests]
-        return [list(self.draft) for _ in requests]
+        return [Draft(list(self.draft)) for _ in requests]
 
 
 def test_the_speculator_drafts_for_decodes_within_room_and_grammar():
@@ -594,8 +620,8 @@ def test_the_speculator_drafts_for_decodes_within_room_and_grammar():
         request.num_computed_tokens = request.num_tokens - 1
     assert speculator.drafts([prefilling, short, constrained, plain]) == {}  # 4 running > 3
     drafts = speculator.drafts([prefilling, short, constrained])
-    assert drafts == {"s": [1], "g": [1, 2]} and "p" not in proposer.asked
-    assert speculator.drafts([plain]) == {"x": [1, 2, 3, 4]}  # at most k
+    assert drafts == {"s": Draft([1]), "g": Draft([1, 2])} and "p" not in proposer.asked
+    assert speculator.drafts([plain]) == {"x": Draft([1, 2, 3, 4])}  # at most k
 
 
 def test_kv_rollback_frees_the_surplus_blocks_first_in_line():

@@ -38,6 +38,8 @@ from pagoda.config import SpeculativeConfig
 from pagoda.engine.draft_model import DraftMismatch
 from pagoda.engine.request import Request
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample
+from pagoda.engine.scheduler import ScheduledRequest
+from pagoda.engine.speculative import Draft
 from pagoda.server.metrics import ServerMetrics
 from pagoda.structured import StructuredOutputsParams
 
@@ -69,6 +71,8 @@ def drafts(target_dir, small_draft_dir) -> dict[str, dict]:
         "int8-self": {"model": str(target_dir), "quantization": "int8"},
         "int4-self": {"model": str(target_dir), "quantization": "int4"},
         "small": {"model": str(small_draft_dir)},
+        # The draft's 4 likeliest first tokens checked at once: a wrong first guess is often saved.
+        "int4-branches": {"model": str(target_dir), "quantization": "int4", "first_token_candidates": 4},
     }
 
 
@@ -89,7 +93,7 @@ def assert_accepts_everything(llm) -> None:
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("draft", ["self", "int8-self", "int4-self", "small"])
+@pytest.mark.parametrize("draft", ["self", "int8-self", "int4-self", "small", "int4-branches"])
 def test_greedy_output_is_unchanged_beside_requests_that_do_not_speculate(make_llm, target_dir, drafts, draft, k):
     # max_tokens 1 and 2 leave no room for drafts: those requests decode one token a step beside the others.
     params = [GREEDY] * 4 + [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (1, 2)]
@@ -121,6 +125,34 @@ def test_with_the_native_decode_stack(make_llm, target_dir, drafts, monkeypatch)
     assert_same_outputs(expected, generate(llm, PROMPTS[:4], GREEDY))
     assert_accepts_everything(llm)
     assert len(runner.stack.rows) > 0 and max(runner.stack.rows) > len(PROMPTS[:4])  # proposals and checked rows
+    llm = with_draft(make_llm, target_dir, drafts["int4-branches"], 2)  # branches: slots past the drafts
+    assert_same_outputs(expected, generate(llm, PROMPTS[:4], GREEDY))
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_alternatives_save_steps_whose_first_draft_fails(make_llm, target_dir, drafts, monkeypatch, k):
+    """With first_token_candidates, a greedy request's first draft position is also checked with the draft's
+    next likeliest tokens, each on a branch of its own: where the first draft is wrong and an alternative is
+    right, the step keeps that alternative and the target's token after it (its K/V moved to the position's
+    slot). The output is unchanged; more first positions are accepted than with the first draft alone."""
+    kept_branch = []
+    kept_rows = ScheduledRequest.kept_rows
+
+    def spy(self, sampled):
+        rows = kept_rows(self, sampled)
+        kept_branch.append(len(rows) == 2 and rows[1] > len(self.draft_token_ids))
+        return rows
+
+    monkeypatch.setattr(ScheduledRequest, "kept_rows", spy)
+    expected = generate(make_llm(target_dir), PROMPTS[:4], GREEDY)
+    first_accepted = {}
+    for draft in ("int4-self", "int4-branches"):
+        llm = with_draft(make_llm, target_dir, drafts[draft], k)
+        assert_same_outputs(expected, generate(llm, PROMPTS[:4], GREEDY))
+        stats = spec_stats(llm)
+        first_accepted[draft] = stats.accepted_per_position[0] / stats.num_drafts
+    assert any(kept_branch)
+    assert first_accepted["int4-branches"] > first_accepted["int4-self"] + 0.1
 
 
 @pytest.mark.parametrize("draft", ["self", "small"])
@@ -156,7 +188,7 @@ def test_a_step_of_k_drafts_runs_the_draft_k_times(make_llm, target_dir, drafts,
     assert sum(num_drafts for num_drafts, _ in per_step) >= len(per_step)  # it did speculate
 
 
-@pytest.mark.parametrize("draft", ["self", "small"])
+@pytest.mark.parametrize("draft", ["self", "small", "int4-branches"])
 def test_chunked_prefill_beside_speculating_decodes(make_llm, target_dir, drafts, draft):
     """The draft computes every prompt chunk with the target, so its cache is complete at the first decode."""
     prompts = [REPEATING[0], *PROMPTS[4:6], REPEATING[1]]
@@ -175,7 +207,7 @@ def test_preemption_recomputes_the_drafts_cache_too(make_llm, target_dir, drafts
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
     options = {"num_kv_blocks": 24}  # 96 slots for 5 requests that grow to ~45 tokens each
     expected = generate(make_llm(target_dir, **options), PROMPTS[:5], params)
-    for draft in ("self", "small"):
+    for draft in ("self", "small", "int4-branches"):
         llm = with_draft(make_llm, target_dir, drafts[draft], 3, **options)
         assert_same_outputs(expected, generate(llm, PROMPTS[:5], params))
         assert llm.engine.stats().num_preemptions > 0
@@ -199,7 +231,7 @@ def test_prefix_cache_hits_serve_the_drafts_cache_too(make_llm, target_dir, draf
 def test_n_samples(make_llm, target_dir, drafts):
     params = SamplingParams(n=3, temperature=0.0, max_tokens=20, ignore_eos=True)
     expected = generate(make_llm(target_dir), PROMPTS[:2], params)
-    for draft in ("self", "int8-self"):
+    for draft in ("self", "int8-self", "int4-branches"):
         llm = with_draft(make_llm, target_dir, drafts[draft], 4)
         assert_same_outputs(expected, generate(llm, PROMPTS[:2], params))
         assert spec_stats(llm).num_accepted_tokens > 0
@@ -223,6 +255,9 @@ def test_penalties_bias_and_stops_apply_to_the_draft_as_to_the_target(make_llm, 
     spec = with_draft(make_llm, target_dir, drafts["self"], 4)
     assert_same_outputs(expected, generate(spec, PROMPTS[:4], params))
     assert_accepts_everything(spec)
+    # Alternatives: a kept one brings the logprobs of its own row.
+    assert_same_outputs(expected, generate(with_draft(make_llm, target_dir, drafts["int4-branches"], 2),
+                                           PROMPTS[:4], params))
 
 
 def test_constrained_requests_draft_within_their_grammar(make_llm, target_dir, drafts):
@@ -290,6 +325,10 @@ def test_a_draft_with_another_vocabulary_is_refused_at_start_up(make_llm, target
      'quantization must be "int8"'),
     ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "dtype": "fp7"}, "unknown dtype"),
     ({"method": "draft_model", "model": 3, "num_speculative_tokens": 2}, "model must be a string"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "first_token_candidates": 3},
+     "first_token_candidates cannot be used with method 'ngram'"),
+    ({"method": "draft_model", "model": "d", "num_speculative_tokens": 2, "first_token_candidates": 0},
+     "first_token_candidates must be positive"),
 ])
 def test_bad_draft_model_configs_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
@@ -344,11 +383,11 @@ class DraftSpy:
     def __init__(self, proposer) -> None:
         self.proposer, self.proposed = proposer, {}
 
-    def propose(self, requests: Sequence[Request]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request]) -> list[Draft]:
         drafts = self.proposer.propose(requests)
         for request, draft in zip(requests, drafts):
-            if draft and request.num_output_tokens == 1:
-                self.proposed[request.request_id] = draft[0]
+            if draft.token_ids and request.num_output_tokens == 1:
+                self.proposed[request.request_id] = draft.token_ids[0]
         return drafts
 
 

@@ -126,8 +126,8 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5
 # Keys that belong to one method only: given with another, they are refused by name.
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
-_DRAFT_MODEL_KEYS = ("model", "quantization", "dtype")
-_STRING_KEYS = _DRAFT_MODEL_KEYS
+_STRING_KEYS = ("model", "quantization", "dtype")
+_DRAFT_MODEL_KEYS = (*_STRING_KEYS, "first_token_candidates")
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,8 @@ class SpeculativeConfig:
     one is given the other takes its value, and when neither is, both are 5.
     model, quantization, dtype ("draft_model" only): the draft checkpoint, which must share the target's
     vocabulary, its own weight quantization (None: unquantized) and its dtype (None: the target's).
+    first_token_candidates ("draft_model" only, a pagoda extension): a greedy request's first draft position
+    is checked with this many of the draft's likeliest tokens (None: 1, the draft's own choice alone).
     disable_by_batch_size: no drafts in a step that starts with more running requests than this.
     """
 
@@ -150,6 +152,7 @@ class SpeculativeConfig:
     model: str | None = None
     quantization: str | None = None
     dtype: str | None = None
+    first_token_candidates: int | None = None
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
@@ -184,6 +187,8 @@ class SpeculativeConfig:
             )
         if self.dtype is not None:
             parse_dtype(self.dtype)
+        if self.first_token_candidates is not None:
+            _require_positive(self, "first_token_candidates")
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any]) -> SpeculativeConfig:

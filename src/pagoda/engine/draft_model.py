@@ -31,7 +31,7 @@ from pagoda.config import ModelConfig, SpeculativeConfig, parse_dtype
 from pagoda.engine.request import Request
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample_draft
 from pagoda.engine.scheduler import ScheduledRequest
-from pagoda.engine.speculative import accept_drafts, draft_room
+from pagoda.engine.speculative import Draft, draft_room
 from pagoda.engine.structured import StructuredOutputs
 from pagoda.model.attention import build_metadata
 from pagoda.model.llama import LlamaModel
@@ -129,6 +129,7 @@ class _FirstDraft:
 
     token_id: int
     q: torch.Tensor | None  # the distribution it was drawn from (random requests)
+    alternatives: list[int]  # the draft's next likeliest tokens there (greedy requests)
 
 
 @dataclass
@@ -140,6 +141,7 @@ class _Drafting:
     block_table: list[int]
     tokens: list[int] = field(default_factory=list)
     probs: list[torch.Tensor] = field(default_factory=list)  # q per draft (random requests only)
+    alternatives: list[int] = field(default_factory=list)  # to the first draft (`_alternatives`)
     grammar_steps: int = 0  # tokens its matcher advanced along the drafts (rolled back at the end)
 
     @property
@@ -170,6 +172,7 @@ class DraftModelProposer:
             )
         self.model = model
         self.k = config.num_speculative_tokens
+        self.num_candidates = config.first_token_candidates or 1
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.structured = structured
@@ -228,7 +231,7 @@ class DraftModelProposer:
         known = item.input_token_ids()[: item.num_known_tokens]
         if item.is_decode and self._wrote_newest(request):
             start, known = start + 1, []
-        kept = [] if sampled is None else accept_drafts(item.draft_token_ids, sampled)
+        kept = [] if sampled is None else item.kept(sampled)
         known_lens = [len(known)] if known else []
         if start + len(known) + len(kept) > len(request.block_ids) * self.block_size:
             return _FollowRows(request, start, known + kept[:-1], known_lens + [1] * (len(kept) - 1), [])
@@ -249,12 +252,23 @@ class DraftModelProposer:
         sample_rows = [SampleRow(r.request, r.kept) for r in rows]
         token_ids, probs = sample_draft(logits, build_sampling_metadata(sample_rows, logits.shape[1], None))
         first_drafts, random_index = {}, 0
-        for r, token_id in zip(rows, token_ids):
+        for r, token_id, row_logits in zip(rows, token_ids, logits):
             q = None
             if r.request.params.temperature >= GREEDY_EPS:
                 q, random_index = probs[random_index], random_index + 1
-            first_drafts[r.request.request_id] = _FirstDraft(token_id, q)
+            alternatives = self._alternatives(r.request, row_logits, token_id)
+            first_drafts[r.request.request_id] = _FirstDraft(token_id, q, alternatives)
         return first_drafts
+
+    def _alternatives(self, request: Request, logits: torch.Tensor, token_id: int) -> list[int]:
+        """The draft's likeliest tokens after `token_id` at a first draft's position, up to
+        first_token_candidates in all. Greedy, unconstrained requests only: a kept alternative is the target's
+        own argmax there, exactly; a sampled row's distribution would need a rule for several drafts at one
+        position, and a grammar's mask is not at hand."""
+        if self.num_candidates == 1 or request.params.temperature >= GREEDY_EPS or request.grammar is not None:
+            return []
+        top = logits.topk(self.num_candidates).indices.tolist()
+        return [t for t in top if t != token_id][: self.num_candidates - 1]
 
     def _wrote_newest(self, request: Request) -> bool:
         """Did the last `follow` write the K/V of the request's newest token, which it still has?"""
@@ -272,7 +286,7 @@ class DraftModelProposer:
     # --- the speculator's side: proposing ----------------------------------------------------------
 
     @torch.inference_mode()
-    def propose(self, requests: Sequence[Request]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request]) -> list[Draft]:
         """Up to k drafts for each decoding request: room-limited, and cut where a grammar ends."""
         drafting = self._start(requests)
         active = [d for d in drafting if not d.done]
@@ -289,7 +303,7 @@ class DraftModelProposer:
             d.request.request_id: [Proposal(t, q) for t, q in zip(d.tokens, d.probs)]
             for d in drafting if d.probs
         }
-        return [d.tokens for d in drafting]
+        return [Draft(d.tokens, d.alternatives) for d in drafting]
 
     def _start(self, requests: Sequence[Request]) -> list[_Drafting]:
         drafting, next_scratch = [], self.num_blocks
@@ -307,6 +321,7 @@ class DraftModelProposer:
             first = self._first_drafts.get(request.request_id)
             if room and first is not None and self._wrote_newest(request):
                 d.tokens.append(first.token_id)
+                d.alternatives = first.alternatives
                 if first.q is not None:
                     d.probs.append(first.q)
             drafting.append(d)
@@ -323,10 +338,12 @@ class DraftModelProposer:
         rows = [SampleRow(d.request, d.tokens) for d in active]
         token_ids, probs = sample_draft(logits, build_sampling_metadata(rows, logits.shape[1], self._masks(active)))
         random_index = 0
-        for d, token_id in zip(active, token_ids):
+        for d, token_id, row_logits in zip(active, token_ids, logits):
             if d.request.params.temperature >= GREEDY_EPS:
                 d.probs.append(probs[random_index])
                 random_index += 1
+            if not d.tokens:
+                d.alternatives = self._alternatives(d.request, row_logits, token_id)
             d.tokens.append(token_id)
             self._advance_grammar(d, token_id)
 

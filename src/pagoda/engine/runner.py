@@ -82,8 +82,8 @@ class ModelRunner:
         input_ids = [token_id for item in scheduled for token_id in item.input_token_ids()]
         rows = self._sample_rows(scheduled)
         masks = self._start_grammar_masks(scheduled)
-        query_lens, seq_lens, block_tables = _attention_layout(scheduled)
-        meta = build_metadata(query_lens, seq_lens, block_tables, self.block_size, self.windows)
+        query_lens, seq_lens, block_tables, branch_slots = _attention_layout(scheduled, self.block_size)
+        meta = build_metadata(query_lens, seq_lens, block_tables, self.block_size, self.windows, branch_slots)
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids_t, meta.positions.to(self.device), self.kv_caches, meta)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
@@ -100,8 +100,29 @@ class ModelRunner:
             sampled.setdefault(request_id, []).append(token_id)
             if row_logprobs is not None:
                 logprobs.setdefault(request_id, []).append(row_logprobs)
+        for item in scheduled:
+            if item.alternative_token_ids and item.samples:
+                self._keep_branch(item, sampled[item.request.request_id], logprobs)
         self._follow(scheduled, sampled)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _keep_branch(
+        self, item: ScheduledRequest, sampled: list[int], logprobs: dict[str, list[dict[int, float]]]
+    ) -> None:
+        """Where an alternative is kept, its K/V moves from its branch's slot to its position's slot (over the
+        rejected first draft's), and the request's logprobs follow its kept rows."""
+        rows = item.kept_rows(sampled)
+        request_logprobs = logprobs.get(item.request.request_id)
+        if request_logprobs is not None:
+            logprobs[item.request.request_id] = [request_logprobs[row] for row in rows]
+        if len(rows) < 2 or rows[1] == 1:
+            return  # the chain's own run
+        request, first = item.request, item.request.num_computed_tokens
+        source = _slot(request.block_ids, first + rows[1], self.block_size)
+        target = _slot(request.block_ids, first + 1, self.block_size)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[target] = k_cache[source]
+            v_cache[target] = v_cache[source]
 
     def _follow(self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]]) -> None:
         if self.draft is not None:
@@ -109,12 +130,17 @@ class ModelRunner:
 
     def _sample_rows(self, scheduled: list[ScheduledRequest]) -> list[SampleRow]:
         """The step's rows to sample, in batch order: one per sampled position of each request, each with
-        the model draft it checks, if any."""
-        return [
-            SampleRow(item.request, item.draft_token_ids[:position], self._proposal(item, position))
-            for item in scheduled
-            for position in range(item.num_samples)
-        ]
+        the model draft it checks, if any; then one after each alternative (its output so far: that token)."""
+        rows = []
+        for item in scheduled:
+            num_chain = item.num_samples - len(item.alternative_token_ids) if item.samples else 0
+            rows += [
+                SampleRow(item.request, item.draft_token_ids[:position], self._proposal(item, position))
+                for position in range(num_chain)
+            ]
+            if item.samples:
+                rows += [SampleRow(item.request, [token_id]) for token_id in item.alternative_token_ids]
+        return rows
 
     def _proposal(self, item: ScheduledRequest, position: int) -> Proposal | None:
         drafts = item.draft_token_ids
@@ -151,20 +177,34 @@ class ModelRunner:
         return result
 
 
-def _attention_layout(scheduled: list[ScheduledRequest]) -> tuple[list[int], list[int], list[list[int]]]:
+def _attention_layout(
+    scheduled: list[ScheduledRequest], block_size: int
+) -> tuple[list[int], list[int], list[list[int]], dict[int, int]]:
     """Per attention query, in flat-batch order: its length, its sequence length (this step's tokens
-    included) and its block table. A speculating request gives one one-token query per position; the
-    backend writes the whole step's K/V before any query attends, so each sees the drafts before it."""
-    query_lens, seq_lens, block_tables = [], [], []
+    included) and its block table; and the branch slots (`build_metadata`). A speculating request gives one
+    one-token query per position; the backend writes the whole step's K/V before any query attends, so each
+    sees the drafts before it. Its alternatives come after the drafts: each takes the slot past them that the
+    scheduler allocated for it, stands at the first draft's position and sees the keys before that."""
+    query_lens, seq_lens, block_tables, branch_slots = [], [], [], {}
     for item in scheduled:
-        start, block_ids = item.request.num_computed_tokens, item.request.block_ids
-        lengths = [1] * item.num_tokens if item.draft_token_ids else [item.num_tokens]
-        for length in lengths:
-            start += length
+        end, block_ids = item.request.num_computed_tokens, item.request.block_ids
+        first_draft_position = end + 1
+        num_chain = item.num_tokens - len(item.alternative_token_ids)
+        for length in [1] * num_chain if item.draft_token_ids else [num_chain]:
+            end += length
             query_lens.append(length)
-            seq_lens.append(start)
+            seq_lens.append(end)
             block_tables.append(block_ids)
-    return query_lens, seq_lens, block_tables
+        for index in range(len(item.alternative_token_ids)):
+            branch_slots[len(query_lens)] = _slot(block_ids, end + index, block_size)
+            query_lens.append(1)
+            seq_lens.append(first_draft_position + 1)
+            block_tables.append(block_ids)
+    return query_lens, seq_lens, block_tables, branch_slots
+
+
+def _slot(block_ids: list[int], position: int, block_size: int) -> int:
+    return block_ids[position // block_size] * block_size + position % block_size
 
 
 def _sampling_indices(scheduled: list[ScheduledRequest]) -> list[int]:

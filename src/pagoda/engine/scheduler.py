@@ -21,7 +21,7 @@ from pagoda.config import SchedulerConfig
 from pagoda.engine.kv_cache import KVCacheManager
 from pagoda.engine.queues import make_waiting_queue
 from pagoda.engine.request import FinishReason, Request, RequestStatus
-from pagoda.engine.speculative import DraftSource, SpecDecodeCounters, accept_drafts
+from pagoda.engine.speculative import Draft, DraftSource, SpecDecodeCounters, accepted_rows
 from pagoda.engine.step_budget import LinearStepCost, StepCostModel, prefill_token_cap
 
 # vLLM's buckets for vllm:iteration_tokens_total (tokens computed per engine step).
@@ -34,10 +34,12 @@ class ScheduledRequest:
     num_tokens: int  # tokens to compute this step, starting at request.num_computed_tokens; drafts included
     # Guessed tokens computed after the known ones (a decode only): the target samples at each of them too.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Other guesses at the first draft's position, computed after the drafts, each on a branch of its own.
+    alternative_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_known_tokens(self) -> int:
-        return self.num_tokens - len(self.draft_token_ids)
+        return self.num_tokens - len(self.draft_token_ids) - len(self.alternative_token_ids)
 
     @property
     def samples(self) -> bool:
@@ -50,12 +52,21 @@ class ScheduledRequest:
 
     @property
     def num_samples(self) -> int:
-        """Positions sampled this step: the one after the known tokens, and one after each draft."""
-        return 1 + len(self.draft_token_ids) if self.samples else 0
+        """Rows sampled this step: the one after the known tokens, and one after each draft and alternative."""
+        return 1 + len(self.draft_token_ids) + len(self.alternative_token_ids) if self.samples else 0
 
     def input_token_ids(self) -> list[int]:
         start = self.request.num_computed_tokens
-        return self.request.all_token_ids[start : start + self.num_known_tokens] + self.draft_token_ids
+        known = self.request.all_token_ids[start : start + self.num_known_tokens]
+        return known + self.draft_token_ids + self.alternative_token_ids
+
+    def kept_rows(self, sampled: Sequence[int]) -> list[int]:
+        """Which of the step's sampled rows (one per `num_samples`) give the tokens it keeps, in order."""
+        return accepted_rows(self.draft_token_ids, self.alternative_token_ids, sampled)
+
+    def kept(self, sampled: Sequence[int]) -> list[int]:
+        """The tokens the step keeps, given the token sampled at each row."""
+        return [sampled[row] for row in self.kept_rows(sampled)]
 
 
 @dataclass
@@ -151,17 +162,20 @@ class Scheduler:
         """The wall time a scheduled step took, schedule to outputs: what the step-time target is about."""
         self.step_cost.observe(output.num_batched_tokens, seconds)
 
-    def _schedule_drafts(self, output: SchedulerOutput, budget: int, drafts: Mapping[str, Sequence[int]]) -> int:
+    def _schedule_drafts(self, output: SchedulerOutput, budget: int, drafts: Mapping[str, Draft]) -> int:
         """Adds drafts to the step's decodes from the budget and the free blocks the running requests left."""
         for item in output.scheduled:
-            draft = list(drafts.get(item.request.request_id, ()))[:budget]
-            if not draft or not item.is_decode:
+            draft = drafts.get(item.request.request_id)
+            if draft is None or not item.is_decode:
                 continue
-            if self.kv_cache.allocate_slots(item.request, item.num_tokens + len(draft)) is None:
-                continue  # no free block for the drafts: decode without them
-            item.num_tokens += len(draft)
-            item.draft_token_ids = draft
-            budget -= len(draft)
+            tokens = draft.token_ids[:budget]
+            alternatives = draft.alternatives[: budget - len(tokens)] if tokens else []
+            num_guesses = len(tokens) + len(alternatives)
+            if not tokens or self.kv_cache.allocate_slots(item.request, item.num_tokens + num_guesses) is None:
+                continue  # no budget, or no free block for the drafts: decode without them
+            item.num_tokens += num_guesses
+            item.draft_token_ids, item.alternative_token_ids = tokens, alternatives
+            budget -= num_guesses
         return budget
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, prefill: PrefillAllowance) -> int:
@@ -249,8 +263,8 @@ class Scheduler:
     def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[tuple[Request, int]]:
         """Advances computed counts, appends sampled tokens, finishes requests that stop.
 
-        sampled: by request id, for each request that samples, the tokens sampled at each of its
-        1 + len(drafts) positions (one token without drafts). Returns the
+        sampled: by request id, for each request that samples, the token sampled at each of its rows
+        (`ScheduledRequest.num_samples`; one without drafts). Returns the
         requests that got new tokens this step (finished ones included), each with how many.
         """
         advanced = []
@@ -262,7 +276,7 @@ class Scheduler:
                 request.num_computed_tokens += item.num_tokens
                 self.kv_cache.cache_full_blocks(request)
                 continue
-            kept = accept_drafts(item.draft_token_ids, token_ids)
+            kept = item.kept(token_ids)
             if item.draft_token_ids:
                 self.spec_decode.record(len(item.draft_token_ids), len(kept) - 1)
             reason, num_new = self._append(request, kept)

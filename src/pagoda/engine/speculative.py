@@ -28,18 +28,28 @@ from pagoda.engine.request import Request
 from pagoda.structured.interface import GrammarStateError
 
 
+@dataclass(frozen=True)
+class Draft:
+    """One request's guesses for a step: a chain (each token guessed after the ones before it) and
+    alternatives to the chain's first token, each checked on its own row beside the chain, as a one-token
+    branch (a greedy request's draft model gives them: first_token_candidates)."""
+
+    token_ids: list[int]
+    alternatives: list[int] = field(default_factory=list)
+
+
 class Proposer(Protocol):
     """Guesses the next tokens of requests that may speculate (decoding, in the running batch)."""
 
-    def propose(self, requests: Sequence[Request]) -> list[list[int]]:
-        """Draft token ids for each request, in order: at most num_speculative_tokens each, maybe none."""
+    def propose(self, requests: Sequence[Request]) -> list[Draft]:
+        """A draft for each request, in order: at most num_speculative_tokens tokens each, maybe none."""
         ...
 
 
 class DraftSource(Protocol):
     """What the scheduler asks for drafts each step (the Speculator)."""
 
-    def drafts(self, running: Sequence[Request]) -> dict[str, list[int]]:
+    def drafts(self, running: Sequence[Request]) -> dict[str, Draft]:
         """Drafts by request id for running requests whose next step is a decode (others: ignored)."""
         ...
 
@@ -90,9 +100,9 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, requests: Sequence[Request]) -> list[list[int]]:
+    def propose(self, requests: Sequence[Request]) -> list[Draft]:
         return [
-            ngram_lookup(r.all_token_ids, self.min_n, self.max_n, draft_room(r, self.k)) for r in requests
+            Draft(ngram_lookup(r.all_token_ids, self.min_n, self.max_n, draft_room(r, self.k))) for r in requests
         ]
 
 
@@ -116,6 +126,17 @@ def accept_drafts(drafts: Sequence[int], sampled: Sequence[int]) -> list[int]:
             return kept
     kept.append(sampled[len(drafts)])
     return kept
+
+
+def accepted_rows(drafts: Sequence[int], alternatives: Sequence[int], sampled: Sequence[int]) -> list[int]:
+    """The rows whose tokens a speculative step keeps, in order. Rows: the last known token, each draft,
+    then each alternative to the first draft (sampled[1 + len(drafts) + j]: the target's token after
+    alternative j). The chain's run as `accept_drafts` keeps it; when the chain's first draft is rejected
+    but an alternative equals the target's token there, that alternative and the target's token after it."""
+    num_kept = len(accept_drafts(drafts, sampled))
+    if num_kept == 1 and sampled[0] in alternatives:
+        return [0, 1 + len(drafts) + list(alternatives).index(sampled[0])]
+    return list(range(num_kept))
 
 
 @dataclass(frozen=True)
@@ -154,20 +175,22 @@ class Speculator:
         self.config = config
         self.proposer = proposer if proposer is not None else build_proposer(config)
 
-    def drafts(self, running: Sequence[Request]) -> dict[str, list[int]]:
+    def drafts(self, running: Sequence[Request]) -> dict[str, Draft]:
         """Drafts by request id, for requests whose next step is a decode. None while more requests than
-        disable_by_batch_size are running. A constrained request's drafts stop where its grammar refuses."""
+        disable_by_batch_size are running. A constrained request's drafts stop where its grammar refuses;
+        alternatives go only with a chain, and never to a constrained request."""
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return {}
         decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
         result = {}
         for request, proposed in zip(decoding, self.proposer.propose(decoding)):
-            draft = list(proposed[: draft_room(request, self.config.num_speculative_tokens)])
-            if draft and request.grammar is not None:
-                draft = draft[: _num_valid(request, draft)]
-            if draft:
-                result[request.request_id] = draft
+            tokens = list(proposed.token_ids[: draft_room(request, self.config.num_speculative_tokens)])
+            alternatives = [t for t in proposed.alternatives if tokens and t != tokens[0]]
+            if tokens and request.grammar is not None:
+                tokens, alternatives = tokens[: _num_valid(request, tokens)], []
+            if tokens:
+                result[request.request_id] = Draft(tokens, alternatives)
         return result
 
 

@@ -77,14 +77,21 @@ def build_metadata(
     block_tables: list[list[int]],
     block_size: int,
     windows: set[int | None],
+    branch_slots: dict[int, int] | None = None,
 ) -> AttentionMetadata:
     """Flat-batch metadata for one step, in a fixed number of tensor ops (Python loops only over the
-    step's prefills). seq_lens include this step's tokens."""
+    step's prefills and branches). seq_lens include this step's tokens. branch_slots: query index -> the
+    slot of a one-token query whose token is not at its position's slot in the block table (an alternative
+    guess beside a chain of drafts at the same position): its K/V goes there, and it attends to the keys
+    before its position and to that slot alone."""
     num_seqs, max_blocks = len(query_lens), max(len(table) for table in block_tables)
     table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
     query_lens_t, seq_lens_t = torch.tensor(query_lens), torch.tensor(seq_lens)
     key_pos = torch.arange(max(seq_lens))
     all_slots = table[:, key_pos // block_size] * block_size + key_pos % block_size  # [num_seqs, max_len]
+    for query, slot in (branch_slots or {}).items():
+        assert query_lens[query] == 1, "a branch is a one-token query"
+        all_slots[query, seq_lens[query] - 1] = slot
 
     query_starts = torch.cumsum(query_lens_t, 0) - query_lens_t
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)
