@@ -135,7 +135,8 @@ def row(section: str, workload: str, method: str, k: int | None, base: Run, spec
                       mean_accepted_length=round(1 + sum(spec.accepted_per_position) / max(spec.num_drafts, 1), 3),
                       accepted_per_position=list(spec.accepted_per_position), num_drafts=spec.num_drafts)
     result.update(extra)
-    log(f"{section} {workload:>8} {method:>11} k={k} batch={batch_size}: "
+    candidates = f" c={extra['first_token_candidates']}" if extra.get("first_token_candidates") else ""
+    log(f"{section} {workload:>8} {method:>11} k={k}{candidates} batch={batch_size}: "
         + ", ".join(f"{key} {value}" for key, value in result.items() if key in ("speedup", "acceptance",
                                                                                "baseline_tokens_per_s", "predicted")))
     return result
@@ -177,17 +178,22 @@ def section_b_and_c(args, ks: list[int], model: Path) -> list[dict]:
     log(f"draft step / target step at batch 1: {draft_cost:.3f}")
     rows = []
     for k in ks:
-        spec_llm = engine(model, {**draft, "num_speculative_tokens": k}, num_kv_blocks=256)
-        base, spec = compare(target, spec_llm, prompts, params, args.repeats)
-        alpha = spec.acceptance or 0.0
-        # k draft forwards a step: one over the step's kept tokens (which samples the first draft), k - 1 more.
-        predicted = spec_speedup(alpha, k, draft_cost)
-        rows.append(row("b", "bench", "draft_model", k, base, spec, draft_cost=round(draft_cost, 3),
-                        predicted=round(predicted, 3)))
-    best_k = max(rows, key=lambda r: r["speedup"])["k"]  # the k one would deploy for this draft
-    spec_llm = engine(model, {**draft, "num_speculative_tokens": best_k}, num_kv_blocks=256)
-    rows.append(row("c", "bench-random", "draft_model", best_k,
-                    *compare(target, spec_llm, random_prompts, params, args.repeats)))
+        for candidates in args.candidates:
+            options = {"num_speculative_tokens": k, "first_token_candidates": candidates}
+            spec_llm = engine(model, {**draft, **options}, num_kv_blocks=256)
+            base, spec = compare(target, spec_llm, prompts, params, args.repeats)
+            alpha = spec.acceptance or 0.0
+            # k draft forwards a step: one over the step's kept tokens (which samples the first draft), k - 1
+            # more. Alternatives add rows to the target's step, not forwards; a kept one counts as accepted.
+            predicted = spec_speedup(alpha, k, draft_cost)
+            rows.append(row("b", "bench", "draft_model", k, base, spec, draft_cost=round(draft_cost, 3),
+                            predicted=round(predicted, 3), first_token_candidates=candidates))
+    best = max(rows, key=lambda r: r["speedup"])  # the settings one would deploy for this draft
+    options = {"num_speculative_tokens": best["k"], "first_token_candidates": best["first_token_candidates"]}
+    spec_llm = engine(model, {**draft, **options}, num_kv_blocks=256)
+    rows.append(row("c", "bench-random", "draft_model", best["k"],
+                    *compare(target, spec_llm, random_prompts, params, args.repeats),
+                    first_token_candidates=best["first_token_candidates"]))
     return rows
 
 
@@ -212,11 +218,12 @@ def section_d(args, k: int) -> list[dict]:
 
 
 def print_table(rows: list[dict]) -> None:
-    header = f"{'':2} {'workload':>12} {'method':>11} {'k':>2} {'batch':>5} {'base tok/s':>10} {'spec tok/s':>10} " \
-             f"{'speedup':>7} {'accept':>6} {'len':>5} {'pred':>5}"
+    header = f"{'':2} {'workload':>12} {'method':>11} {'k':>2} {'c':>2} {'batch':>5} {'base tok/s':>10} " \
+             f"{'spec tok/s':>10} {'speedup':>7} {'accept':>6} {'len':>5} {'pred':>5}"
     print(header)
     for r in rows:
-        print(f"{r['section']:2} {r['workload']:>12} {r['method']:>11} {r['k']:>2} {r['batch_size']:>5} "
+        print(f"{r['section']:2} {r['workload']:>12} {r['method']:>11} {r['k']:>2} "
+              f"{r.get('first_token_candidates') or '':>2} {r['batch_size']:>5} "
               f"{r['baseline_tokens_per_s']:>10.1f} {r.get('tokens_per_s', 0):>10.1f} {r.get('speedup', 0):>7.2f} "
               f"{r.get('acceptance') or 0:>6.2f} {r.get('mean_accepted_length', 0):>5.2f} "
               f"{r.get('predicted', 0):>5.2f}")
@@ -236,6 +243,8 @@ def main() -> None:
                         help="section b's draft activations (default: bfloat16 for int8, float32 for int4)")
     parser.add_argument("--draft-quantization", choices=sorted(DRAFT_DTYPES), default="int8",
                         help="section b's draft: the bench model's own copy in this quantization")
+    parser.add_argument("--candidates", type=int, nargs="+", default=[1],
+                        help="section b: first_token_candidates values, each run at every k")
     parser.add_argument("--sections", default="abcd")
     args = parser.parse_args()
     if args.quick:

@@ -2,9 +2,10 @@
 
 Owns the paged KV cache tensors. Logits are computed only for rows that sample: the last token of a
 prefill chunk that reaches the end of the prompt, every decode, and a speculating request's last known
-token and each of its drafts. A speculating request's tokens attend as that many one-token decodes, each
-seeing the keys up to its own position: every position is then computed exactly as decoding computes it
-(same path, same rounding, in every dtype), and a decode-only step stays one for the native decode stack.
+token and each of its drafts and alternatives. A speculating request's tokens attend as that many one-token
+decodes, each seeing the keys up to its own position (an alternative: the keys before its position and its
+own branch slot): every position is then computed exactly as decoding computes it (same path, same
+rounding, in every dtype), and a decode-only step stays one for the native decode stack.
 
 With a draft model (engine/draft_model.py), the draft runs over the tokens each step kept, after the target
 sampled, so that its KV cache holds the same tokens at the same slots (and its logits give the next step's

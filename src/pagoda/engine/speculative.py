@@ -7,6 +7,10 @@ token there equals it, and ends the run with the target's token at the first mis
 matches, the bonus token after the last draft). The kept tokens are the tokens decoding one at a time
 gives, whatever the drafts were: speculation changes how many tokens a step yields, never which.
 
+A draft may also carry alternatives to its first token (`Draft`), each checked on a branch of its own
+beside the chain; `accepted_rows` keeps one when the chain's first draft is wrong and it is the target's
+token there, and the target's token after it.
+
 That is the rule for greedy rows and for n-gram drafts. A model draft on a sampled row is checked by
 rejection sampling instead (engine/sampler.py): the row's token is the draft, kept with probability
 min(1, p/q), or a draw from normalise(max(0, p - q)), which differs from the draft; `accept_drafts` then
