@@ -3,7 +3,7 @@
 // At decode time each weight is read once per step and used for only a few rows, so the step is
 // bound by memory bandwidth. Stock torch streams bf16 and int8 weights at a fraction of the fp32
 // rate; these kernels read them at full speed: one pass over W, rows of W split across threads with
-// at::parallel_for; one row of x walks several runs of W at once (gemv_one_row), more rows go a group
+// at::parallel_for; up to 3 rows of x walk several runs of W at once (gemv_streamed), more go a group
 // at a time (block_float, block_int8).
 //   fp32 W: fp32 FMAs (torch's fp32 GEMV streams at ~0.4-0.6 of the bandwidth floor on these shapes).
 //   bf16 W: x rounded to bf16, _mm512_dpbf16_ps (32 products per instruction, fp32 accumulation).
@@ -37,50 +37,70 @@ inline void prefetch_into_l2(const void* p, int bytes) {
   for (int offset = 0; offset < bytes; offset += 64) pagoda::prefetch_line_into_l2(static_cast<const char*>(p) + offset);
 }
 
-// The batch-1 GEMV's pattern (gemv_one_row): kStreams runs of rows, each prefetched this far ahead.
+// The streamed GEMV's pattern (gemv_streamed): kStreams runs of rows, each prefetched this far ahead.
 constexpr int kStreams = 4;
 constexpr int64_t kPrefetchBytes = 2048;
 
-// S weight rows (the first at `rows`, then every `stride` elements) against one row of x, walked side by
-// side: sums[s] = row s . x. The row is summed block by block (Dot::block(K) elements: the whole row for
-// float weights; int8 sums integers over short blocks, each then scaled by its block of x).
-template <typename Dot, int S>
-void dot_rows(const typename Dot::X* x, const float* x_scales, const typename Dot::W* rows, int64_t stride,
-              int64_t K, float* sums, int64_t sums_stride) {
+// S weight rows (the first at `rows`, then every `stride` elements) against M rows of x (K apart), walked
+// side by side: y[m * N + s * run] = weight row s . row m of x. A row is summed block by block (Dot::block(K)
+// elements: the whole row for float weights; int8 sums integers over short blocks, each then scaled by its
+// block of x: row m's scales start at x_scales + m * blocks_per_row).
+template <typename Dot, int S, int M>
+void dot_rows(const typename Dot::X* x, const float* x_scales, int64_t blocks_per_row, const typename Dot::W* rows,
+              int64_t stride, int64_t K, float* y, int64_t N, int64_t run) {
   using W = typename Dot::W;
   constexpr int64_t kElementsPerLine = 64 / sizeof(W), kPrefetchElements = kPrefetchBytes / sizeof(W);
   const int64_t block = Dot::block(K);
-  __m512 total[S];
-  for (int s = 0; s < S; ++s) total[s] = _mm512_setzero_ps();
+  __m512 total[S * M];
+  for (int i = 0; i < S * M; ++i) total[i] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += block) {
-    typename Dot::Sum partial[S];
-    for (int s = 0; s < S; ++s) partial[s] = Dot::zero();
+    typename Dot::Sum partial[S * M];
+    for (int i = 0; i < S * M; ++i) partial[i] = Dot::zero();
     for (int64_t k = k0; k < std::min(K, k0 + block); k += Dot::kStep) {
-      const auto xv = Dot::load_x(x + k);
       if (Dot::kPrefetch && k % kElementsPerLine == 0) {
         for (int s = 0; s < S; ++s) prefetch_into_l2(rows + s * stride + k + kPrefetchElements, 64);
       }
-      for (int s = 0; s < S; ++s) partial[s] = Dot::dot(partial[s], Dot::load_w(rows + s * stride + k), xv);
+      decltype(Dot::load_w(rows)) wv[S];
+      for (int s = 0; s < S; ++s) {
+        wv[s] = Dot::load_w(rows + s * stride + k);
+        if constexpr (M > 1) asm("" : "+v"(wv[s]));  // one load for the M rows (GCC would fold one into each)
+      }
+      for (int m = 0; m < M; ++m) {
+        const auto xv = Dot::load_x(x + m * K + k);
+        for (int s = 0; s < S; ++s) partial[s * M + m] = Dot::dot(partial[s * M + m], wv[s], xv);
+      }
     }
-    for (int s = 0; s < S; ++s) total[s] = Dot::accumulate(total[s], partial[s], x_scales, k0 / block);
+    for (int s = 0; s < S; ++s)
+      for (int m = 0; m < M; ++m)
+        total[s * M + m] = Dot::accumulate(total[s * M + m], partial[s * M + m], x_scales + m * blocks_per_row,
+                                           k0 / block);
   }
-  for (int s = 0; s < S; ++s) sums[s * sums_stride] = _mm512_reduce_add_ps(total[s]);
+  for (int s = 0; s < S; ++s)
+    for (int m = 0; m < M; ++m) y[m * N + s * run] = _mm512_reduce_add_ps(total[s * M + m]);
 }
 
-// One row of x (batch-1 decode): pure streaming, where memory-level parallelism is the whole game. The
-// thread's channels are split into kStreams contiguous runs walked side by side, so one load of x
-// serves kStreams weight rows and the core keeps kStreams long sequential streams in flight, each also
-// prefetched kPrefetchBytes ahead into L2. Walking the rows one at a time, bench-1b's fp32 linears
-// streamed at ~0.8 of the best streaming read when the host gave ~55 GB/s (0.68 for the 22 KB rows of
-// down_proj, where x no longer stays in L1); 4 runs: ~0.95; with the prefetch: ~1.0. (1, 2, 6 or 8
-// runs, and prefetching 4 KB ahead, measured slower.)
-template <typename Dot>
-void gemv_one_row(const typename Dot::X* x, const float* x_scales, const typename Dot::W* w, float* y, int64_t K,
-                  int64_t N) {
+// Up to kStreamedRows rows of x (batch-1 decode, a speculative step's few rows): pure streaming, where
+// memory-level parallelism is the whole game. The thread's channels are split into kStreams contiguous
+// runs walked side by side, so one load of x serves kStreams weight rows and the core keeps kStreams long
+// sequential streams in flight, each also prefetched kPrefetchBytes ahead into L2; every weight vector
+// serves the M rows of x. Walking the rows one at a time, bench-1b's fp32 linears streamed at ~0.8 of the
+// best streaming read when the host gave ~55 GB/s (0.68 for the 22 KB rows of down_proj, where x no longer
+// stays in L1); 4 runs: ~0.95; with the prefetch: ~1.0. (1, 2, 6 or 8 runs, and prefetching 4 KB ahead,
+// measured slower.) At 2-3 rows this streamed bench-1b's linears 3-9% faster than the blocked form
+// (block_float); at 4 it was even, and from 5 slower (4 runs of M rows no longer fit the registers).
+constexpr int kStreamedRows = 3;
+
+template <typename Dot, int M>
+void gemv_streamed(const typename Dot::X* x, const float* x_scales, int64_t blocks_per_row, const typename Dot::W* w,
+                   float* y, int64_t K, int64_t N) {
   at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
     const int64_t run = (end - begin) / kStreams;
-    for (int64_t n = begin; n < begin + run; ++n) dot_rows<Dot, kStreams>(x, x_scales, w + n * K, run * K, K, y + n, run);
-    for (int64_t n = begin + kStreams * run; n < end; ++n) dot_rows<Dot, 1>(x, x_scales, w + n * K, 0, K, y + n, 0);
+    for (int64_t n = begin; n < begin + run; ++n) {
+      dot_rows<Dot, kStreams, M>(x, x_scales, blocks_per_row, w + n * K, run * K, K, y + n, N, run);
+    }
+    for (int64_t n = begin + kStreams * run; n < end; ++n) {
+      dot_rows<Dot, 1, M>(x, x_scales, blocks_per_row, w + n * K, 0, K, y + n, N, 0);
+    }
   });
 }
 
@@ -313,8 +333,11 @@ torch::Tensor run_gemv(const torch::Tensor& x, const torch::Tensor& w, at::Scala
   auto xc = x.to(x_type).contiguous();
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
   auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  if (M == 1) {
-    gemv_one_row<Dot>(xc.data_ptr<X>(), nullptr, w.data_ptr<W>(), y.data_ptr<float>(), K, N);
+  if (M <= kStreamedRows) {
+    dispatch_rows<kStreamedRows>(M, [&](auto rows) {
+      gemv_streamed<Dot, decltype(rows)::value>(xc.data_ptr<X>(), nullptr, 0, w.data_ptr<W>(), y.data_ptr<float>(), K,
+                                                N);
+    });
   } else {
     gemv<Dot>(xc.data_ptr<X>(), w.data_ptr<W>(), y.data_ptr<float>(), M, K, N);
   }
@@ -346,9 +369,11 @@ torch::Tensor gemv_int8_rows(const torch::Tensor& x, const torch::Tensor& w) {
     }
   }
   const int8_t* wp = w.data_ptr<int8_t>();
-  if (M == 1) {
-    auto y = torch::empty({1, N}, x.options().dtype(at::kFloat));
-    gemv_one_row<Int8Dot>(qp, sp, wp, y.data_ptr<float>(), K, N);
+  if (M <= kStreamedRows) {
+    auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
+    dispatch_rows<kStreamedRows>(M, [&](auto rows) {
+      gemv_streamed<Int8Dot, decltype(rows)::value>(qp, sp, blocks, wp, y.data_ptr<float>(), K, N);
+    });
     return y;
   }
   auto y = torch::zeros({M, N}, x.options().dtype(at::kFloat));
