@@ -25,7 +25,7 @@ import torch
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.engine.structured import StructuredOutputs
-from pagoda.model.attention import build_metadata
+from pagoda.model.attention import build_metadata, slot_of
 from pagoda.model.llama import LlamaModel
 
 # A chunk of one request's prompt logprobs: (index of the first prompt position covered, logprobs of the
@@ -119,8 +119,8 @@ class ModelRunner:
         if len(rows) < 2 or rows[1] == 1:
             return  # the chain's own run
         request, first = item.request, item.request.num_computed_tokens
-        source = _slot(request.block_ids, first + rows[1], self.block_size)
-        target = _slot(request.block_ids, first + 1, self.block_size)
+        source = slot_of(request.block_ids, first + rows[1], self.block_size)
+        target = slot_of(request.block_ids, first + 1, self.block_size)
         for k_cache, v_cache in self.kv_caches:
             k_cache[target] = k_cache[source]
             v_cache[target] = v_cache[source]
@@ -197,15 +197,11 @@ def _attention_layout(
             seq_lens.append(end)
             block_tables.append(block_ids)
         for index in range(len(item.alternative_token_ids)):
-            branch_slots[len(query_lens)] = _slot(block_ids, end + index, block_size)
+            branch_slots[len(query_lens)] = slot_of(block_ids, end + index, block_size)
             query_lens.append(1)
             seq_lens.append(first_draft_position + 1)
             block_tables.append(block_ids)
     return query_lens, seq_lens, block_tables, branch_slots
-
-
-def _slot(block_ids: list[int], position: int, block_size: int) -> int:
-    return block_ids[position // block_size] * block_size + position % block_size
 
 
 def _sampling_indices(scheduled: list[ScheduledRequest]) -> list[int]:

@@ -71,6 +71,11 @@ def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int | N
     return mask
 
 
+def slot_of(block_ids: list[int], position: int, block_size: int) -> int:
+    """The cache slot of a sequence's position through its block table (build_metadata does all at once)."""
+    return block_ids[position // block_size] * block_size + position % block_size
+
+
 def build_metadata(
     query_lens: list[int],
     seq_lens: list[int],
