@@ -464,8 +464,8 @@ def test_served_with_a_draft_model(tmp_path, make_llm):
 def test_draft_model_config_is_the_same_from_every_surface(target_dir):
     from test_config_surfaces import spec_from_every_surface
 
-    options = draft_spec(target_dir, 3, quantization="int8", dtype="bfloat16")
+    options = draft_spec(target_dir, 3, quantization="int8", dtype="bfloat16", first_token_candidates=3)
     for config in spec_from_every_surface(options):
         assert config == SpeculativeConfig(method="draft_model", num_speculative_tokens=3, model=str(target_dir),
-                                           quantization="int8", dtype="bfloat16")
+                                           quantization="int8", dtype="bfloat16", first_token_candidates=3)
         assert config.prompt_lookup_min is None and config.prompt_lookup_max is None
