@@ -441,12 +441,15 @@ def test_rejection_sampling_rows_against_known_distributions():
 
 
 def test_served_with_a_draft_model(tmp_path, make_llm):
-    """`pagoda serve --speculative-config` with a draft: same text as offline without, acceptance in /metrics."""
+    """`pagoda serve --speculative-config` with a draft (its own int4 copy, 4 first-token candidates, so that
+    steps reject, keep alternatives and roll back): same text as offline without, streamed or not, and
+    acceptance in /metrics."""
     from server_fixtures import make_server_checkpoint, start_server
 
     model_dir = make_server_checkpoint(tmp_path / "model")
+    spec = draft_spec(model_dir, 3, quantization="int4", first_token_candidates=4)
     server = start_server(model_dir, tmp_path, "--num-kv-blocks", "128", "--block-size", "4",
-                          "--speculative-config", json.dumps(draft_spec(model_dir, 3)), served_model_name="m")
+                          "--speculative-config", json.dumps(spec), served_model_name="m")
     try:
         with server.client() as client:
             request = {"model": "m", "prompt": REPEATING[0], "max_tokens": 20, "temperature": 0.0}
@@ -456,7 +459,8 @@ def test_served_with_a_draft_model(tmp_path, make_llm):
         expected = generate(make_llm(model_dir), [REPEATING[0]], SamplingParams(temperature=0.0, max_tokens=20))
         assert whole.choices[0].text == expected[0].outputs[0].text
         metrics = server.wait_until_idle()
-        assert metrics.value("vllm:spec_decode_num_accepted_tokens_total") > 0
+        accepted = metrics.value("vllm:spec_decode_num_accepted_tokens_total")
+        assert 0 < accepted < metrics.value("vllm:spec_decode_num_draft_tokens_total")
     finally:
         server.stop()
 
