@@ -282,11 +282,12 @@ def test_constrained_requests_draft_within_their_grammar(make_llm, target_dir, d
     assert spec_stats(llm).num_accepted_tokens > 0
 
 
-def test_seeded_sampling_is_a_function_of_seed_and_position(make_llm, target_dir, drafts):
+@pytest.mark.parametrize("draft", ["int8-self", "int4-branches"])
+def test_seeded_sampling_is_a_function_of_seed_and_position(make_llm, target_dir, drafts, draft):
     """The same seeded request gives the same tokens alone and in a batch, and in another engine."""
     params = [SamplingParams(temperature=0.8, top_p=0.9, seed=seed, max_tokens=20, ignore_eos=True) for seed in (1, 2)]
-    batch = generate(with_draft(make_llm, target_dir, drafts["int8-self"], 3), PROMPTS[:2], params)
-    alone = generate(with_draft(make_llm, target_dir, drafts["int8-self"], 3), PROMPTS[:1], params[:1])
+    batch = generate(with_draft(make_llm, target_dir, drafts[draft], 3), PROMPTS[:2], params)
+    alone = generate(with_draft(make_llm, target_dir, drafts[draft], 3), PROMPTS[:1], params[:1])
     assert alone[0].outputs[0].token_ids == batch[0].outputs[0].token_ids
 
 
@@ -391,15 +392,26 @@ class DraftSpy:
         return drafts
 
 
-def test_sampled_output_follows_the_targets_distribution(make_llm, target_dir, checkpoint):
+@pytest.mark.parametrize("candidates", [1, 3])
+def test_sampled_output_follows_the_targets_distribution(make_llm, target_dir, checkpoint, monkeypatch, candidates):
     """The second output token is the first one checked against a draft (k = 1; the first comes from the
     prefill). Over NUM_SAMPLES seeds, the (first, second) pairs must follow p(first) * p(second | first),
     transformers' top-8 softmax. The draft (the target's weights at half the scale) agrees with the
-    target about 30% of the time, so both acceptance and the residual draw matter; the naive rule fails."""
+    target about 30% of the time, so both acceptance and the residual draw matter; the naive rule fails.
+    With 3 first-token candidates, some residual draws are alternatives, kept with the token after them."""
+    kept_alternatives = []
+    kept_rows = ScheduledRequest.kept_rows
+
+    def spy_rows(self, sampled):
+        rows = kept_rows(self, sampled)
+        kept_alternatives.append(len(rows) == 2 and rows[1] > len(self.draft_token_ids))
+        return rows
+
+    monkeypatch.setattr(ScheduledRequest, "kept_rows", spy_rows)
     draft_dir = checkpoint(ARCH, init_std=0.1)
     prompt = [0, 40, 41, 42, 43, 44, 45]
     llm = make_llm(target_dir, num_kv_blocks=1024, max_num_seqs=256,
-                   speculative_config=draft_spec(draft_dir, 1))
+                   speculative_config=draft_spec(draft_dir, 1, first_token_candidates=candidates))
     spy = DraftSpy(llm.engine.speculator.proposer)
     llm.engine.speculator.proposer = spy
     params = [SamplingParams(temperature=1.0, top_k=TOP_K, seed=seed, max_tokens=3, ignore_eos=True)
@@ -421,6 +433,7 @@ def test_sampled_output_follows_the_targets_distribution(make_llm, target_dir, c
     assert 0.1 * NUM_SAMPLES < stats.num_accepted_tokens < 0.9 * NUM_SAMPLES  # both branches taken
     naive_statistic, naive_p = chi_square(naive, expected, NUM_SAMPLES)
     assert naive_p < 1e-30 and naive_statistic > 10 * statistic
+    assert any(kept_alternatives) == (candidates > 1)
 
 
 def test_rejection_sampling_rows_against_known_distributions():

@@ -140,7 +140,7 @@ class SpeculativeConfig:
     one is given the other takes its value, and when neither is, both are 5.
     model, quantization, dtype ("draft_model" only): the draft checkpoint, which must share the target's
     vocabulary, its own weight quantization (None: unquantized) and its dtype (None: the target's).
-    first_token_candidates ("draft_model" only, a pagoda extension): a greedy request's first draft position
+    first_token_candidates ("draft_model" only, a pagoda extension): a request's first draft position
     is checked with this many of the draft's likeliest tokens (None: 1, the draft's own choice alone).
     disable_by_batch_size: no drafts in a step that starts with more running requests than this.
     """

@@ -261,11 +261,13 @@ class DraftModelProposer:
         return first_drafts
 
     def _alternatives(self, request: Request, logits: torch.Tensor, token_id: int) -> list[int]:
-        """The draft's likeliest tokens after `token_id` at a first draft's position, up to
-        first_token_candidates in all. Greedy, unconstrained requests only: a kept alternative is the target's
-        own argmax there, exactly; a sampled row's distribution would need a rule for several drafts at one
-        position, and a grammar's mask is not at hand."""
-        if self.num_candidates == 1 or request.params.temperature >= GREEDY_EPS or request.grammar is not None:
+        """The draft's likeliest tokens other than `token_id` at a first draft's position, up to
+        first_token_candidates in all. An alternative is kept only where it equals the token the target's
+        row there gives anyway (its argmax, or what rejection sampling of the first draft gives), and the
+        alternatives depend only on the context and the draft's own draw, never on the target's randomness:
+        so the row after a kept one samples the target's distribution given it, as decoding would.
+        Unconstrained requests only: a grammar's mask is not at hand here."""
+        if self.num_candidates == 1 or request.grammar is not None:
             return []
         top = logits.topk(self.num_candidates).indices.tolist()
         return [t for t in top if t != token_id][: self.num_candidates - 1]

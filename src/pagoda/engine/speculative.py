@@ -36,7 +36,7 @@ from pagoda.structured.interface import GrammarStateError
 class Draft:
     """One request's guesses for a step: a chain (each token guessed after the ones before it) and
     alternatives to the chain's first token, each checked on its own row beside the chain, as a one-token
-    branch (a greedy request's draft model gives them: first_token_candidates)."""
+    branch (a draft model gives them: first_token_candidates)."""
 
     token_ids: list[int]
     alternatives: list[int] = field(default_factory=list)
