@@ -87,6 +87,20 @@ def assert_accepts_everything(llm) -> None:
     assert stats.num_accepted_tokens == stats.num_draft_tokens
 
 
+def spy_kept_alternatives(monkeypatch) -> list[bool]:
+    """Per speculating step from now on: did it keep an alternative (rather than the chain's run)?"""
+    kept_alternatives: list[bool] = []
+    kept_rows = ScheduledRequest.kept_rows
+
+    def spy(self, sampled):
+        rows = kept_rows(self, sampled)
+        kept_alternatives.append(len(rows) == 2 and rows[1] > len(self.draft_token_ids))
+        return rows
+
+    monkeypatch.setattr(ScheduledRequest, "kept_rows", spy)
+    return kept_alternatives
+
+
 # --------------------------------------------------------------------------------------------------
 # Greedy: equal to decoding without speculation
 # --------------------------------------------------------------------------------------------------
@@ -135,15 +149,7 @@ def test_alternatives_save_steps_whose_first_draft_fails(make_llm, target_dir, d
     next likeliest tokens, each on a branch of its own: where the first draft is wrong and an alternative is
     right, the step keeps that alternative and the target's token after it (its K/V moved to the position's
     slot). The output is unchanged; more first positions are accepted than with the first draft alone."""
-    kept_branch = []
-    kept_rows = ScheduledRequest.kept_rows
-
-    def spy(self, sampled):
-        rows = kept_rows(self, sampled)
-        kept_branch.append(len(rows) == 2 and rows[1] > len(self.draft_token_ids))
-        return rows
-
-    monkeypatch.setattr(ScheduledRequest, "kept_rows", spy)
+    kept_branch = spy_kept_alternatives(monkeypatch)
     expected = generate(make_llm(target_dir), PROMPTS[:4], GREEDY)
     first_accepted = {}
     for draft in ("int4-self", "int4-branches"):
@@ -399,15 +405,7 @@ def test_sampled_output_follows_the_targets_distribution(make_llm, target_dir, c
     transformers' top-8 softmax. The draft (the target's weights at half the scale) agrees with the
     target about 30% of the time, so both acceptance and the residual draw matter; the naive rule fails.
     With 3 first-token candidates, some residual draws are alternatives, kept with the token after them."""
-    kept_alternatives = []
-    kept_rows = ScheduledRequest.kept_rows
-
-    def spy_rows(self, sampled):
-        rows = kept_rows(self, sampled)
-        kept_alternatives.append(len(rows) == 2 and rows[1] > len(self.draft_token_ids))
-        return rows
-
-    monkeypatch.setattr(ScheduledRequest, "kept_rows", spy_rows)
+    kept_alternatives = spy_kept_alternatives(monkeypatch)
     draft_dir = checkpoint(ARCH, init_std=0.1)
     prompt = [0, 40, 41, 42, 43, 44, 45]
     llm = make_llm(target_dir, num_kv_blocks=1024, max_num_seqs=256,

@@ -33,7 +33,7 @@ from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, 
 from pagoda.engine.scheduler import ScheduledRequest
 from pagoda.engine.speculative import Draft, draft_room
 from pagoda.engine.structured import StructuredOutputs
-from pagoda.model.attention import build_metadata
+from pagoda.model.attention import QueryLayout, build_metadata
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import ModelLoadError, load_model, load_model_config
 from pagoda.model.tokenizer import has_tokenizer, load_tokenizer
@@ -129,7 +129,7 @@ class _FirstDraft:
 
     token_id: int
     q: torch.Tensor | None  # the distribution it was drawn from (random requests)
-    alternatives: list[int]  # the draft's next likeliest tokens there (greedy requests)
+    alternatives: list[int]  # the draft's next likeliest tokens there (unconstrained requests)
 
 
 @dataclass
@@ -197,11 +197,12 @@ class DraftModelProposer:
     # --- the runner's side: the draft's KV follows the target's ------------------------------------
 
     @torch.inference_mode()
-    def follow(self, scheduled: Sequence[ScheduledRequest], sampled: Mapping[str, Sequence[int]]) -> None:
+    def follow(self, scheduled: Sequence[ScheduledRequest], kept: Mapping[str, Sequence[int]]) -> None:
         """The draft over what the target's step kept, after it sampled: each request's known tokens, its
         accepted drafts and its newest token, at the target's slots; and the first draft of the next step
-        for each request that may speculate, from the newest token's logits."""
-        batch = [self._follow_rows(item, sampled.get(item.request.request_id)) for item in scheduled]
+        for each request that may speculate, from the newest token's logits. kept: by request id, the
+        tokens the step appends to each request that sampled."""
+        batch = [self._follow_rows(item, kept.get(item.request.request_id, ())) for item in scheduled]
         self._newest_written = {
             rows.request.request_id: _NewestWritten.of(rows.request, len(rows.kept)) for rows in batch if rows.kept
         }
@@ -209,20 +210,15 @@ class DraftModelProposer:
         if not batch:
             self._first_drafts = {}
             return
-        query_lens, seq_lens, block_tables = [], [], []
+        layout = QueryLayout()
         for rows in batch:
-            end = rows.start
-            for length in rows.query_lens:
-                end += length
-                query_lens.append(length)
-                seq_lens.append(end)
-                block_tables.append(rows.request.block_ids)
-        meta = build_metadata(query_lens, seq_lens, block_tables, self.block_size, self.windows)
+            layout.add(rows.start, rows.query_lens, rows.request.block_ids)
+        meta = layout.metadata(self.block_size, self.windows)
         input_ids = torch.tensor([t for rows in batch for t in rows.token_ids], dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta)
         self._first_drafts = self._sample_first_drafts(batch, hidden)
 
-    def _follow_rows(self, item: ScheduledRequest, sampled: Sequence[int] | None) -> _FollowRows:
+    def _follow_rows(self, item: ScheduledRequest, kept_tokens: Sequence[int]) -> _FollowRows:
         """The tokens `follow` computes for one scheduled request. A decode's last known token is left out
         when the last `follow` wrote it (as that step's newest); the newest token is left out where its slot
         lies past the request's blocks (then the next proposal starts from it, as without `follow`)."""
@@ -231,7 +227,7 @@ class DraftModelProposer:
         known = item.input_token_ids()[: item.num_known_tokens]
         if item.is_decode and self._wrote_newest(request):
             start, known = start + 1, []
-        kept = [] if sampled is None else item.kept(sampled)
+        kept = list(kept_tokens)
         known_lens = [len(known)] if known else []
         if start + len(known) + len(kept) > len(request.block_ids) * self.block_size:
             return _FollowRows(request, start, known + kept[:-1], known_lens + [1] * (len(kept) - 1), [])

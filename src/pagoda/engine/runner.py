@@ -25,7 +25,7 @@ import torch
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.engine.structured import StructuredOutputs
-from pagoda.model.attention import build_metadata, slot_of
+from pagoda.model.attention import QueryLayout, slot_of
 from pagoda.model.llama import LlamaModel
 
 # A chunk of one request's prompt logprobs: (index of the first prompt position covered, logprobs of the
@@ -44,9 +44,9 @@ class ModelRunnerOutput:
 class DraftModel(Protocol):
     """A draft model beside the target (`draft_model.DraftModelProposer`)."""
 
-    def follow(self, scheduled: Sequence[ScheduledRequest], sampled: Mapping[str, Sequence[int]]) -> None:
-        """Computes the draft's K/V of the tokens the step kept, at their slots (sampled: as `execute`
-        returns it, before acceptance)."""
+    def follow(self, scheduled: Sequence[ScheduledRequest], kept: Mapping[str, Sequence[int]]) -> None:
+        """Computes the draft's K/V of the tokens the step kept, at their slots (kept: by request id, the
+        tokens the step appends to each request that sampled)."""
         ...
 
     def proposal(self, request_id: str, index: int, token_id: int) -> Proposal | None:
@@ -83,13 +83,13 @@ class ModelRunner:
         input_ids = [token_id for item in scheduled for token_id in item.input_token_ids()]
         rows = self._sample_rows(scheduled)
         masks = self._start_grammar_masks(scheduled)
-        query_lens, seq_lens, block_tables, branch_slots = _attention_layout(scheduled, self.block_size)
-        meta = build_metadata(query_lens, seq_lens, block_tables, self.block_size, self.windows, branch_slots)
+        meta = _attention_layout(scheduled, self.block_size).metadata(self.block_size, self.windows)
         input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids_t, meta.positions.to(self.device), self.kv_caches, meta)
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         if not rows:
-            self._follow(scheduled, {})
+            if self.draft is not None:
+                self.draft.follow(scheduled, {})
             return ModelRunnerOutput({}, {}, prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(_sampling_indices(scheduled), device=self.device)])
         bitmask = None if masks is None else masks.result()
@@ -101,18 +101,23 @@ class ModelRunner:
             sampled.setdefault(request_id, []).append(token_id)
             if row_logprobs is not None:
                 logprobs.setdefault(request_id, []).append(row_logprobs)
+        # Which rows each speculating request keeps, where something here needs it (the scheduler decides alone).
+        kept_rows = {item.request.request_id: item.kept_rows(sampled[item.request.request_id]) for item in scheduled
+                     if item.draft_token_ids and (self.draft is not None or item.alternative_token_ids)}
         for item in scheduled:
-            if item.alternative_token_ids and item.samples:
-                self._keep_branch(item, sampled[item.request.request_id], logprobs)
-        self._follow(scheduled, sampled)
+            if item.alternative_token_ids:
+                self._keep_branch(item, kept_rows[item.request.request_id], logprobs)
+        if self.draft is not None:  # a request without drafts keeps its one token
+            kept = {request_id: [tokens[row] for row in kept_rows[request_id]] if request_id in kept_rows else tokens
+                    for request_id, tokens in sampled.items()}
+            self.draft.follow(scheduled, kept)
         return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def _keep_branch(
-        self, item: ScheduledRequest, sampled: list[int], logprobs: dict[str, list[dict[int, float]]]
+        self, item: ScheduledRequest, rows: list[int], logprobs: dict[str, list[dict[int, float]]]
     ) -> None:
         """Where an alternative is kept, its K/V moves from its branch's slot to its position's slot (over the
         rejected first draft's), and the request's logprobs follow its kept rows."""
-        rows = item.kept_rows(sampled)
         request_logprobs = logprobs.get(item.request.request_id)
         if request_logprobs is not None:
             logprobs[item.request.request_id] = [request_logprobs[row] for row in rows]
@@ -125,22 +130,17 @@ class ModelRunner:
             k_cache[target] = k_cache[source]
             v_cache[target] = v_cache[source]
 
-    def _follow(self, scheduled: list[ScheduledRequest], sampled: dict[str, list[int]]) -> None:
-        if self.draft is not None:
-            self.draft.follow(scheduled, sampled)
-
     def _sample_rows(self, scheduled: list[ScheduledRequest]) -> list[SampleRow]:
         """The step's rows to sample, in batch order: one per sampled position of each request, each with
         the model draft it checks, if any; then one after each alternative (its output so far: that token)."""
         rows = []
         for item in scheduled:
-            num_chain = item.num_samples - len(item.alternative_token_ids) if item.samples else 0
-            rows += [
-                SampleRow(item.request, item.draft_token_ids[:position], self._proposal(item, position))
-                for position in range(num_chain)
-            ]
-            if item.samples:
-                rows += [SampleRow(item.request, [token_id]) for token_id in item.alternative_token_ids]
+            if not item.samples:
+                continue
+            drafts = item.draft_token_ids
+            rows += [SampleRow(item.request, drafts[:position], self._proposal(item, position))
+                     for position in range(1 + len(drafts))]
+            rows += [SampleRow(item.request, [token_id]) for token_id in item.alternative_token_ids]
         return rows
 
     def _proposal(self, item: ScheduledRequest, position: int) -> Proposal | None:
@@ -178,30 +178,19 @@ class ModelRunner:
         return result
 
 
-def _attention_layout(
-    scheduled: list[ScheduledRequest], block_size: int
-) -> tuple[list[int], list[int], list[list[int]], dict[int, int]]:
-    """Per attention query, in flat-batch order: its length, its sequence length (this step's tokens
-    included) and its block table; and the branch slots (`build_metadata`). A speculating request gives one
-    one-token query per position; the backend writes the whole step's K/V before any query attends, so each
-    sees the drafts before it. Its alternatives come after the drafts: each takes the slot past them that the
-    scheduler allocated for it, stands at the first draft's position and sees the keys before that."""
-    query_lens, seq_lens, block_tables, branch_slots = [], [], [], {}
+def _attention_layout(scheduled: list[ScheduledRequest], block_size: int) -> QueryLayout:
+    """The step's attention queries. A speculating request gives one one-token query per position; the
+    backend writes the whole step's K/V before any query attends, so each sees the drafts before it. Its
+    alternatives come after the drafts: each takes the slot past them that the scheduler allocated for it,
+    stands at the first draft's position and sees the keys before that."""
+    layout = QueryLayout()
     for item in scheduled:
-        end, block_ids = item.request.num_computed_tokens, item.request.block_ids
-        first_draft_position = end + 1
+        start, block_ids = item.request.num_computed_tokens, item.request.block_ids
         num_chain = item.num_tokens - len(item.alternative_token_ids)
-        for length in [1] * num_chain if item.draft_token_ids else [num_chain]:
-            end += length
-            query_lens.append(length)
-            seq_lens.append(end)
-            block_tables.append(block_ids)
+        end = layout.add(start, [1] * num_chain if item.draft_token_ids else [num_chain], block_ids)
         for index in range(len(item.alternative_token_ids)):
-            branch_slots[len(query_lens)] = slot_of(block_ids, end + index, block_size)
-            query_lens.append(1)
-            seq_lens.append(first_draft_position + 1)
-            block_tables.append(block_ids)
-    return query_lens, seq_lens, block_tables, branch_slots
+            layout.add_branch(start + 1, slot_of(block_ids, end + index, block_size), block_ids)
+    return layout
 
 
 def _sampling_indices(scheduled: list[ScheduledRequest]) -> list[int]:

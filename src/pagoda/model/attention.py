@@ -76,6 +76,36 @@ def slot_of(block_ids: list[int], position: int, block_size: int) -> int:
     return block_ids[position // block_size] * block_size + position % block_size
 
 
+@dataclass
+class QueryLayout:
+    """A step's attention queries in flat-batch order, as `build_metadata` takes them: each query's length,
+    its sequence length (its tokens included), its sequence's block table, and the branch slots."""
+
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    branch_slots: dict[int, int] = field(default_factory=dict)
+
+    def add(self, start: int, lengths: list[int], block_ids: list[int]) -> int:
+        """A sequence's consecutive queries of these lengths, the first at position `start`; returns the
+        position after the last."""
+        for length in lengths:
+            start += length
+            self.query_lens.append(length)
+            self.seq_lens.append(start)
+            self.block_tables.append(block_ids)
+        return start
+
+    def add_branch(self, position: int, slot: int, block_ids: list[int]) -> None:
+        """A one-token query at `position` whose token's K/V is at `slot` (build_metadata's branch_slots)."""
+        self.branch_slots[len(self.query_lens)] = slot
+        self.add(position, [1], block_ids)
+
+    def metadata(self, block_size: int, windows: set[int | None]) -> AttentionMetadata:
+        return build_metadata(self.query_lens, self.seq_lens, self.block_tables, block_size, windows,
+                              self.branch_slots)
+
+
 def build_metadata(
     query_lens: list[int],
     seq_lens: list[int],
