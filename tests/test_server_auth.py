@@ -15,9 +15,9 @@ import httpx
 import pytest
 from server_fixtures import assert_openai_error, make_server_checkpoint, start_server
 
-from pagoda.server import guards
+from pagoda import api_keys
+from pagoda.api_keys import OPEN_PATHS, ApiKeys
 from pagoda.server.api import ServerState, build_app
-from pagoda.server.guards import OPEN_PATHS, ApiKeys
 from pagoda.server.web import static_files
 
 pytestmark = pytest.mark.timeout(120)
@@ -105,7 +105,7 @@ def test_keys_are_compared_in_constant_time_against_every_key(monkeypatch):
         compared.append(key)
         return compare_digest(presented, key)
 
-    monkeypatch.setattr(guards.hmac, "compare_digest", spy)
+    monkeypatch.setattr(api_keys.hmac, "compare_digest", spy)
     keys = ApiKeys.gather(KEYS, environ={})
     assert keys.accepts(f"Bearer {KEYS[0]}")
     assert compared == [k.encode() for k in KEYS]  # no early exit on the first match

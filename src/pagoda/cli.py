@@ -7,6 +7,8 @@ import json
 import logging
 import sys
 
+from pagoda.api_keys import add_api_key_arguments
+
 # What `pagoda bench` imports beyond serving's dependencies: the `bench` extra.
 BENCH_EXTRA_MODULES = ("httpx", "matplotlib")
 
@@ -125,20 +127,19 @@ def engine_config_from(args: argparse.Namespace):
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from pagoda.server.guards import ApiKeys, ServerLimits
+    from pagoda.api_keys import ApiKeys
+    from pagoda.server.guards import ServerLimits
     from pagoda.server.launcher import exit_now, serve
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("pagoda serve: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
     try:
-        api_keys = ApiKeys.gather(args.api_key or (), args.api_key_file, guard_metrics=args.guard_metrics)
+        api_keys = ApiKeys.from_args(args)
         given = {name: getattr(args, name) for name in SERVER_LIMITS if getattr(args, name) is not None}
         limits = ServerLimits(**given)
         kv_events = kv_events_config(args.kv_events_config)
     except (OSError, ValueError) as error:
         raise SystemExit(f"pagoda serve: {error}") from None
-    if args.guard_metrics and not api_keys.enabled:
-        raise SystemExit("pagoda serve: --guard-metrics needs an API key (--api-key, --api-key-file or PAGODA_API_KEY)")
     args.model = model_to_load(args.model, "serve")
     if args.data_parallel_size > 1:
         exit_now(run_data_parallel(args))
@@ -229,11 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--api-key", action="append", default=None,
-                       help="require `Authorization: Bearer <key>` on every route but /health, /version and /metrics; "
-                            "repeat for several keys (also: --api-key-file, PAGODA_API_KEY or VLLM_API_KEY)")
-    serve.add_argument("--api-key-file", default=None, help="a file of API keys, one per line (# comments)")
-    serve.add_argument("--guard-metrics", action="store_true", help="require an API key on /metrics too")
+    add_api_key_arguments(serve)
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 429 to a request whose sequences (prompts x n) would take the waiting queue "
                             "past this many (default: unbounded)")

@@ -22,13 +22,14 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
+from pagoda.api_keys import ApiKeyGuard, ApiKeys
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import RequestRejected
 from pagoda.engine.output import Tokenizer
 from pagoda.model.tokenizer import ChatTemplateError, render_chat
 from pagoda.sampling import SamplingParams
 from pagoda.server.generation import Admission, Generation, TokenTexts, WaitingSlots
-from pagoda.server.guards import ApiKeyGuard, ApiKeys, BodySizeLimit, JsonDecoder, ServerLimits
+from pagoda.server.guards import BodySizeLimit, JsonDecoder, ServerLimits, error_response
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.openapi import install_openapi
 from pagoda.server.protocol import (
@@ -149,7 +150,7 @@ def build_app(state: ServerState) -> FastAPI:
     web_pages = mount_web_ui(app, state) if state.web_ui else frozenset()  # static: served without a key
     app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_request_body_bytes)
     # outermost: a request without a key is not read
-    app.add_middleware(ApiKeyGuard, keys=state.api_keys, public_paths=web_pages)
+    app.add_middleware(ApiKeyGuard, keys=state.api_keys, error_response=error_response, public_paths=web_pages)
 
     @app.get("/health")
     async def health() -> Response:

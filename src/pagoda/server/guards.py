@@ -1,21 +1,17 @@
-"""What stands between a client and the server's work: API keys, the request-body bound, and JSON decoding
-that cannot stall the event loop.
+"""What stands between a client and the server's work: the request-body bound, JSON decoding that cannot
+stall the event loop, and (from pagoda.api_keys, shared with the router) the API-key check.
 
-Both middlewares are plain ASGI (no BaseHTTPMiddleware), so they see every route, streamed responses
+The middlewares are plain ASGI (no BaseHTTPMiddleware), so they see every route, streamed responses
 included, and answer before the body is read: an unauthenticated or oversized request costs nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import json.scanner
-import os
-from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from fastapi import HTTPException
@@ -23,10 +19,6 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagoda.server.protocol import OpenAIError, first_invalid_text
-
-API_KEY_ENV_VARS = ("PAGODA_API_KEY", "VLLM_API_KEY")
-# Probes and scrapes carry no key (load balancers, Prometheus); they read no request data and cost no compute.
-OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
 
 # Bodies up to this size are decoded by the C parser, which holds the GIL throughout (up to ~0.1 s for
 # 256 KiB of nested lists on a busy 2-core machine). Larger ones use the pure-Python scanner on a worker
@@ -55,70 +47,6 @@ class ServerLimits:
                 raise ValueError(f"{name} must be positive")
         if self.request_timeout is not None and self.request_timeout < 0:
             raise ValueError("request_timeout must not be negative (0: no deadline)")
-
-
-# --- API keys ----------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ApiKeys:
-    """The keys a client may present (any one of them); none configured means no check."""
-
-    keys: tuple[bytes, ...] = ()
-    guard_metrics: bool = False
-
-    @classmethod
-    def gather(cls, given: Iterable[str] = (), key_file: str | Path | None = None,
-               environ: Mapping[str, str] | None = None, guard_metrics: bool = False) -> ApiKeys:
-        """The keys from flags, a file (one per line; blank lines and # comments skipped) and the environment
-        (PAGODA_API_KEY, and vLLM's VLLM_API_KEY)."""
-        env: Mapping[str, str] = os.environ if environ is None else environ
-        keys = list(given)
-        if key_file is not None:
-            lines = Path(key_file).read_text(encoding="utf-8").splitlines()
-            keys += [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-        keys += [env[name] for name in API_KEY_ENV_VARS if env.get(name)]
-        if any(not key or key != key.strip() for key in keys):
-            raise ValueError("API keys must be non-empty and carry no surrounding whitespace")
-        return cls(tuple(dict.fromkeys(key.encode() for key in keys)), guard_metrics)
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.keys)
-
-    def guards(self, path: str) -> bool:
-        if not self.keys:
-            return False
-        return path not in OPEN_PATHS or (self.guard_metrics and path == "/metrics")
-
-    def accepts(self, authorization: bytes | str | None) -> bool:
-        """`Authorization: Bearer <key>`, the scheme in any case. Every key is compared, in constant time,
-        so the time taken tells nothing about which key, or how much of one, matched."""
-        if isinstance(authorization, str):
-            authorization = authorization.encode()
-        scheme, _, token = (authorization or b"").strip().partition(b" ")
-        presented = token.strip()
-        matched = False
-        for key in self.keys:
-            matched |= hmac.compare_digest(presented, key)
-        return matched and scheme.lower() == b"bearer"
-
-
-class ApiKeyGuard:
-    """401 for a guarded route without a valid key, before the body is read. `public_paths`: static files
-    that hold no data (the web UI's pages, which ask for the key and send it with their own calls)."""
-
-    def __init__(self, app: ASGIApp, keys: ApiKeys, public_paths: frozenset[str] = frozenset()) -> None:
-        self.app, self.keys, self.public_paths = app, keys, public_paths
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
-        guarded = scope["type"] == "http" and path not in self.public_paths and self.keys.guards(path)
-        if guarded and not self.keys.accepts(_raw_header(scope, b"authorization")):
-            error = OpenAIError(401, "invalid or missing API key", headers={"WWW-Authenticate": "Bearer"})
-            await _send_error(error, scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 # --- request body ------------------------------------------------------------------------------------
@@ -228,6 +156,11 @@ def _raw_header(scope: Scope, name: bytes) -> bytes | None:
 
 def _as_openai(error: HTTPException) -> OpenAIError:
     return OpenAIError(error.status_code, str(error.detail), getattr(error, "param", None))
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error JSON as a response, for middleware (which runs outside the app's exception handlers)."""
+    return JSONResponse(OpenAIError(status, message).body(), status_code=status, headers=headers)
 
 
 async def _send_error(error: OpenAIError, scope: Scope, receive: Receive, send: Send) -> None:

@@ -21,6 +21,7 @@ from typing import NoReturn
 
 import uvicorn
 
+from pagoda.api_keys import ApiKeys
 from pagoda.config import EngineConfig
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import LLMEngine
@@ -30,7 +31,7 @@ from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.server.api import LoadedModel, ServerState, build_app
 from pagoda.server.generation import Admission
-from pagoda.server.guards import ApiKeys, ServerLimits
+from pagoda.server.guards import ServerLimits
 from pagoda.server.kv_events import KVEventsConfig, make_publisher
 from pagoda.server.metrics import ServerMetrics, cache_config_info
 from pagoda.server.tokenizers import TokenizerPool
