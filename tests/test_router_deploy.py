@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from pagoda.cli import build_parser
+from pagoda.router.app import build_router_app
 from pagoda.router.cli import event_endpoints, router_config_from
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
-from pagoda.router.proxy import build_router_app
 from pagoda.router.tokens import LoadOnlyReader
 from pagoda.server.api import ServerState, build_app
 from pagoda.server.kv_events import KVEventsConfig

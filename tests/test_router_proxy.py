@@ -12,9 +12,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pagoda.router.app import build_router_app
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
-from pagoda.router.proxy import build_router_app
 from pagoda.router.tokens import LoadOnlyReader
 
 pytestmark = pytest.mark.timeout(60)

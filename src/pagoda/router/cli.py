@@ -7,8 +7,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+from collections.abc import Mapping
 
+from pagoda.api_keys import ApiKeys, add_api_key_arguments
 from pagoda.router.config import POLICIES, RouterConfig
+
+# Where --replica-api-key is read from when not given (a flag's value is visible to every local user in `ps`).
+REPLICA_API_KEY_ENV_VAR = "PAGODA_REPLICA_API_KEY"
 
 # flag -> (RouterConfig field, type, help)
 CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
@@ -36,7 +42,7 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
 }
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     route = commands.add_parser("route", help="OpenAI-compatible router over several replicas (docs/router.md)")
     route.add_argument("--replica", action="append", required=True, metavar="URL",
                        help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each)")
@@ -50,6 +56,12 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     route.add_argument("--host", default="127.0.0.1")
     route.add_argument("--port", type=int, default=8080)
     route.add_argument("--uvicorn-log-level", default="warning")
+    add_api_key_arguments(route)
+    route.add_argument("--replica-api-key", default=None, metavar="KEY",
+                       help="send the replicas `Authorization: Bearer KEY` (on requests and polls) instead of the "
+                            f"client's Authorization (also: {REPLICA_API_KEY_ENV_VAR})")
+    route.add_argument("--enable-docs", action="store_true",
+                       help="serve the OpenAPI pages (/docs, /redoc, /openapi.json); off by default")
     for flag, (field, kind, text) in CONFIG_FLAGS.items():
         choices = POLICIES if field == "policy" else None
         route.add_argument(flag, dest=field, type=kind, default=None, choices=choices, help=text)
@@ -73,11 +85,21 @@ def event_endpoints(pairs: list[str] | None) -> dict[str, str]:
     return endpoints
 
 
+def replica_api_key(given: str | None, environ: Mapping[str, str] = os.environ) -> str | None:
+    """--replica-api-key, else PAGODA_REPLICA_API_KEY, else None (the clients' keys are forwarded)."""
+    key = given if given is not None else environ.get(REPLICA_API_KEY_ENV_VAR) or None
+    if key is not None and (not key or key != key.strip()):
+        raise ValueError("--replica-api-key must be non-empty and carry no surrounding whitespace")
+    return key
+
+
 def run_route(args: argparse.Namespace) -> int:
     try:
         config = router_config_from(args)
         endpoints = event_endpoints(args.replica_kv_events)
-    except ValueError as error:
+        api_keys = ApiKeys.from_args(args)
+        replica_key = replica_api_key(args.replica_api_key)
+    except (OSError, ValueError) as error:
         raise SystemExit(f"pagoda route: {error}") from None
     unknown = sorted(set(endpoints) - set(args.replica))
     if unknown:
@@ -85,4 +107,5 @@ def run_route(args: argparse.Namespace) -> int:
     from pagoda.router.launcher import serve_router
 
     return serve_router(config, args.replica, tokenizer_dir=args.tokenizer, host=args.host, port=args.port,
-                        log_level=args.uvicorn_log_level, event_endpoints=endpoints, events_topic=args.kv_events_topic)
+                        log_level=args.uvicorn_log_level, event_endpoints=endpoints, events_topic=args.kv_events_topic,
+                        api_keys=api_keys, replica_api_key=replica_key, enable_docs=args.enable_docs)

@@ -2,8 +2,8 @@
 
 `choose` picks a replica for a prompt (or says why none can take it), `begin` records the decision (load and
 index), and the returned `Lease` is finished on every path the request can take: success, error, retry,
-client disconnect. What a replica reports back (a failure, a 429, its cached tokens, a restart) goes through
-the `record_*` / `observe_*` methods.
+client disconnect. What a replica reports back (how an attempt ended, its cached tokens, a restart) goes
+through the `record_*` / `observe_*` methods; `router/faults.py` says what each outcome means.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagoda.router.config import RouterConfig
+from pagoda.router.faults import Outcome
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policies import RoutedPrompt, RoutingPolicy, make_policy
 from pagoda.router.replica import PolledStats, Replica
@@ -137,12 +138,26 @@ class Router:
 
     # --- what replicas report ----------------------------------------------------------------------
 
+    def record_outcome(self, replica: Replica, outcome: Outcome, retry_after_s: float | None = None) -> None:
+        """How an attempt on the replica ended (retry_after_s: a 429's Retry-After, if it had one)."""
+        if outcome is Outcome.ANSWERED:
+            self.record_success(replica)
+        elif outcome is Outcome.SATURATED:
+            self.record_saturated(replica, retry_after_s)
+        elif outcome.is_failure:
+            self.record_failure(replica, outcome)
+        # REQUEST_FAULT: the request's own; it tells nothing about the replica
+
     def record_success(self, replica: Replica) -> None:
         replica.breaker.record_success()
 
-    def record_failure(self, replica: Replica) -> None:
-        """A connection failure or a 5xx (never a 4xx): counts toward the replica's circuit breaker."""
-        if replica.breaker.record_failure(self.clock()):
+    def record_failure(self, replica: Replica, outcome: Outcome = Outcome.CONNECTION) -> None:
+        """No answer, or a replica-wide error answer: counts toward the replica's circuit breaker, which opens
+        (an ejection) at its threshold, unless the outcome was an answer and no other replica is up."""
+        now = self.clock()
+        others_up = any(r is not replica and r.routable(now) for r in self.replicas)
+        may_open = outcome.may_eject_last_replica or others_up
+        if replica.breaker.record_failure(now, may_open):
             self.metrics.ejections.labels(replica.url).inc()
 
     def record_saturated(self, replica: Replica, retry_after_s: float | None) -> None:

@@ -153,15 +153,20 @@ def plan_engines(serve_parser: argparse.ArgumentParser, args: argparse.Namespace
 
 
 def serve_data_parallel(plan: EnginePlan, args: argparse.Namespace) -> int:
+    """The router checks the keys the engines were given (flags, file, environment: the same for each), and
+    sends them the first of those: any other would do as well, and the polls need one under --guard-metrics."""
+    from pagoda.api_keys import ApiKeys
     from pagoda.router.launcher import serve_router
 
     logger.info("data parallel: %d engines behind the router on %s:%d", len(plan.urls), args.host, args.port)
     engines = Engines(plan.commands, args.shutdown_timeout)
     threading.Thread(target=engines.watch, name="pagoda-engines", daemon=True).start()
+    api_keys = ApiKeys.from_args(args)
     try:
         serve_router(RouterConfig(), plan.urls, tokenizer_dir=args.model, host=args.host, port=args.port,
                      log_level=args.uvicorn_log_level, event_endpoints=plan.event_endpoints,
-                     events_topic=plan.events_topic)
+                     events_topic=plan.events_topic, api_keys=api_keys,
+                     replica_api_key=api_keys.keys[0].decode() if api_keys.enabled else None)
     finally:
         code = engines.stop()
     return code

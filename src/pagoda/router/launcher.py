@@ -11,9 +11,10 @@ from types import FrameType
 import httpx
 import uvicorn
 
+from pagoda.api_keys import ApiKeys
+from pagoda.router.app import build_router_app
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
-from pagoda.router.proxy import build_router_app
 from pagoda.router.tokens import LoadOnlyReader, PromptReader, TokenizingReader
 from pagoda.server.tokenizers import TokenizerPool
 
@@ -48,11 +49,15 @@ class RouterServer(uvicorn.Server):
 
 def serve_router(config: RouterConfig, replicas: Sequence[str], *, tokenizer_dir: str | None, host: str, port: int,
                  log_level: str = "warning", event_endpoints: Mapping[str, str] | None = None,
-                 events_topic: str = "") -> int:
+                 events_topic: str = "", api_keys: ApiKeys | None = None, replica_api_key: str | None = None,
+                 enable_docs: bool = False) -> int:
     if config.policy == "cache_aware" and tokenizer_dir is None:
         logger.warning("cache_aware without --tokenizer: chat and text prompts route by load alone")
+    if replica_api_key is not None and not (api_keys and api_keys.enabled):
+        logger.warning("--replica-api-key without --api-key: anyone who reaches the router uses the replicas' key")
     router = Router(replicas, config, event_endpoints=event_endpoints)
-    app = build_router_app(router, prompt_reader(tokenizer_dir), replica_client(config), events_topic=events_topic)
+    app = build_router_app(router, prompt_reader(tokenizer_dir), replica_client(config), events_topic=events_topic,
+                           api_keys=api_keys, replica_api_key=replica_api_key, enable_docs=enable_docs)
     logger.info("routing over %d replicas with %s on %s:%d", len(replicas), config.policy, host, port)
     RouterServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)).run()
     return 0

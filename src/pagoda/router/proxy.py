@@ -1,9 +1,10 @@
-"""`pagoda route`'s HTTP side: an OpenAI-compatible proxy over the replicas, on the server's HTTP stack.
+"""`pagoda route`'s sending side: `Forwarder` sends a routed request to a replica and relays its answer.
 
 Every request is routed by `Router`, sent with `Forwarder`, and retried on another replica (after a jittered
-backoff) when its replica fails (connection failure, 5xx) or refuses it (429), but only while nothing has
-reached the client: a stream is handed to the client once the replica's first chunk is in, and a replica
-failing after that ends the stream with an SSE error event.
+backoff) when its replica fails (no answer, a replica-wide 5xx) or refuses it (429), but only while nothing
+has reached the client: a stream is handed to the client once the replica's first chunk is in, and a replica
+failing after that ends the stream with an SSE error event. What is the request's own fault (a 4xx, a 5xx
+marked request-scoped) goes back as it came (`router/faults.py`).
 """
 
 from __future__ import annotations
@@ -13,31 +14,22 @@ import json
 import logging
 import random
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager, suppress
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
-from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagoda
 from pagoda.router.core import Decision, Lease, NoReplicaAvailable, Router
-from pagoda.router.events import subscribe_forever
+from pagoda.router.faults import ERROR_SCOPE_HEADER, Outcome, classify_answer
 from pagoda.router.policies import RoutedPrompt
-from pagoda.router.poller import poll_forever
 from pagoda.router.replica import Replica
-from pagoda.router.tokens import PromptReader
-from pagoda.server.guards import BodySizeLimit, JsonDecoder, ServerLimits
 from pagoda.server.protocol import OpenAIError
 
 logger = logging.getLogger("pagoda.route")
 
-FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
-RETURNED_HEADERS = ("content-type", "retry-after", "x-request-id")
+RETURNED_HEADERS = ("content-type", "retry-after", "x-request-id", ERROR_SCOPE_HEADER)
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 SSE_EVENT = b"data:"
 
@@ -50,10 +42,19 @@ class Attempt:
     retry: bool
 
 
+def error_response(status: int, message: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The router's own answers, in OpenAI's error shape."""
+    return JSONResponse(OpenAIError(status, message).body(), status_code=status, headers=headers)
+
+
 def _error(status: int, message: str, retry_after_s: float | None = None) -> JSONResponse:
-    error = OpenAIError(status, message)
     headers = {"Retry-After": str(max(1, round(retry_after_s)))} if retry_after_s is not None else None
-    return JSONResponse(error.body(), status_code=status, headers=headers)
+    return error_response(status, message, headers)
+
+
+def failure_of(error: BaseException) -> Outcome:
+    """What an exception instead of an answer means: a timeout, or a connection that failed or closed."""
+    return Outcome.TIMEOUT if isinstance(error, httpx.TimeoutException) else Outcome.CONNECTION
 
 
 def _retry_after(response: httpx.Response) -> float | None:
@@ -164,8 +165,8 @@ class Forwarder:
             completed = True
             self.router.record_success(decision.replica)
         except httpx.HTTPError as error:
-            logger.warning("replica %s failed mid-stream: %s", decision.replica.url, error)
-            self.router.record_failure(decision.replica)
+            logger.warning("replica %s failed mid-stream: %s", decision.replica.url, type(error).__name__)
+            self.router.record_failure(decision.replica, failure_of(error))
             yield self._sse_error(502, f"the replica failed while streaming: {type(error).__name__}")
         finally:
             lease.finish(succeeded=completed)
@@ -179,24 +180,22 @@ class Forwarder:
     # --- outcomes ----------------------------------------------------------------------------------
 
     def _connection_failed(self, decision: Decision, error: BaseException) -> Attempt:
+        """No answer (StopAsyncIteration: a stream that closed before its first chunk)."""
         logger.warning("replica %s: %s", decision.replica.url, type(error).__name__)
-        self.router.record_failure(decision.replica)
-        self.router.record_retry(decision.replica, "connection")
+        outcome = failure_of(error)
+        self.router.record_outcome(decision.replica, outcome)
+        self.router.record_retry(decision.replica, outcome.value)
         return Attempt(_error(502, f"no replica answered (last: {type(error).__name__})"), retry=True)
 
     def _refused(self, decision: Decision, upstream: httpx.Response, content: bytes) -> Attempt | None:
-        """A 5xx (a failure) or a 429 (saturation): another replica may take the request. None otherwise;
-        a 4xx is the client's fault, and proves the replica alive."""
-        replica, status = decision.replica, upstream.status_code
-        if status >= 500:
-            self.router.record_failure(replica)
-            self.router.record_retry(replica, "5xx")
-        elif status == 429:
-            self.router.record_saturated(replica, _retry_after(upstream))
-            self.router.record_retry(replica, "429")
-        else:
-            self.router.record_success(replica)
+        """An answer another replica may take instead (a replica-wide 5xx, a 429), recorded; None for one that
+        goes to the client as it is (a success, the client's error, a 5xx the replica marked as the request's
+        own)."""
+        replica, outcome = decision.replica, classify_answer(upstream.status_code, upstream.headers)
+        self.router.record_outcome(replica, outcome, _retry_after(upstream))
+        if not outcome.retried:
             return None
+        self.router.record_retry(replica, outcome.value)
         return Attempt(self._relayed(upstream, content), retry=True)
 
     def _observe_usage(self, decision: Decision, content: bytes) -> None:
@@ -222,126 +221,3 @@ class Forwarder:
     @staticmethod
     def _sse_error(status: int, message: str) -> bytes:
         return b"data: " + json.dumps(OpenAIError(status, message).body()).encode() + b"\n\ndata: [DONE]\n\n"
-
-
-# --- the app ---------------------------------------------------------------------------------------
-
-
-def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncClient,
-                     limits: ServerLimits | None = None, events_topic: str = "") -> FastAPI:
-    limits = limits or ServerLimits()
-    forwarder = Forwarder(router, client, random.Random(router.config.seed))
-    decoder = JsonDecoder()
-
-    @asynccontextmanager
-    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(poll_forever(router, client))]
-        tasks += [asyncio.create_task(subscribe_forever(router, r, r.events_endpoint, events_topic))
-                  for r in router.replicas if r.events_endpoint is not None]
-        try:
-            yield
-        finally:
-            for task in tasks:
-                task.cancel()
-            await client.aclose()
-
-    app = FastAPI(title="pagoda router", version=pagoda.__version__, lifespan=lifespan)
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
-
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_request: Request, error: OpenAIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
-        """Unknown routes, wrong methods, invalid Unicode in a body: OpenAI's error shape too."""
-        return JSONResponse(OpenAIError(error.status_code, str(error.detail)).body(), status_code=error.status_code,
-                            headers=dict(error.headers) if error.headers else None)
-
-    @app.get("/health")
-    async def health() -> Response:
-        now = router.clock()
-        return Response(status_code=200 if any(r.routable(now) for r in router.replicas) else 503)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        """Answers whenever the process serves HTTP: the liveness probe's (/health is about the replicas)."""
-        return {"version": pagoda.__version__}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/models")
-    async def models(raw: Request) -> Response:
-        return await _first_answer(router, client, "GET", "/v1/models", _forwarded(raw))
-
-    @app.post("/tokenize")
-    async def tokenize(raw: Request) -> Response:
-        return await _first_answer(router, client, "POST", "/tokenize", _forwarded(raw), await raw.body())
-
-    @app.post("/detokenize")
-    async def detokenize(raw: Request) -> Response:
-        return await _first_answer(router, client, "POST", "/detokenize", _forwarded(raw), await raw.body())
-
-    async def proxied(raw: Request, path: str, read: Callable[[dict[str, Any]], Awaitable[RoutedPrompt]]) -> Response:
-        body = await raw.body()
-        try:
-            parsed = await decoder.decode(body)
-        except ValueError:
-            raise OpenAIError(400, "the request body is not valid JSON") from None
-        if not isinstance(parsed, dict):
-            raise OpenAIError(400, "the request body must be a JSON object")
-        prompt = await read(parsed)
-        work = forwarder.dispatch(path, body, _forwarded(raw), prompt, stream=parsed.get("stream") is True)
-        return await _unless_client_leaves(raw, work)
-
-    @app.post("/v1/completions")
-    async def completions(raw: Request) -> Response:
-        return await proxied(raw, "/v1/completions", reader.completion)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(raw: Request) -> Response:
-        return await proxied(raw, "/v1/chat/completions", reader.chat)
-
-    return app
-
-
-def _forwarded(raw: Request) -> dict[str, str]:
-    return {name: raw.headers[name] for name in FORWARDED_HEADERS if name in raw.headers}
-
-
-async def _first_answer(router: Router, client: httpx.AsyncClient, method: str, path: str, headers: dict[str, str],
-                        body: bytes | None = None) -> Response:
-    """A request about the model, not a generation (they serve the same one): the first replica up that answers
-    it without a 5xx answers it."""
-    now = router.clock()
-    for replica in [r for r in router.replicas if r.routable(now)]:
-        try:
-            upstream = await client.request(method, f"{replica.url}{path}", headers=headers, content=body)
-        except httpx.HTTPError:
-            continue
-        if upstream.status_code < 500:
-            return Response(upstream.content, status_code=upstream.status_code,
-                            headers=Forwarder._returned_headers(upstream))
-    return _error(503, "no replica is available")
-
-
-async def _unless_client_leaves(raw: Request, work: Awaitable[Response]) -> Response:
-    """The routed work, raced against the client's disconnect (which Starlette does not watch before a response
-    starts): a client that leaves cancels its request on the replica and frees its load at the router."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.create_task(_client_gone(raw))
-    done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    if task in done:
-        gone.cancel()
-        return task.result()
-    task.cancel()
-    with suppress(asyncio.CancelledError):
-        await task
-    return Response(status_code=499)
-
-
-async def _client_gone(raw: Request) -> None:
-    while (await raw.receive())["type"] != "http.disconnect":
-        pass

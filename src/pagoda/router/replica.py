@@ -14,9 +14,9 @@ from pagoda.router.index import BlockIndex
 
 
 class CircuitBreaker:
-    """Opens after `threshold` consecutive failures (connection failures and 5xx only: a 4xx is the client's
-    fault, a 429 a replica's load), for `cooldown_s`; then lets requests through again, and the first failure
-    reopens it at once."""
+    """Opens after `threshold` consecutive failures (what `Outcome.is_failure` says: no answer, or a
+    replica-wide error), for `cooldown_s`; then lets requests through again, and the first failure reopens it
+    at once."""
 
     def __init__(self, threshold: int, cooldown_s: float) -> None:
         self.threshold = threshold
@@ -30,10 +30,11 @@ class CircuitBreaker:
     def record_success(self) -> None:
         self.consecutive_failures = 0
 
-    def record_failure(self, now: float) -> bool:
-        """Counts a failure; True when it (re)opens the breaker: an ejection."""
+    def record_failure(self, now: float, may_open: bool = True) -> bool:
+        """Counts a failure; True when it (re)opens the breaker: an ejection. Not opened while `may_open` is
+        False; the count stays, so the next failure that may open it does."""
         self.consecutive_failures += 1
-        if self.consecutive_failures >= self.threshold and self.allows(now):
+        if may_open and self.consecutive_failures >= self.threshold and self.allows(now):
             self.open_until = now + self.cooldown_s
             return True
         return False

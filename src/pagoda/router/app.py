@@ -1,0 +1,163 @@
+"""`pagoda route`'s HTTP app: the OpenAI-compatible routes over the replicas, on the server's HTTP stack.
+
+Generations go through `Forwarder` (retries, streams); questions about the model (/v1/models, /tokenize,
+/detokenize) go to the first replica up that answers them. The router checks its own API keys
+(`pagoda.api_keys`, as `pagoda serve` does), and sends the replicas either the client's Authorization or,
+when configured, a key of its own for them. No OpenAPI pages unless asked: they map the routes to anyone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager, suppress
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import pagoda
+from pagoda.api_keys import ApiKeyGuard, ApiKeys
+from pagoda.router.core import Router
+from pagoda.router.events import subscribe_forever
+from pagoda.router.faults import Outcome, classify_answer
+from pagoda.router.policies import RoutedPrompt
+from pagoda.router.poller import poll_forever
+from pagoda.router.proxy import Forwarder, error_response
+from pagoda.router.tokens import PromptReader
+from pagoda.server.guards import BodySizeLimit, JsonDecoder, ServerLimits
+from pagoda.server.protocol import OpenAIError
+
+FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
+
+
+def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncClient, *,
+                     limits: ServerLimits | None = None, events_topic: str = "", api_keys: ApiKeys | None = None,
+                     replica_api_key: str | None = None, enable_docs: bool = False) -> FastAPI:
+    """api_keys: what clients must present (none: no check). replica_api_key: sent to the replicas on every
+    call (proxied requests and polls alike) in place of the client's Authorization, which is then not
+    forwarded; without it, the client's Authorization goes to the replica as it came."""
+    limits = limits or ServerLimits()
+    if replica_api_key is not None:
+        client.headers["Authorization"] = f"Bearer {replica_api_key}"
+    forwarded = [name for name in FORWARDED_HEADERS if replica_api_key is None or name != "authorization"]
+    forwarder = Forwarder(router, client, random.Random(router.config.seed))
+    decoder = JsonDecoder()
+
+    def headers_of(raw: Request) -> dict[str, str]:
+        return {name: raw.headers[name] for name in forwarded if name in raw.headers}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        tasks = [asyncio.create_task(poll_forever(router, client))]
+        tasks += [asyncio.create_task(subscribe_forever(router, r, r.events_endpoint, events_topic))
+                  for r in router.replicas if r.events_endpoint is not None]
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            await client.aclose()
+
+    docs: dict[str, Any] = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pagoda router", version=pagoda.__version__, lifespan=lifespan, **docs)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
+    # outermost: a request without a key is not read
+    app.add_middleware(ApiKeyGuard, keys=api_keys or ApiKeys(), error_response=error_response)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_request: Request, error: OpenAIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Unknown routes, wrong methods, invalid Unicode in a body: OpenAI's error shape too."""
+        return JSONResponse(OpenAIError(error.status_code, str(error.detail)).body(), status_code=error.status_code,
+                            headers=dict(error.headers) if error.headers else None)
+
+    @app.get("/health")
+    async def health() -> Response:
+        now = router.clock()
+        return Response(status_code=200 if any(r.routable(now) for r in router.replicas) else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """Answers whenever the process serves HTTP: the liveness probe's (/health is about the replicas)."""
+        return {"version": pagoda.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(router.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models(raw: Request) -> Response:
+        return await _first_answer(router, client, "GET", "/v1/models", headers_of(raw))
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> Response:
+        return await _first_answer(router, client, "POST", "/tokenize", headers_of(raw), await raw.body())
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> Response:
+        return await _first_answer(router, client, "POST", "/detokenize", headers_of(raw), await raw.body())
+
+    async def proxied(raw: Request, path: str, read: Callable[[dict[str, Any]], Awaitable[RoutedPrompt]]) -> Response:
+        body = await raw.body()
+        try:
+            parsed = await decoder.decode(body)
+        except ValueError:
+            raise OpenAIError(400, "the request body is not valid JSON") from None
+        if not isinstance(parsed, dict):
+            raise OpenAIError(400, "the request body must be a JSON object")
+        prompt = await read(parsed)
+        work = forwarder.dispatch(path, body, headers_of(raw), prompt, stream=parsed.get("stream") is True)
+        return await _unless_client_leaves(raw, work)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await proxied(raw, "/v1/completions", reader.completion)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        return await proxied(raw, "/v1/chat/completions", reader.chat)
+
+    return app
+
+
+async def _first_answer(router: Router, client: httpx.AsyncClient, method: str, path: str, headers: dict[str, str],
+                        body: bytes | None = None) -> Response:
+    """A request about the model, not a generation (they serve the same one): the first replica up that answers
+    it without a replica-wide error answers it."""
+    now = router.clock()
+    for replica in [r for r in router.replicas if r.routable(now)]:
+        try:
+            upstream = await client.request(method, f"{replica.url}{path}", headers=headers, content=body)
+        except httpx.HTTPError:
+            continue
+        if classify_answer(upstream.status_code, upstream.headers) is not Outcome.REPLICA_ERROR:
+            return Response(upstream.content, status_code=upstream.status_code,
+                            headers=Forwarder._returned_headers(upstream))
+    return error_response(503, "no replica is available")
+
+
+async def _unless_client_leaves(raw: Request, work: Awaitable[Response]) -> Response:
+    """The routed work, raced against the client's disconnect (which Starlette does not watch before a response
+    starts): a client that leaves cancels its request on the replica and frees its load at the router."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.create_task(_client_gone(raw))
+    done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if task in done:
+        gone.cancel()
+        return task.result()
+    task.cancel()
+    with suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=499)
+
+
+async def _client_gone(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
