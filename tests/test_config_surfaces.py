@@ -13,6 +13,7 @@ from pagoda.cli import build_parser, engine_config_from
 from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.entrypoints import ENGINE_OPTIONS, FIELD_NAMES, build_engine_config
 from pagoda.model.int4 import Int4Options
+from pagoda.structured.limits import GrammarLimits
 
 MODEL = "some/model-dir"
 
@@ -37,6 +38,8 @@ OPTIONS = {
     "priority_aging_s": 2.5,
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
                            "prompt_lookup_max": 4, "disable_by_batch_size": 8},
+    # Each grammar limit at twice its default.
+    **{f"grammar_{f.name}": 2 * f.default for f in dataclasses.fields(GrammarLimits)},
 }
 FLAGS = [
     "--dtype", "bfloat16", "--device", "meta", "--seed", "7", "--quantization", "int4",
@@ -46,6 +49,8 @@ FLAGS = [
     "--max-num-batched-tokens", "1024", "--max-step-ms", "50", "--long-prefill-token-threshold", "256",
     "--scheduling-policy", "priority", "--priority-aging-s", "2.5",
     "--speculative-config", json.dumps(OPTIONS["speculative_config"]),
+    *[text for f in dataclasses.fields(GrammarLimits) for text in (f"--grammar-{f.name.replace('_', '-')}",
+                                                                    str(2 * f.default))],
 ]
 
 
@@ -74,11 +79,13 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
                                               scheduling_policy="priority", priority_aging_s=2.5)
     assert given.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
                                                          prompt_lookup_max=4, disable_by_batch_size=8)
+    assert given.grammar == GrammarLimits(**{f.name: 2 * f.default for f in dataclasses.fields(GrammarLimits)})
 
 
 def test_every_config_field_has_an_option():
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "cache", "scheduler"}
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "cache", "scheduler", "grammar"}
     fields |= {f.name for f in dataclasses.fields(CacheConfig)}
+    fields |= {f.name for f in dataclasses.fields(GrammarLimits)}
     fields |= {f.name for f in dataclasses.fields(SchedulerConfig)}
     assert {FIELD_NAMES.get(name, name) for name in ENGINE_OPTIONS} == fields
     assert set(OPTIONS) == set(ENGINE_OPTIONS)

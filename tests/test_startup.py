@@ -15,7 +15,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.cli import build_parser, main, model_to_load, served_model_name
 from pagoda.config import CacheConfig
 from pagoda.demo import DEMO_MODEL_DIR
-from pagoda.engine.engine import kv_pool_size
+from pagoda.engine.kv_pool import kv_pool_size
 from pagoda.kernels import cpu_has_kernel_features
 from pagoda.model.tokenizer import encode_chat
 from pagoda.startup import native_kernels_status, startup_summary

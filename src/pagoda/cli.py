@@ -88,6 +88,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              '"num_speculative_tokens": 3}\' (docs/speculative.md)')
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's choice, one per physical core)")
+    add_grammar_limit_args(parser)
+
+
+def add_grammar_limit_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per GrammarLimits field (docs/serving-limits.md), its help and default read from the field."""
+    from dataclasses import MISSING, fields
+
+    from pagoda.structured.limits import GrammarLimits, grammar_flag
+
+    for item in fields(GrammarLimits):
+        default = item.default if item.default is not MISSING else None
+        parser.add_argument(grammar_flag(item.name), dest=f"grammar_{item.name}", default=None,
+                            type=int if isinstance(default, int) else float,
+                            help=f"{item.metadata['help']} (default {default})")
 
 
 def _bytes(text: str) -> int:

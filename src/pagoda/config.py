@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pagoda.model.int4 import Int4Options
+from pagoda.structured.limits import GrammarLimits
 
 GiB = 1 << 30
 
@@ -78,7 +79,7 @@ def _require_positive(config: object, *names: str) -> None:
 class CacheConfig:
     block_size: int = 16
     # Unless num_blocks is given (tests give explicit counts), the pool holds max_num_seqs x max_model_len
-    # tokens, at most this many bytes (engine.kv_pool_size).
+    # tokens, at most this many bytes (engine/kv_pool.py).
     kv_cache_memory_bytes: int = 2 * GiB
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
@@ -252,6 +253,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     quantization_config: Int4Options | None = None  # int4's quantizer options (None: its defaults)
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)  # what one output constraint may cost
 
     def __post_init__(self) -> None:
         if self.quantization_config is not None and self.quantization != "int4":

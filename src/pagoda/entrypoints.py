@@ -17,6 +17,7 @@ from pagoda.config import (
 from pagoda.engine.engine import LLMEngine
 from pagoda.engine.output import RequestOutput
 from pagoda.sampling import SamplingParams
+from pagoda.structured.limits import GRAMMAR_OPTIONS, GrammarLimits
 
 Prompt = str | list[int]
 
@@ -27,8 +28,9 @@ TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "quantization_co
 CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching")
 SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_step_ms",
                      "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s")
-ENGINE_OPTIONS = TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS
-FIELD_NAMES = {"num_kv_blocks": "num_blocks"}  # options whose config field has another name
+ENGINE_OPTIONS = TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS + GRAMMAR_OPTIONS
+# Options whose config field has another name (grammar_X sets GrammarLimits.X).
+FIELD_NAMES = {"num_kv_blocks": "num_blocks", **{option: option.removeprefix("grammar_") for option in GRAMMAR_OPTIONS}}
 
 
 def build_engine_config(model: str, **options: Any) -> EngineConfig:
@@ -50,6 +52,7 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
         **_given(options, TOP_LEVEL_OPTIONS),
         cache=CacheConfig(**_given(options, CACHE_OPTIONS)),
         scheduler=SchedulerConfig(**_given(options, SCHEDULER_OPTIONS)),
+        grammar=GrammarLimits(**_given(options, GRAMMAR_OPTIONS)),
     )
 
 

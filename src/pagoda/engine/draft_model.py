@@ -20,6 +20,7 @@ the drafts and is rolled back), so every draft is valid before verification and 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import ModelLoadError, load_model, load_model_config
 from pagoda.model.tokenizer import has_tokenizer, load_tokenizer
 from pagoda.sampling import GREEDY_EPS
+from pagoda.structured.interface import GrammarMatcher, GrammarStateError
 
 logger = logging.getLogger(__name__)
 
@@ -296,7 +298,7 @@ class DraftModelProposer:
             for d in drafting:
                 if d.grammar_steps:
                     assert d.request.grammar is not None
-                    d.request.grammar.rollback(d.grammar_steps)
+                    _rollback(d.request.grammar, d.grammar_steps)
         self._proposals = {
             d.request.request_id: [Proposal(t, q) for t, q in zip(d.tokens, d.probs)]
             for d in drafting if d.probs
@@ -350,14 +352,20 @@ class DraftModelProposer:
         matchers = [d.request.grammar for d in active if d.request.grammar is not None]
         if not matchers or self.structured is None:
             return None
-        return self.structured.fill_bitmask(matchers)
+        # A failed matcher's rows allow every token; its draft is then refused below, and the target's mask
+        # fails its request alone.
+        return self.structured.fill_bitmask(matchers).bitmask
 
     @staticmethod
     def _advance_grammar(d: _Drafting, token_id: int) -> None:
         grammar = d.request.grammar
         if grammar is None:
             return
-        if not grammar.accept_tokens([token_id]):  # the mask allowed it; refused anyway: draft no further
+        try:
+            accepted = grammar.accept_tokens([token_id])
+        except GrammarStateError:  # the matcher broke: the target's step fails this request alone
+            accepted = False
+        if not accepted:  # the mask allowed it; refused anyway: draft no further
             d.tokens.pop()
             d.probs = d.probs[: len(d.tokens)]
             d.room = len(d.tokens)
@@ -365,3 +373,9 @@ class DraftModelProposer:
         d.grammar_steps += 1
         if grammar.is_terminated():  # nothing may follow the grammar's end
             d.room = len(d.tokens)
+
+
+def _rollback(grammar: GrammarMatcher, num_tokens: int) -> None:
+    """Back to where drafting began; a matcher that broke meanwhile is left to the target's step to report."""
+    with contextlib.suppress(GrammarStateError):
+        grammar.rollback(num_tokens)

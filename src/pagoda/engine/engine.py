@@ -9,9 +9,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pagoda.config import CacheConfig, EngineConfig, ModelConfig
+from pagoda.config import EngineConfig, ModelConfig
 from pagoda.engine.draft_model import DraftModelProposer, load_draft_model
 from pagoda.engine.kv_cache import KVCacheManager, KVEventSink
+from pagoda.engine.kv_pool import kv_pool_size
 from pagoda.engine.output import IncrementalDetokenizer, RequestOutput, SequenceText, Tokenizer
 from pagoda.engine.request import FinishReason, Request
 from pagoda.engine.runner import ModelRunner, PromptLogprobsChunk
@@ -35,31 +36,6 @@ class RequestRejected(ValueError):
     def __init__(self, message: str, param: str = "prompt") -> None:
         super().__init__(message)
         self.param = param
-
-
-@dataclass(frozen=True)
-class KVPoolSize:
-    """The KV pool's size in blocks, and why it has that size (the start-up log says both)."""
-
-    num_blocks: int
-    reason: str
-
-
-def kv_pool_size(cache: CacheConfig, max_num_seqs: int, max_model_len: int, bytes_per_token: int) -> KVPoolSize:
-    """An explicit block count is taken as given. Otherwise the pool is what the engine can use at once,
-    max_num_seqs sequences of max_model_len tokens (each in whole blocks), at most kv_cache_memory_bytes:
-    a 3M-parameter model with a 512-token context gets its 128 MiB, not the whole 2 GiB budget."""
-    if cache.num_blocks is not None:
-        return KVPoolSize(cache.num_blocks, "num_kv_blocks given")
-    needed = max_num_seqs * -(-max_model_len // cache.block_size)
-    affordable = cache.kv_cache_memory_bytes // (bytes_per_token * cache.block_size)
-    if needed <= affordable:
-        return KVPoolSize(needed, f"max_num_seqs {max_num_seqs} x max_model_len {max_model_len} tokens")
-    return KVPoolSize(
-        affordable,
-        f"capped by kv_cache_memory_bytes {cache.kv_cache_memory_bytes / 2**20:.0f} MiB "
-        f"(max_num_seqs {max_num_seqs} x max_model_len {max_model_len} would take {needed} blocks)",
-    )
 
 
 def _derive_seed(seed: int, sample_index: int) -> int:
@@ -147,7 +123,8 @@ class LLMEngine:
         self.kv_cache = KVCacheManager(num_blocks, config.cache.block_size, config.cache.enable_prefix_caching,
                                        kv_events)
         self.eos_token_ids = self._eos_token_ids()
-        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids)
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size, self.eos_token_ids,
+                                            config.grammar)
         self.draft_proposer = None if draft is None or speculative is None else DraftModelProposer(
             draft, speculative, num_blocks, config.cache.block_size, config.scheduler.max_num_seqs, max_model_len,
             self.structured, config.device,
@@ -284,7 +261,9 @@ class LLMEngine:
         runner_output = self.runner.execute(scheduler_output)
         self._record_prompt_logprobs(runner_output.prompt_logprobs)
         advanced = self.scheduler.update(scheduler_output, runner_output.sampled)
-        outputs = self._make_outputs(advanced, runner_output.logprobs)
+        failed = {item.request.request_id: (item.request, runner_output.failures[item.request.request_id])
+                  for item in scheduler_output.scheduled if item.request.request_id in runner_output.failures}
+        outputs = self._make_outputs(advanced, runner_output.logprobs, failed)
         # The whole step, as a decoding stream waits for it, teaches the scheduler's step-time model.
         self.scheduler.observe_step(scheduler_output, time.perf_counter() - started)
         return outputs
@@ -329,11 +308,18 @@ class LLMEngine:
         return {group.request_id: group.failure for group in failed if group.failure is not None}
 
     def _make_outputs(
-        self, advanced: list[tuple[Request, int]], logprobs: dict[str, list[dict[int, float]]]
+        self, advanced: list[tuple[Request, int]], logprobs: dict[str, list[dict[int, float]]],
+        failed: dict[str, tuple[Request, Exception]],
     ) -> list[RequestOutput]:
+        """failed: requests whose step failed (runner), by id: their groups fail, whatever they sampled."""
         groups: dict[str, RequestGroup] = {}  # in order of first appearance
+        for request, error in failed.values():
+            logger.error("request %s failed: %s", request.group_id, error)
+            groups.setdefault(request.group_id, self._groups[request.group_id]).failure = error
         for request, num_new in advanced:
             group = groups.setdefault(request.group_id, self._groups[request.group_id])
+            if request.request_id in failed:
+                continue
             try:
                 self._process_tokens(group.sequences[request.sample_index], num_new, logprobs.get(request.request_id))
             except Exception as error:  # one request's fault must not take the others down

@@ -11,6 +11,12 @@ With a draft model (engine/draft_model.py), the draft runs over the tokens each 
 sampled, so that its KV cache holds the same tokens at the same slots (and its logits give the next step's
 first drafts); a sampled request's checked drafts carry the distributions the draft drew them from, for the
 sampler's rejection rule.
+
+One request's fault fails that request alone: a grammar that fails to fill its mask, or a row the sampler
+cannot sample, is reported in `ModelRunnerOutput.failures` and the step goes on for the others. The same
+step, not a rerun without it: every other row's mask and token are computed exactly as they would be
+without the failed request (masks row by row, sampling is row-independent), and the forward's K/V for the
+failed request lands only in its own blocks, which the engine frees.
 """
 
 from __future__ import annotations
@@ -22,9 +28,9 @@ from typing import Protocol
 
 import torch
 
-from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample, top_logprobs
+from pagoda.engine.sampler import Proposal, SamplerOutput, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pagoda.engine.structured import StructuredOutputs
+from pagoda.engine.structured import GrammarMasks, StructuredOutputs
 from pagoda.model.attention import QueryLayout, slot_of
 from pagoda.model.llama import LlamaModel
 
@@ -39,6 +45,8 @@ class ModelRunnerOutput:
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, float]]]  # request id -> per position {chosen id: lp, top ids: lp}, when asked
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # by request id
+    # request id -> why it failed this step (its sampled tokens are placeholders): the engine fails it alone
+    failures: dict[str, Exception] = field(default_factory=dict)
 
 
 class DraftModel(Protocol):
@@ -92,8 +100,14 @@ class ModelRunner:
                 self.draft.follow(scheduled, {})
             return ModelRunnerOutput({}, {}, prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(_sampling_indices(scheduled), device=self.device)])
-        bitmask = None if masks is None else masks.result()
-        result = sample(logits, build_sampling_metadata(rows, logits.shape[1], bitmask))
+        failures: dict[str, Exception] = {}
+        bitmask = None
+        if masks is not None:
+            future, constrained_ids = masks
+            grammar_masks: GrammarMasks = future.result()
+            bitmask = grammar_masks.bitmask
+            failures.update((constrained_ids[index], error) for index, error in grammar_masks.failures.items())
+        result = _sample_isolating(logits, rows, bitmask, failures)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[dict[int, float]]] = {}
         for row, token_id, row_logprobs in zip(rows, result.token_ids, result.logprobs):
@@ -111,7 +125,7 @@ class ModelRunner:
             kept = {request_id: [tokens[row] for row in kept_rows[request_id]] if request_id in kept_rows else tokens
                     for request_id, tokens in sampled.items()}
             self.draft.follow(scheduled, kept)
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, failures)
 
     def _keep_branch(
         self, item: ScheduledRequest, rows: list[int], logprobs: dict[str, list[dict[int, float]]]
@@ -149,17 +163,18 @@ class ModelRunner:
             return None
         return self.draft.proposal(item.request.request_id, position, drafts[position])
 
-    def _start_grammar_masks(self, scheduled: list[ScheduledRequest]) -> Future[torch.Tensor] | None:
-        """The constrained rows' masks, being filled on the mask thread (None: nobody is constrained)."""
-        constrained = [
-            (item.request.grammar, item.draft_token_ids)
-            for item in scheduled
-            if item.samples and item.request.grammar is not None
-        ]
+    def _start_grammar_masks(
+        self, scheduled: list[ScheduledRequest]
+    ) -> tuple[Future[GrammarMasks], list[str]] | None:
+        """The constrained rows' masks, being filled on the mask thread, and the constrained requests' ids in
+        order (None: nobody is constrained)."""
+        constrained = [item for item in scheduled if item.samples and item.request.grammar is not None]
         if not constrained or self.structured is None:
             return None
-        matchers, drafts = [matcher for matcher, _ in constrained], [draft for _, draft in constrained]
-        return self._mask_worker.submit(self.structured.fill_bitmask, matchers, drafts)
+        matchers = [item.request.grammar for item in constrained if item.request.grammar is not None]
+        drafts = [item.draft_token_ids for item in constrained]
+        future = self._mask_worker.submit(self.structured.fill_bitmask, matchers, drafts)
+        return future, [item.request.request_id for item in constrained]
 
     def _prompt_logprobs(
         self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
@@ -176,6 +191,36 @@ class ModelRunner:
                 result[request.request_id] = (start, top_logprobs(logits, targets, k))
             row += item.num_tokens
         return result
+
+
+def _sample_isolating(
+    logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None, failures: dict[str, Exception]
+) -> SamplerOutput:
+    """The batch sampled at once; if that raises, row by row (each row's draw depends on its own row alone,
+    so the tokens are the same), and the rows that still fail fail their requests. When every row fails
+    alone as well, the fault is not one request's: the batch's error is raised."""
+    try:
+        return sample(logits, build_sampling_metadata(rows, logits.shape[1], bitmask))
+    except Exception as batch_error:
+        token_ids: list[int] = []
+        logprobs: list[dict[int, float] | None] = []
+        row_failures: dict[str, Exception] = {}
+        mask_row = 0
+        for index, row in enumerate(rows):
+            row_mask = None
+            if row.request.grammar is not None and bitmask is not None:
+                row_mask, mask_row = bitmask[mask_row : mask_row + 1], mask_row + 1
+            try:
+                one = sample(logits[index : index + 1], build_sampling_metadata([row], logits.shape[1], row_mask))
+            except Exception as error:
+                row_failures.setdefault(row.request.request_id, error)
+                one = SamplerOutput([0], [None])  # a placeholder: the request fails and its tokens are dropped
+            token_ids += one.token_ids
+            logprobs += one.logprobs
+        if len(row_failures) == len({row.request.request_id for row in rows}):
+            raise batch_error
+        failures.update(row_failures)
+        return SamplerOutput(token_ids, logprobs)
 
 
 def _attention_layout(scheduled: list[ScheduledRequest], block_size: int) -> QueryLayout:

@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import llguidance
 import torch
 
-from pagoda.structured.bitmask import bitmask_width
+from pagoda.structured.bitmask import allocate_bitmask, bitmask_width
+from pagoda.structured.bounds import bounds_problem
 from pagoda.structured.interface import GrammarMatcher, GrammarStateError
+from pagoda.structured.limits import GrammarLimits, grammar_flag
 from pagoda.structured.llguidance_vocab import llguidance_tokenizer
 from pagoda.structured.lru import LRUCache
 from pagoda.structured.params import CacheKey, ConstraintKind, InvalidConstraint, StructuredOutputsParams
@@ -30,8 +32,6 @@ if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions  # a TypedDict that exists only in the type stubs
 
 DEFAULT_CACHE_SIZE = 256
-# Compilation is bounded in work by LLParserLimits; this bounds it in time too, whatever the machine's load.
-DEFAULT_COMPILE_TIMEOUT_S = 10.0
 # llguidance's messages quote the grammar and parser state; enough to find the fault, not a wall of text.
 MAX_ERROR_CHARS = 2000
 
@@ -65,9 +65,8 @@ class LLGuidanceBackend:
         eos_token_ids: Sequence[int],
         *,
         cache_size: int = DEFAULT_CACHE_SIZE,
-        compile_timeout_s: float | None = DEFAULT_COMPILE_TIMEOUT_S,
         any_whitespace: bool = False,
-        limits: llguidance.LLParserLimits | None = None,
+        limits: GrammarLimits | None = None,
         mask_threads: int | None = None,
     ) -> None:
         """hf_tokenizer: a fast transformers tokenizer. vocab_size: the model's (its logits' width), which may
@@ -75,8 +74,9 @@ class LLGuidanceBackend:
         stops on; the grammar allows them exactly where it may end. any_whitespace: JSON may put any
         whitespace between tokens (llguidance's default; a model may then pad with newlines until max_tokens)
         rather than one line with Python's separators, ", " and ": " (what models write most).
-        limits: llguidance's bounds on grammar size and per-step work. mask_threads: workers for
-        `fill_bitmasks` (None: llguidance's default).
+        limits: llguidance's bounds on grammar size and per-step work, the compile timeout (which bounds the
+        work in time too, whatever the machine's load) and pagoda's rule bounds (`bounds.py`), all checked
+        before a grammar is cached. mask_threads: workers for `fill_bitmasks` (None: llguidance's default).
         """
         if not eos_token_ids:
             raise ValueError("eos_token_ids must not be empty: a grammar needs a token that ends it")
@@ -86,12 +86,12 @@ class LLGuidanceBackend:
         self._tokenizer = llguidance_tokenizer(hf_tokenizer, self._vocab_size, list(eos_token_ids))
         self._eos_token_ids = frozenset(eos_token_ids)
         self._cache: LRUCache[CacheKey, LLGuidanceGrammar | _CompileFailure] = LRUCache(cache_size)
-        self._compile_timeout_s = compile_timeout_s
+        self._limits = limits or GrammarLimits()
         self._json_options: JsonCompileOptions = (
             {"whitespace_flexible": True} if any_whitespace
             else {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         )
-        self._limits = limits or llguidance.LLParserLimits(verbose_errors=False)
+        self._llparser_limits = llguidance.LLParserLimits(**self._limits.llparser_limits(), verbose_errors=False)
         self._mask_threads = mask_threads
         self._executor: llguidance.LLExecutor | None = None
         self._executor_lock = threading.Lock()
@@ -154,8 +154,6 @@ class LLGuidanceBackend:
         llguidance cannot be interrupted, so a compile that times out finishes in the background (its work
         is bounded by `limits`) and is dropped; it is not cached, as the next try may be on a quieter machine.
         """
-        if self._compile_timeout_s is None:
-            return self._compile(params)
         outcome: list[LLGuidanceGrammar | _CompileFailure | BaseException] = []
 
         def compile_into_outcome() -> None:
@@ -166,26 +164,50 @@ class LLGuidanceBackend:
 
         worker = threading.Thread(target=compile_into_outcome, name="grammar-compile", daemon=True)
         worker.start()
-        worker.join(self._compile_timeout_s)
+        timeout = self._limits.compile_timeout_s
+        worker.join(timeout)
         if not outcome:
             raise InvalidConstraint(
                 params.param_for(params.kind),
-                f"{_WHAT[params.kind]} took longer than {self._compile_timeout_s:g} s to compile",
+                f"{_WHAT[params.kind]} took longer than {timeout:g} s to compile (compile_timeout_s, "
+                f"{grammar_flag('compile_timeout_s')})",
             )
         if isinstance(outcome[0], BaseException):
             raise outcome[0]
         return outcome[0]
 
     def _compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar | _CompileFailure:
-        # The matcher constructor never raises: a bad grammar yields a matcher in the error state.
-        template = llguidance.LLMatcher(self._tokenizer, self._grammar_text(params), log_level=0, limits=self._limits)
         what = _WHAT[params.kind]
+        problem = bounds_problem(params, self._limits)
+        if problem is not None:
+            return _CompileFailure(problem)
+        try:
+            # The matcher constructor reports a bad grammar as an error state, but the grammar text's
+            # builders raise on some inputs (a schema nested past serde's recursion limit): either way the
+            # constraint's fault.
+            template = llguidance.LLMatcher(self._tokenizer, self._grammar_text(params), log_level=0,
+                                            limits=self._llparser_limits)
+        except Exception as error:
+            return _CompileFailure(_truncate(f"{what} cannot be compiled: {error}"))
         if template.is_error():
             return _CompileFailure(_truncate(f"{what} cannot be compiled: {template.get_error()}"))
         warnings = template.get_grammar_warnings()
         if warnings:
             return _CompileFailure(_truncate(f"{what} uses unsupported features: {'; '.join(warnings)}"))
-        return LLGuidanceGrammar(params.cache_key(), template, self._vocab_size, self._eos_token_ids)
+        grammar = LLGuidanceGrammar(params.cache_key(), template, self._vocab_size, self._eos_token_ids)
+        return self._first_mask_failure(grammar, what) or grammar
+
+    def _first_mask_failure(self, grammar: LLGuidanceGrammar, what: str) -> _CompileFailure | None:
+        """Some grammars compile and then fail, or allow nothing, at their very first mask ($ref cycles):
+        computed here, on a copy, so that such a constraint is refused at the door and not in a step."""
+        bitmask = allocate_bitmask(1, self._vocab_size)
+        try:
+            grammar.matcher().fill_bitmask(bitmask, 0)
+        except GrammarStateError as error:
+            return _CompileFailure(_truncate(f"{what} fails at its first token: {error}"))
+        if not bitmask.any():
+            return _CompileFailure(f"{what} allows no first token")
+        return None
 
     def _grammar_text(self, params: StructuredOutputsParams) -> str:
         """The constraint in a form LLMatcher takes: Lark text or llguidance's JSON grammar envelope."""

@@ -117,6 +117,8 @@ def _canonical_json(params: StructuredOutputsParams, param: str) -> str:
         return json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise InvalidConstraint(param, f"the JSON schema cannot be written as JSON: {error}") from None
+    except RecursionError:  # nested past Python's recursion limit: far past any depth a grammar allows
+        raise InvalidConstraint(param, "the JSON schema is nested too deeply") from None
 
 
 def _canonical_json_object(params: StructuredOutputsParams, param: str) -> str:
