@@ -23,8 +23,8 @@ import pagoda
 from pagoda.structured import InvalidConstraint, StructuredOutputsParams
 from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask, bitmask_width, unpack_bitmask
 from pagoda.structured.interface import GrammarStateError
-from pagoda.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceGrammar, LLGuidanceMatcher
 from pagoda.structured.limits import GrammarLimits
+from pagoda.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceGrammar, LLGuidanceMatcher
 from pagoda.testing import make_tokenizer
 
 DEMO_DIR = Path(pagoda.__file__).resolve().parent / "assets" / "pagoda-demo"
@@ -406,7 +406,8 @@ def test_failed_compile_is_cached_and_names_the_current_param(backend):
 
 
 def test_compile_timeout(tokenizer, monkeypatch):
-    backend = LLGuidanceBackend(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=[2], limits=GrammarLimits(compile_timeout_s=0.05))
+    backend = LLGuidanceBackend(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=[2],
+                                limits=GrammarLimits(compile_timeout_s=0.05))
     release = threading.Event()
     real_compile = LLGuidanceBackend._compile
 
