@@ -5,22 +5,20 @@ BF16, no compiler is present, the build fails, or PAGODA_DISABLE_KERNELS=1 asks 
 `avx2_kernels()` returns the smaller module built for AVX2 alone (the int8 and int4 matmuls), for CPUs
 without that AVX-512 set.
 
-The build lives in ~/.cache/pagoda/kernels/<hash of the sources and flags>/, with the sources copied in:
-every checkout with the same sources shares one build (paths never differ, so ninja never rebuilds),
-and a changed source gets a directory of its own. `make install` builds it, so tests never wait for it.
+The targets are defined here; `build.py` compiles each once per version of its sources into
+~/.cache/pagoda/kernels/<hash of the sources and flags>/ (shared by every checkout with the same sources), under
+a lock that only a live process holds. `make install` builds them, so tests never wait for it.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import logging
 import os
-import shutil
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from pagoda.kernels.build import compile_and_load
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +51,6 @@ _AVX512 = _Build(
 _AVX2 = _Build("pagoda_cpu_avx2_kernels", ("cpu_int8.cpp", "cpu_int4.cpp", "cpu_avx2_module.cpp"),
                ("-O3", "-mavx2", "-mfma", "-fopenmp"), frozenset({"avx2", "fma"}))
 REQUIRED_CPU_FLAGS = _AVX512.cpu_flags
-_CACHE = Path(os.environ.get("PAGODA_CACHE", Path.home() / ".cache" / "pagoda")) / "kernels"
-_STALE_LOCK_SECONDS = 900  # a build lock this old belongs to a killed build: torch would wait on it forever
 
 
 def cpu_flags() -> set[str]:
@@ -70,26 +66,6 @@ def cpu_flags() -> set[str]:
 
 def cpu_has_kernel_features() -> bool:
     return not REQUIRED_CPU_FLAGS - cpu_flags()
-
-
-def _build_directory(build: _Build) -> tuple[str, Path, list[str]]:
-    here = Path(__file__).parent
-    digest = hashlib.sha256()
-    for name in build.sources + _HEADERS:
-        digest.update((here / name).read_bytes())
-    digest.update(" ".join(build.flags + tuple(_LINK_FLAGS)).encode())
-    version = digest.hexdigest()[:12]
-    directory = _CACHE / version
-    (directory / "src").mkdir(parents=True, exist_ok=True)
-    for name in build.sources + _HEADERS:
-        target = directory / "src" / name
-        if not target.exists():
-            shutil.copyfile(here / name, target)
-    sources = [str(directory / "src" / name) for name in build.sources]
-    lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_SECONDS:
-        lock.unlink(missing_ok=True)
-    return f"{build.name}_{version}", directory, sources
 
 
 @functools.cache
@@ -112,20 +88,7 @@ def _load(build: _Build):
         logger.warning("native CPU kernels (%s) off: the CPU lacks %s", build.name, sorted(missing))
         return None
     try:
-        from torch.utils.cpp_extension import load
-
-        name, directory, sources = _build_directory(build)
-        built = directory / f"{name}.so"
-        if built.exists():  # import it directly: torch's loader would take the build lock even to check
-            import torch  # noqa: F401  (the extension links against torch's libraries)
-
-            spec = importlib.util.spec_from_file_location(name, built)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            return module
-        logger.info("compiling pagoda's CPU kernels (%s) into %s (once)", build.name, directory)
-        return load(name=name, sources=sources, extra_cflags=list(build.flags), extra_ldflags=_LINK_FLAGS,
-                    build_directory=str(directory), verbose=False)
+        return compile_and_load(build.name, build.sources, _HEADERS, build.flags, tuple(_LINK_FLAGS))
     except Exception as error:  # no compiler, missing headers, ...: the torch path still works
         logger.warning("native CPU kernels (%s) unavailable (%s); using torch", build.name, error)
         return None
