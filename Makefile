@@ -2,6 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The kernels have a stamp of their own: a pull that changes them rebuilds them at the next make, not at the
+# next start, and without redoing the pip installs.
+KERNELS_STAMP := $(VENV)/.kernels-built
+KERNEL_SOURCES := $(wildcard src/pagoda/kernels/*.cpp src/pagoda/kernels/*.h src/pagoda/kernels/*.py)
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -10,20 +14,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# One environment for every target: dev is the test tools plus the bench extra.
 	$(PY) -m pip install -q -e '.[dev]'
-	# Native CPU kernels are compiled once here (about a minute), not inside the first test or request.
-	$(PY) -m pagoda.kernels
 	touch $(STAMP)
 
-.PHONY: install serve generate test lint bench-models
-install: $(STAMP)
+# Native CPU kernels are compiled here (a minute or two), not inside the first test or request.
+$(KERNELS_STAMP): $(STAMP) $(KERNEL_SOURCES)
+	$(PY) -m pagoda.kernels
+	touch $(KERNELS_STAMP)
 
-serve: $(STAMP)
+.PHONY: install serve generate test lint bench-models
+install: $(KERNELS_STAMP)
+
+serve: $(KERNELS_STAMP)
 	$(VENV)/bin/pagoda serve $(ARGS)
 
-generate: $(STAMP)
+generate: $(KERNELS_STAMP)
 	$(VENV)/bin/pagoda generate $(ARGS)
 
-test: $(STAMP)
+test: $(KERNELS_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/mypy
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q $(PYTEST_ARGS)
