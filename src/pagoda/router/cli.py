@@ -33,7 +33,8 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
                      "block size until a replica publishes vllm:cache_config_info (default 16)"),
     "--poll-interval": ("poll_interval_s", float, "seconds between health/metrics polls (default 1)"),
     "--breaker-failures": ("breaker_failures", int,
-                           "consecutive connection failures or 5xx that eject a replica (default 3)"),
+                           "consecutive failures (no answer, or a 5xx not marked as the request's own) that "
+                           "eject a replica (default 3)"),
     "--breaker-cooldown": ("breaker_cooldown_s", float, "seconds an ejected replica sits out (default 5)"),
     "--max-retries": ("max_retries", int, "other replicas tried before the client sees a failure (default 2)"),
     "--retry-backoff": ("retry_backoff_s", float, "first retry's backoff in seconds, jittered (default 0.05)"),

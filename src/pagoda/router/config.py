@@ -35,7 +35,8 @@ class RouterConfig:
     # Health and load polling (/health and /metrics of every replica).
     poll_interval_s: float = 1.0
     poll_timeout_s: float = 2.0
-    # Circuit breaker: this many consecutive connection failures or 5xx eject a replica for the cooldown.
+    # Circuit breaker: this many consecutive failures (no answer, or a replica-wide 5xx: router/faults.py) eject a
+    # replica for the cooldown.
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     # Retries go to another replica, with jittered exponential backoff, only before any byte reached the client.
