@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--python", default=sys.executable, help="the interpreter with pagoda, to start the server")
     parser.add_argument("--model", help="model directory to serve (default: the built-in model)")
     parser.add_argument("--api-key")
-    parser.add_argument("--requests", type=int, default=10_000, help="stop after this many requests")
+    parser.add_argument("--requests", type=int, default=sys.maxsize,
+                        help="stop after this many requests (default: no bound but --max-seconds)")
     parser.add_argument("--max-seconds", type=float, default=4 * 3600.0, help="stop sending after this long")
     parser.add_argument("--max-examples", type=int, default=100,
                         help="openapi: requests per operation and generation mode")

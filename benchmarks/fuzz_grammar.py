@@ -7,7 +7,8 @@ starts first; once its first token has arrived the batch is sent, and when all a
 have finished with `finish_reason: "length"`, its full token count and the reference text. One that ends
 otherwise (an error status or event, fewer tokens, a broken connection) is *lost*; one that completes with
 other text *diverged*. A batch *overlapped* when the bystander was still streaming after every answer of the
-batch had arrived: the engine held it while it held them.
+batch had arrived: the engine held it while it held them. A 5xx that the server marks as confined to its own
+request (failed alone) is a finding only when the constraint was well-formed.
 
 Standard library only (the HTTP client is http.client), like the modules it uses.
 """
@@ -116,6 +117,7 @@ class GrammarFindings:
     by_carrier: dict[str, collections.Counter] = field(default_factory=dict)
     requests: int = 0
     server_errors: int = 0
+    failed_alone: int = 0  # of the server errors, those of hostile constraints marked as confined to themselves
     transport_errors: int = 0
     misshapen_errors: int = 0  # 4xx bodies not in OpenAI's error shape
     batches: int = 0
@@ -137,10 +139,14 @@ class GrammarFindings:
         self.by_family.setdefault(case.family, collections.Counter())[label] += 1
         self.by_carrier.setdefault(case.carrier, collections.Counter())[label] += 1
         self.server_errors += reply.server_error()
+        alone = case.hostile and reply.failed_alone()
+        self.failed_alone += alone
         self.transport_errors += reply.status is None
         problem = reply.transport_error if reply.status is None else error_problem(reply.status, reply.text)
         if problem is None and reply.server_error():
             problem = "server error in the stream"
+        if alone:
+            problem = f"{problem}, failed alone"
         self.misshapen_errors += problem == "error body is not OpenAI's shape"
         if problem is not None:
             self.problem({"problem": problem, "family": case.family, "carrier": case.carrier, "route": case.route,
@@ -148,14 +154,15 @@ class GrammarFindings:
                           "request": json.dumps(case.body)[:2000]})
 
     def summary(self) -> dict:
-        counts = {name: getattr(self, name) for name in ("requests", "server_errors", "transport_errors",
-                                                          "misshapen_errors", "batches", "bystanders_lost",
-                                                          "bystanders_diverged", "bystanders_not_started",
-                                                          "batches_overlapped", "health_failures")}
+        counts = {name: getattr(self, name) for name in (
+            "requests", "server_errors", "failed_alone", "transport_errors", "misshapen_errors", "batches",
+            "bystanders_lost", "bystanders_diverged", "bystanders_not_started", "batches_overlapped",
+            "health_failures")}
         return {**counts, "statuses": dict(sorted(self.statuses.items()))}
 
     def failures(self) -> list[str]:
-        counts = {"5xx answers": self.server_errors, "transport errors": self.transport_errors,
+        counts = {"5xx answers (not hostile requests failing alone)": self.server_errors - self.failed_alone,
+                  "transport errors": self.transport_errors,
                   "errors not in OpenAI's shape": self.misshapen_errors, "bystanders lost": self.bystanders_lost,
                   "bystanders diverged": self.bystanders_diverged,
                   "bystanders that never started": self.bystanders_not_started,

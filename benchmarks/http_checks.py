@@ -19,6 +19,10 @@ from typing import Any
 
 ERROR_KEYS = {"message", "type", "param", "code"}
 HEALTH_BOUND_S = 1.0  # /health must answer 200 within this, whatever else the server is doing
+# How pagoda marks a failure that was confined to its own request (every other request is unaffected): this
+# header's value on an error response, the error object's "scope" in an event stream.
+ERROR_SCOPE_HEADER = "X-Pagoda-Error-Scope"
+REQUEST_SCOPE = "request"
 
 
 def error_problem(status: int, text: str) -> str | None:
@@ -47,6 +51,7 @@ class Reply:
     events: list[Any] = field(default_factory=list)
     transport_error: str | None = None
     finished_at: float = 0.0  # time.monotonic() when the last byte was read
+    scope: str | None = None  # the ERROR_SCOPE_HEADER of an error response
 
     @property
     def error_events(self) -> list[dict]:
@@ -58,7 +63,8 @@ class Reply:
         if self.status is None:
             return "transport error"
         codes = [str(error.get("code")) if isinstance(error, dict) else "?" for error in self.error_events]
-        return f"{self.status}+error {','.join(codes)}" if codes else str(self.status)
+        label = f"{self.status}+error {','.join(codes)}" if codes else str(self.status)
+        return f"{label} alone" if self.failed_alone() else label
 
     def server_error(self) -> bool:
         """A 5xx status, or a 5xx code in an error event of the stream."""
@@ -66,6 +72,14 @@ class Reply:
             return True
         return any(isinstance(error, dict) and isinstance(error.get("code"), int) and error["code"] >= 500
                    for error in self.error_events)
+
+    def failed_alone(self) -> bool:
+        """A server error that the server says failed this request alone."""
+        if not self.server_error():
+            return False
+        if self.status is not None and self.status >= 500:
+            return self.scope == REQUEST_SCOPE
+        return all(isinstance(error, dict) and error.get("scope") == REQUEST_SCOPE for error in self.error_events)
 
 
 def post(url: str, path: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 120.0,
@@ -79,7 +93,8 @@ def post(url: str, path: str, body: Any, headers: dict[str, str] | None = None, 
                            headers={"content-type": "application/json", **(headers or {})})
         response = connection.getresponse()
         if not response.getheader("content-type", "").startswith("text/event-stream"):
-            return Reply(response.status, response.read().decode(errors="replace"), finished_at=time.monotonic())
+            return Reply(response.status, response.read().decode(errors="replace"), finished_at=time.monotonic(),
+                         scope=response.getheader(ERROR_SCOPE_HEADER))
         reply = Reply(response.status)
         for raw in response:
             line = raw.decode(errors="replace").rstrip("\r\n")

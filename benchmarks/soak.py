@@ -2,11 +2,17 @@
 
     .venv/bin/python benchmarks/soak.py                        # calibrate, then 0.5x, 1x, then 2x for 20 min
     .venv/bin/python benchmarks/soak.py --minutes 2 --json /tmp/soak.json   # a quick trial
+    .venv/bin/python benchmarks/soak.py --levels 2 --minutes 1 --requests 300 --calibrate-seconds 10 \
+        --rss-period 1 --json /tmp/soak-smoke.json                           # a smoke run
 
 First a closed-loop calibration finds the server's saturation rate (completed requests per second with
 --max-num-seqs clients always busy). Then Poisson arrivals at each multiple of that rate in --levels, the last
 one for --minutes. Requests mix prompt lengths and output lengths, streaming and not; a share is dropped by
-the client mid-flight, and a share is hostile (each of the cases in HOSTILE, which must get a 4xx).
+the client mid-flight, and a share is hostile: each of the cases in HOSTILE, which must get a 4xx, and each
+hostile family of grammar_poisons.py (output constraints built to hurt the grammar engine), which must get a
+4xx or fail alone (a 5xx or error event the server marks as confined to it), while every ordinary request
+beside it completes.
+--requests caps each level's requests, for a short trial.
 
 Checked, and the exit code is 1 when any fails:
 - no response has a 5xx status, every error body is OpenAI's shape;
@@ -32,11 +38,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from grammar_poisons import HOSTILE_FAMILIES, grammar_case
+from http_checks import ERROR_SCOPE_HEADER, REQUEST_SCOPE, error_problem
+from provenance import provenance
 from server_process import HOST, free_port, start_server, stop_server
 
 WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima",
          "mike", "november", "oscar", "papa", "quebec", "romeo", "sierra", "tango", "victor", "zulu")
-ERROR_KEYS = {"message", "type", "param", "code"}
 # (name, request arguments for httpx): each must be refused with a 4xx and leave the server as it was.
 HOSTILE: tuple[tuple[str, dict], ...] = (
     ("invalid JSON", {"content": b'{"prompt": "a", "max_tokens": ', "headers": {"content-type": "application/json"}}),
@@ -63,6 +71,8 @@ class Level:
     usage_checked: int = 0
     disconnected: int = 0
     hostile: int = 0
+    poisons: int = 0  # of the hostile requests, those from grammar_poisons.py
+    poisons_failed_alone: int = 0  # a 5xx or error event that the server confined to the poison's own request
     problems: list[str] = field(default_factory=list)
 
     def count(self, status: int) -> None:
@@ -74,22 +84,13 @@ class Level:
         return {"multiple": self.multiple, "offered_rps": round(self.rate, 3), "seconds": round(self.seconds),
                 "requests": sent, "completed": self.completed, "completed_rps": round(self.completed / self.seconds, 3),
                 "rate_429": round(self.statuses.get(429, 0) / max(1, sent), 4), "statuses": self.statuses,
-                "disconnected": self.disconnected, "hostile": self.hostile, "usage_checked": self.usage_checked,
+                "disconnected": self.disconnected, "hostile": self.hostile, "poisons": self.poisons,
+                "poisons_failed_alone": self.poisons_failed_alone, "usage_checked": self.usage_checked,
                 "ttft_p50_s": _quantile(ttft, 0.5), "ttft_p99_s": _quantile(ttft, 0.99), "problems": self.problems}
 
 
 def _quantile(values: list[float], q: float) -> float | None:
     return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else None
-
-
-def _error_shape(response: httpx.Response) -> str | None:
-    try:
-        error = response.json()["error"]
-    except (ValueError, KeyError, TypeError):
-        return "error body is not OpenAI's shape"
-    if not isinstance(error, dict) or not set(error) >= ERROR_KEYS:
-        return "error body is not OpenAI's shape"
-    return None
 
 
 def ordinary_body(rng: random.Random, model: str) -> dict:
@@ -123,7 +124,7 @@ async def _consume(request, body: dict, level: Level, started: float) -> None:
         if response.status_code != 200:
             await response.aread()
             # An ordinary request is only ever refused for load (429): anything else is a finding.
-            if response.status_code != 429 or _error_shape(response):
+            if response.status_code != 429 or error_problem(response.status_code, response.text):
                 level.problems.append(f"{response.status_code}: {response.text[:300]}")
             return
         if not body["stream"]:
@@ -155,7 +156,11 @@ def _check_usage(level: Level, usage: dict | None, tokens: int) -> None:
 
 
 async def send_hostile(client: httpx.AsyncClient, rng: random.Random, model: str, level: Level) -> None:
-    name, arguments = rng.choice(HOSTILE)
+    pick = rng.randrange(len(HOSTILE) + len(HOSTILE_FAMILIES))
+    if pick >= len(HOSTILE):
+        await send_poison(client, rng, model, level, HOSTILE_FAMILIES[pick - len(HOSTILE)])
+        return
+    name, arguments = HOSTILE[pick]
     arguments = json.loads(json.dumps(arguments, default=lambda b: b.decode()).replace('"M"', json.dumps(model)))
     if isinstance(arguments.get("content"), str):
         arguments["content"] = arguments["content"].encode()
@@ -166,8 +171,36 @@ async def send_hostile(client: httpx.AsyncClient, rng: random.Random, model: str
         level.problems.append(f"hostile {name}: transport error {error!r}")
         return
     level.count(response.status_code)
-    if not 400 <= response.status_code < 500 or _error_shape(response):
+    if not 400 <= response.status_code < 500 or error_problem(response.status_code, response.text):
         level.problems.append(f"hostile {name}: {response.status_code} {response.text[:200]}")
+
+
+async def send_poison(client: httpx.AsyncClient, rng: random.Random, model: str, level: Level, family: str) -> None:
+    """A hostile output constraint: refused with a 4xx, completed, or failed alone (a 5xx, or an error event in
+    its own stream, that the server marks as confined to this request)."""
+    case = grammar_case(rng, model, family)
+    name = f"{family} via {case.carrier}"
+    level.hostile += 1
+    level.poisons += 1
+    try:
+        async with client.stream("POST", case.route, json=case.body) as response:
+            text = (await response.aread()).decode(errors="replace")
+    except httpx.HTTPError as error:
+        level.problems.append(f"hostile {name}: transport error {error!r}")
+        return
+    level.count(response.status_code)
+    errors = [json.loads(line[6:])["error"] for line in text.splitlines() if line.startswith('data: {"error"')]
+    if response.status_code == 200 and not errors:
+        return
+    if response.status_code == 200 or response.status_code >= 500:
+        scopes = ({error.get("scope") if isinstance(error, dict) else None for error in errors}
+                  or {response.headers.get(ERROR_SCOPE_HEADER)})
+        if scopes == {REQUEST_SCOPE}:
+            level.poisons_failed_alone += 1
+            return
+    elif error_problem(response.status_code, text) is None:
+        return
+    level.problems.append(f"hostile {name}: {response.status_code} {text[:200]} for {json.dumps(case.body)[:300]}")
 
 
 async def run_level(url: str, model: str, level: Level, seed: int, args) -> None:
@@ -175,8 +208,9 @@ async def run_level(url: str, model: str, level: Level, seed: int, args) -> None
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(120.0), limits=limits) as client:
         tasks: set[asyncio.Task] = set()
-        deadline = time.monotonic() + level.seconds
-        while time.monotonic() < deadline:
+        started, sent = time.monotonic(), 0
+        while time.monotonic() < started + level.seconds and sent < args.requests:
+            sent += 1
             await asyncio.sleep(rng.expovariate(level.rate))
             if rng.random() < args.hostile_share:
                 coroutine = send_hostile(client, rng, model, level)
@@ -186,6 +220,7 @@ async def run_level(url: str, model: str, level: Level, seed: int, args) -> None
             task = asyncio.create_task(coroutine)
             tasks.add(task)
             task.add_done_callback(tasks.discard)
+        level.seconds = time.monotonic() - started  # shorter than planned when --requests ran out first
         await asyncio.gather(*tasks)
 
 
@@ -297,6 +332,7 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-waiting-requests", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=1 << 62, help="at most this many requests per level")
     parser.add_argument("--hostile-share", type=float, default=0.05)
     parser.add_argument("--disconnect-share", type=float, default=0.1)
     parser.add_argument("--rss-period", type=float, default=5.0)
@@ -305,7 +341,8 @@ def main() -> int:
 
     command = [sys.executable, "-m", "pagoda", "serve", "--host", HOST, "--port", str(free_port()),
                "--max-num-seqs", str(args.max_num_seqs), "--max-waiting-requests", str(args.max_waiting_requests),
-               "--max-model-len", "512", "--threads", str(args.threads), "--uvicorn-log-level", "warning"]
+               "--max-model-len", "512", "--threads", str(args.threads), "--uvicorn-log-level", "warning",
+               "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]  # tool_choice auto among the poisons
     command += ["--model", args.model] if args.model else []
     with tempfile.TemporaryDirectory(prefix="pagoda-soak-") as log_dir:
         process, url = start_server(command, Path(log_dir) / "server.log", timeout=300)
@@ -316,7 +353,8 @@ def main() -> int:
             exit_code = stop_server(process)
             tracebacks = Path(log_dir, "server.log").read_text(errors="replace").count("Traceback")
     result.update(command=" ".join(["pagoda", *command[3:]]), server_exit_code=exit_code,
-                  server_log_tracebacks=tracebacks, args={k: str(v) for k, v in vars(args).items()})
+                  server_log_tracebacks=tracebacks, args={k: str(v) for k, v in vars(args).items()},
+                  provenance=provenance())
     failures = verdict(result) + ([f"{tracebacks} tracebacks in the server log"] if tracebacks else [])
     result["failures"] = failures
     args.json.write_text(json.dumps(result, indent=1) + "\n")

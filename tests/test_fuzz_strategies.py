@@ -146,9 +146,17 @@ def test_post_reads_an_event_stream_and_its_errors(event_server: str) -> None:
     seen: list = []
     reply = post(event_server, "/v1/completions", {"prompt": "x"}, on_event=seen.append)
     assert seen == reply.events and len(reply.events) == 2
-    assert reply.outcome() == "200+error 500" and reply.server_error()
+    assert reply.outcome() == "200+error 500" and reply.server_error() and not reply.failed_alone()
     assert not Reply(400, "{}").server_error() and Reply(503).server_error()
     assert Reply(None, transport_error="reset").outcome() == "transport error"
+
+
+def test_a_failure_confined_to_its_request() -> None:
+    assert Reply(500, "{}", scope="request").failed_alone()
+    assert not Reply(500, "{}").failed_alone() and not Reply(400, "{}", scope="request").failed_alone()
+    scoped = {"error": {"message": "m", "code": 500, "scope": "request"}}
+    assert Reply(200, events=[{"choices": []}, scoped]).outcome() == "200+error 500 alone"
+    assert not Reply(200, events=[scoped, {"error": {"message": "m", "code": 500}}]).failed_alone()
 
 
 def test_bystander_judgement() -> None:
