@@ -12,7 +12,15 @@ import pytest
 from server_fixtures import launch_server, make_server_checkpoint, wait_until
 
 from pagoda.cli import build_parser
-from pagoda.router.data_parallel import PARENT_ONLY, given_flags, offset_port, plan_engines, split_threads
+from pagoda.router import data_parallel, launcher
+from pagoda.router.data_parallel import (
+    PARENT_ONLY,
+    given_flags,
+    offset_port,
+    plan_engines,
+    serve_data_parallel,
+    split_threads,
+)
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -49,6 +57,31 @@ def test_threads_split_evenly_and_event_ports_offset_by_rank():
     assert [c[c.index("--threads") + 1] for c in plan.commands] == ["2", "2"]
     assert list(plan.event_endpoints.values()) == ["tcp://127.0.0.1:6000", "tcp://127.0.0.1:6001"]
     assert list(plan.event_endpoints) == plan.urls
+
+
+@pytest.mark.parametrize(("flags", "replica_key"), [(["--api-key", "a", "--api-key", "b"], "a"), ([], None)])
+def test_the_engines_router_checks_their_keys_and_sends_them_one(monkeypatch, flags, replica_key):
+    class NoEngines:
+        def __init__(self, commands, drain_timeout) -> None:
+            pass
+
+        def watch(self) -> None:
+            pass
+
+        def stop(self) -> int:
+            return 0
+
+    routed = {}
+    monkeypatch.setattr(data_parallel, "Engines", NoEngines)
+    monkeypatch.setattr(launcher, "serve_router", lambda *args, **kwargs: routed.update(kwargs))
+    for name in ("PAGODA_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    parser = serve_parser()
+    args = parser.parse_args(["--model", "/m", "--data-parallel-size", "2", *flags])
+    assert serve_data_parallel(plan_engines(parser, args), args) == 0
+    keys = routed["api_keys"]
+    assert keys.enabled == bool(flags) and routed["replica_api_key"] == replica_key
+    assert not flags or (keys.accepts("Bearer a") and keys.accepts("Bearer b") and not keys.accepts("Bearer c"))
 
 
 def test_two_engines_serve_behind_the_router_and_stop_with_it(tmp_path):
