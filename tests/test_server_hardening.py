@@ -24,8 +24,8 @@ import openai
 import pytest
 from server_fixtures import LOOPBACK, assert_openai_error, launch_server, make_server_checkpoint, wait_until
 
+from pagoda.server.admission import Admission
 from pagoda.server.api import LoadedModel, ServerState, build_app
-from pagoda.server.generation import Admission
 from pagoda.server.protocol import OpenAIError
 
 pytestmark = pytest.mark.timeout(180)

@@ -30,7 +30,12 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailed(RuntimeError):
-    """The engine failed while handling this request (an internal error: HTTP 500)."""
+    """The engine failed while handling this request (an internal error: HTTP 500). `alone`: the fault was
+    this request's own (it failed and the others went on); else a failed step took every request in it."""
+
+    def __init__(self, message: str, alone: bool = False) -> None:
+        super().__init__(message)
+        self.alone = alone
 
 
 @dataclass
@@ -141,7 +146,7 @@ class AsyncEngine:
         try:
             self._engine.add_request(request_id, prompt, params, cache_salt, priority)
         except Exception as error:  # a bad request must not touch the loop
-            self._fail(request_id, error)
+            self._fail(request_id, RequestFailed(f"request failed: {error}", alone=True))
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -174,7 +179,7 @@ class AsyncEngine:
                         raise
                     continue
                 for request_id, failure in self._engine.pop_failures().items():
-                    self._fail(request_id, RequestFailed(f"request failed: {failure}"))
+                    self._fail(request_id, RequestFailed(f"request failed: {failure}", alone=True))
                 self._dispatch(outputs)
                 self._update_stats()
         except BaseException as error:

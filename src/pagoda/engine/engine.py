@@ -220,6 +220,11 @@ class LLMEngine:
         compiles the request's grammar (into a thread-safe cache) so that a bad constraint fails here."""
         if not prompt_ids:
             raise RequestRejected("the prompt is empty")
+        if params.structured_outputs is not None:  # first: a constraint's fault is named whatever else is wrong
+            try:
+                self.structured.compile(params.structured_outputs)
+            except InvalidConstraint as error:
+                raise RequestRejected(str(error), error.param) from error
         if priority != 0 and self.config.scheduler.scheduling_policy != "priority":
             # vLLM's rule: a priority the scheduler would ignore is an error, not a silent no-op.
             raise RequestRejected(f"got priority {priority}, but priority scheduling is not enabled "
@@ -237,11 +242,6 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{wanted} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens or 1} for the completion)."
             )
-        if params.structured_outputs is not None:
-            try:
-                self.structured.compile(params.structured_outputs)
-            except InvalidConstraint as error:
-                raise RequestRejected(str(error), error.param) from error
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for group_id in [request_id] if isinstance(request_id, str) else request_id:

@@ -28,7 +28,8 @@ from pagoda.engine.engine import RequestRejected
 from pagoda.engine.output import Tokenizer
 from pagoda.model.tokenizer import ChatTemplateError, render_chat
 from pagoda.sampling import SamplingParams
-from pagoda.server.generation import Admission, Generation, TokenTexts, WaitingSlots
+from pagoda.server.admission import Admission, WaitingSlots
+from pagoda.server.generation import Generation, TokenTexts
 from pagoda.server.guards import BodySizeLimit, JsonDecoder, ServerLimits, error_response
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.openapi import install_openapi

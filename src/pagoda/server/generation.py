@@ -14,14 +14,19 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from pagoda.engine.async_engine import AsyncEngine
+from pagoda.engine.async_engine import AsyncEngine, RequestFailed
 from pagoda.engine.output import CompletionOutput, RequestOutput, Tokenizer, best_logprobs
 from pagoda.sampling import SamplingParams
+from pagoda.server.admission import WaitingSlots
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.protocol import Kind, OpenAIError, now, usage
 from pagoda.server.tools import ToolCall, ToolCallReader
 
 logger = logging.getLogger(__name__)
+
+# On a 5xx that is one request's own fault (it failed alone in the engine; the server and the other requests
+# are fine): "request". A streamed response, already 200, carries it as the error event's "scope".
+ERROR_SCOPE_HEADER = "X-Pagoda-Error-Scope"
 
 
 @dataclass
@@ -56,55 +61,6 @@ class TokenTexts:
         if text is None:
             text = self._texts[token_id] = self.tokenizer.decode([token_id])
         return text
-
-
-class Admission:
-    """The waiting-queue bound (`--max-waiting-requests`, counted in sequences: prompts x n), on the event
-    loop only.
-
-    A sequence admitted at the door counts as waiting until its prompt has produced its first output. A
-    request is admitted whole or not at all, and its slots are reserved synchronously when it is admitted,
-    so neither one large request nor a burst can take the queue past the bound.
-    """
-
-    def __init__(self, max_waiting: int | None = None) -> None:
-        self.max_waiting = max_waiting
-        self.num_waiting = 0
-
-    def admit(self, num_prompts: int, n: int) -> WaitingSlots:
-        """Reserves num_prompts x n slots, or raises OpenAIError: 429 (with Retry-After) when they do not fit
-        now, 400 when they never can."""
-        wanted = num_prompts * n
-        if self.max_waiting is not None and wanted > self.max_waiting:
-            param = "n" if n > 1 else "prompt"
-            raise OpenAIError(400, f"the request asks for {wanted} sequences (prompts x n); the server queues at "
-                                   f"most {self.max_waiting}", param)
-        if self.max_waiting is not None and self.num_waiting + wanted > self.max_waiting:
-            raise OpenAIError(429, "the server is at its waiting-queue bound; retry later",
-                              headers={"Retry-After": "1"})
-        return WaitingSlots(self, num_prompts, n)
-
-    def reserve(self, count: int) -> None:
-        self.num_waiting += count
-
-    def release(self, count: int) -> None:
-        self.num_waiting -= count
-
-
-class WaitingSlots:
-    """One request's reservation: n slots per prompt, each prompt's given back once."""
-
-    def __init__(self, admission: Admission, num_prompts: int, n: int) -> None:
-        self.admission, self.n = admission, n
-        self.held = set(range(num_prompts))
-        admission.reserve(num_prompts * n)
-
-    def release(self, prompt_index: int | None = None) -> None:
-        """Gives back one prompt's slots, or (None) all that are still held."""
-        for index in list(self.held) if prompt_index is None else [prompt_index]:
-            if index in self.held:
-                self.held.discard(index)
-                self.admission.release(self.n)
 
 
 class Generation:
@@ -203,9 +159,12 @@ class Generation:
                                "(--request-timeout)")
 
     def _internal_error(self, error: Exception) -> OpenAIError:
-        """The client learns that it failed and the id to quote; the log has the details under that id."""
+        """The client learns that it failed, the id to quote and whether it failed alone; the log has the
+        details under that id."""
         logger.error("request %s failed: %s", self.response_id, error, exc_info=error)
-        return OpenAIError(500, f"internal error (request id {self.response_id})")
+        alone = isinstance(error, RequestFailed) and error.alone
+        return OpenAIError(500, f"internal error (request id {self.response_id})",
+                           headers={ERROR_SCOPE_HEADER: "request"} if alone else None)
 
     def _observe(self, index: int, output: RequestOutput) -> None:
         timing, moment = self.timings[index], time.monotonic()
@@ -290,7 +249,10 @@ class Generation:
                     for chunk in self._delta_chunks(prompt_index, completion, state):
                         yield _event(chunk)
         except OpenAIError as error:
-            yield _event(error.body())
+            body = error.body()
+            if error.headers and ERROR_SCOPE_HEADER in error.headers:
+                body["error"]["scope"] = error.headers[ERROR_SCOPE_HEADER]
+            yield _event(body)
             yield "data: [DONE]\n\n"
             return
         if self.include_usage:

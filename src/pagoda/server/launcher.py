@@ -29,8 +29,8 @@ from pagoda.engine.kv_cache import KVEventSink
 from pagoda.model.loader import ModelLoadError
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
+from pagoda.server.admission import Admission
 from pagoda.server.api import LoadedModel, ServerState, build_app
-from pagoda.server.generation import Admission
 from pagoda.server.guards import ServerLimits
 from pagoda.server.kv_events import KVEventsConfig, make_publisher
 from pagoda.server.metrics import ServerMetrics, cache_config_info
