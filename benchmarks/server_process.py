@@ -49,7 +49,8 @@ def start_server(command: list[str], log_path: Path, timeout: float, env: dict[s
             return process, url
         time.sleep(0.2)
     stop_server(process)
-    raise RuntimeError(f"server not healthy after {timeout:.0f} s; see {log_path}")
+    tail = log_path.read_text(errors="replace")[-3000:]  # the caller may delete the log with its directory
+    raise RuntimeError(f"server not healthy after {timeout:.0f} s; {log_path}:\n{tail}")
 
 
 def stop_server(process: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
