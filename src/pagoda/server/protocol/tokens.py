@@ -1,0 +1,41 @@
+"""/tokenize's and /detokenize's requests (vLLM's)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import field_validator, model_validator
+
+from pagoda.server.protocol.chat import few_messages
+from pagoda.server.protocol.messages import AnyMessage
+from pagoda.server.protocol.wire import FAIL_FAST, TokenIds, WireModel, too_long, wire_limits
+
+
+class TokenizeRequest(WireModel):
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[AnyMessage], FAIL_FAST] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _few_messages(cls, value: Any) -> Any:
+        return few_messages(value)
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(WireModel):
+    model: str | None = None
+    tokens: TokenIds
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _few_tokens(cls, value: Any) -> Any:
+        too_long(value, wire_limits().max_items, "token ids (the model's context length)")
+        return value

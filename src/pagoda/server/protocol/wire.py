@@ -1,0 +1,143 @@
+"""What every request model shares: OpenAI's error, strict JSON types, the size bounds checked before
+validation, and the Unicode check on parsed bodies."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import ErrorDetails
+
+
+class OpenAIError(Exception):
+    """Anything answered with OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 413: "RequestTooLargeError",
+             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError",
+             504: "TimeoutError"}
+
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "Error"),
+                          "param": self.param, "code": self.status}}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def now() -> int:
+    return int(time.time())
+
+
+Kind = Literal["completion", "chat"]
+
+
+# --- what the wire may carry ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WireLimits:
+    """Bounds on a request's size checked before its fields are validated, so that a huge list or map is
+    refused at the cost of len(), not of validating every element. Set per request (WIRE_LIMITS)."""
+
+    max_prompts: int = 256  # prompts in one completion request (prompts x n is checked after validation)
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 1024
+    max_logit_bias: int = 1024
+    max_stop_token_ids: int = 1024  # fixed: more stop ids than this is no use case, only validation work
+    max_items: int | None = None  # messages, or token ids to detokenize: max_model_len once a model is loaded
+
+
+MAX_TOOLS = 128  # OpenAI's bound on functions per request
+WIRE_LIMITS: ContextVar[WireLimits] = ContextVar("wire_limits")  # set per request by the app
+
+
+def wire_limits() -> WireLimits:
+    return WIRE_LIMITS.get(_DEFAULT_LIMITS)
+
+
+_DEFAULT_LIMITS = WireLimits()
+
+
+class WireModel(BaseModel):
+    """Strict types on the wire: JSON's own types only, so `"yes"` is not a boolean and `false` not token id 0.
+    (Strict floats still take JSON integers.)
+
+    `NULL_IS_DEFAULT` names the fields that OpenAI or vLLM document as nullable but that have a default
+    here: an explicit null there means the default."""
+
+    model_config = ConfigDict(strict=True)
+    NULL_IS_DEFAULT: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict) and cls.NULL_IS_DEFAULT:
+            return {k: v for k, v in data.items() if v is not None or k not in cls.NULL_IS_DEFAULT}
+        return data
+
+
+# Lists stop at their first bad element: a million bad ids make one error, not a million.
+FAIL_FAST = Field(fail_fast=True)
+TokenIds = Annotated[list[int], FAIL_FAST]
+Prompt = str | Annotated[list[str], FAIL_FAST] | TokenIds | Annotated[list[TokenIds], FAIL_FAST]
+
+
+def too_long(value: Any, limit: int | None, what: str) -> None:
+    """Raises when a raw (not yet validated) list, map or string is longer than limit."""
+    if limit is not None and isinstance(value, (list, dict, str)) and len(value) > limit:
+        raise ValueError(f"at most {limit} {what}, got {len(value)}")
+
+
+def located(error: ErrorDetails) -> str:
+    """One pydantic error as `path.to.field: message`, without pydantic's "Value error, " prefix."""
+    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    return f"{'.'.join(map(str, error['loc']))}: {message}" if error["loc"] else message
+
+
+def first_invalid_text(value: Any, path: tuple[str | int, ...] = ()) -> tuple[str | int, ...] | None:
+    """The path to a string (or key) in parsed JSON that is not valid Unicode (a lone surrogate, which JSON's
+    \\ud800 escapes can carry), or None when every string is valid. Allocates nothing per number or valid
+    string: a body of millions of token ids is walked at the cost of one loop."""
+    if isinstance(value, str):
+        return None if _is_valid_text(value) else path
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, path)] if isinstance(value, (dict, list)) else []
+    while stack:
+        container, where = stack.pop()
+        entries = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, child in entries:
+            if isinstance(key, str) and not _is_valid_text(key):
+                return (*where, key.encode("utf-8", "backslashreplace").decode())
+            if isinstance(child, str):
+                if not _is_valid_text(child):
+                    return (*where, key)
+            elif isinstance(child, (dict, list)):
+                stack.append((child, (*where, key)))
+    return None
+
+
+def _is_valid_text(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
