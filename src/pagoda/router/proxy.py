@@ -103,7 +103,7 @@ class Forwarder:
             try:
                 upstream = await self.client.post(f"{replica.url}{path}", content=body, headers=headers)
             except httpx.HTTPError as error:
-                return self._connection_failed(decision, error)
+                return self._no_answer(decision, error)
             refused = self._refused(decision, upstream, upstream.content)
             if refused is not None:
                 return refused
@@ -123,7 +123,7 @@ class Forwarder:
             try:
                 upstream = await self.client.send(request, stream=True)
             except httpx.HTTPError as error:
-                return self._connection_failed(decision, error)
+                return self._no_answer(decision, error)
             if upstream.status_code != 200:
                 content = await self._read_and_close(upstream)
                 refused = self._refused(decision, upstream, content)
@@ -132,7 +132,7 @@ class Forwarder:
             try:
                 first = await chunks.__anext__()
             except (httpx.HTTPError, StopAsyncIteration) as error:
-                return self._connection_failed(decision, error)
+                return self._no_answer(decision, error)
             handed_over = True
             # The background task runs even when the client leaves before the body starts, which would
             # leave _relay's own cleanup unrun.
@@ -179,7 +179,7 @@ class Forwarder:
 
     # --- outcomes ----------------------------------------------------------------------------------
 
-    def _connection_failed(self, decision: Decision, error: BaseException) -> Attempt:
+    def _no_answer(self, decision: Decision, error: BaseException) -> Attempt:
         """No answer (StopAsyncIteration: a stream that closed before its first chunk)."""
         logger.warning("replica %s: %s", decision.replica.url, type(error).__name__)
         outcome = failure_of(error)
