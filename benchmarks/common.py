@@ -77,7 +77,7 @@ def _lscpu() -> dict[str, str]:
 
 
 def environment(load_at_start: list[float]) -> dict:
-    from pagoda.kernels import avx2_kernels, cpu_kernels
+    from pagoda.kernels import cpu_flags, cpu_kernels, simd_target
 
     try:
         import transformers
@@ -89,9 +89,9 @@ def environment(load_at_start: list[float]) -> dict:
         "torch": torch.__version__, "transformers": transformers_version, "python": platform.python_version(),
         "torch_threads": torch.get_num_threads(), "torch_interop_threads": torch.get_num_interop_threads(),
         "cpu_affinity": len(os.sched_getaffinity(0)), "lscpu": _lscpu(), "machine": platform.machine(),
-        # The AVX2 module only where it is what runs (asking for it builds it).
         "pagoda_kernels": cpu_kernels() is not None,
-        "pagoda_avx2_kernels": cpu_kernels() is None and avx2_kernels() is not None,
+        "pagoda_kernel_target": simd_target()[0], "pagoda_kernel_target_reason": simd_target()[1],
+        "cpu_simd_flags": sorted(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx"))),
         "load_average_start": load_at_start,
         "load_average_end": load_average(), "argv": sys.argv,
     }

@@ -5,6 +5,7 @@
 #
 #   benchmarks/llama_cpp.sh build                      # llama-server, llama-quantize (native CPU flags)
 #   benchmarks/llama_cpp.sh build-no-amx               # the same into $LLAMA_CPP_DIR/build-no-amx, AVX-512 but no AMX
+#   benchmarks/llama_cpp.sh build-avx2                 # into $LLAMA_CPP_DIR/build-avx2: AVX2 + FMA, no AVX-512
 #   benchmarks/llama_cpp.sh gguf models/bench-1b       # f32, bf16, q8_0 and Q4_K_M GGUFs of that model
 #   benchmarks/llama_cpp.sh server <gguf> <port> [extra llama-server flags]
 #
@@ -42,6 +43,13 @@ build-no-amx() {
   build "$DIR/build-no-amx" -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
     -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
     -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+}
+
+# AVX2 + FMA + F16C and nothing newer: what llama.cpp runs on an AVX2-only CPU (and, on a bigger host, the
+# build that matches pagoda's avx2 target). Its llama-server is $LLAMA_CPP_DIR/build-avx2/bin/llama-server.
+build-avx2() {
+  build "$DIR/build-avx2" -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+    -DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 }
 
 gguf() {

@@ -8,10 +8,11 @@ import json
 
 import pytest
 from conftest import Reference, compare_with_reference, random_prompts
+from test_native_decode import CountingStack
 
 from pagoda import SamplingParams
 from pagoda.engine.scheduler import Scheduler
-from pagoda.kernels import cpu_kernels
+from pagoda.kernels import TARGET_ENV, available_targets, cpu_kernels
 from pagoda.testing import ARCHITECTURES
 
 MAX_NEW_TOKENS = 20
@@ -97,6 +98,23 @@ def test_greedy_matches_transformers(arch, mode, checkpoint, hf_reference, make_
     elif mode == "all-at-once":
         assert scheduler.num_preemptions == 0
         assert len(steps[0]) == len(PROMPTS), "all prompts should be prefilled in the first step"
+
+
+@pytest.mark.parametrize("target", available_targets())
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_native_decode_on_each_kernel_target_matches_transformers(arch, target, checkpoint, hf_reference, make_llm,
+                                                                   monkeypatch):
+    """Every kernel target the CPU has (the test above runs the best one) decodes through its native stack, and
+    its greedy fp32 tokens are transformers', chunked prefill and decodes mixed."""
+    monkeypatch.setenv(TARGET_ENV, target)
+    model_dir = checkpoint(arch)
+    llm = make_llm(model_dir, **MODES["chunked"])
+    backend = llm.engine.model.backend
+    assert backend.kernels.target == target and backend.decode_runner is not None
+    counter = backend.decode_runner.stack = CountingStack(backend.decode_runner.stack)
+    for index, (tokens, prompt) in enumerate(zip(run_greedy(llm, PROMPTS), PROMPTS)):
+        compare_with_reference(tokens, hf_reference(model_dir, prompt, MAX_NEW_TOKENS), f"{arch}/{target}/{index}")
+    assert counter.calls >= MAX_NEW_TOKENS - 1, "the native stack must have run the decode steps"
 
 
 @pytest.mark.parametrize("arch, without_window", [("mistral", "llama"), ("qwen2-swa", "qwen2")])

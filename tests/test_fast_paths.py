@@ -16,18 +16,32 @@ from reference_kernels import ReferenceKernels
 from torch import nn
 
 from pagoda import SamplingParams
-from pagoda.kernels import cpu_flags, cpu_has_kernel_features, cpu_kernels
+from pagoda.kernels import available_targets, cpu_flags, cpu_kernels, target_kernels
 from pagoda.model.quantization import DenseLinear, Int8Linear
 
-KERNELS_APPLY = cpu_has_kernel_features()
-needs_kernels = pytest.mark.skipif(not KERNELS_APPLY, reason="this CPU lacks AVX-512 BF16/VNNI: no kernels")
+TARGETS = available_targets()  # the kernel tests run each target this CPU has
+KERNELS_APPLY = bool(TARGETS)
+needs_kernels = pytest.mark.skipif(not KERNELS_APPLY, reason="this CPU has neither AVX2 + FMA nor AVX-512: no kernels")
+# How each target's int8 GEMV quantizes x: (columns per scale, largest code).
+X_CODES = {"avx512": (128, 32767), "avx2": (32, 127)}
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels()
-    assert module is not None, "the CPU has AVX-512 BF16, so the kernels must build"
+def built_kernels(target: str):
+    module = target_kernels(target)
+    assert module is not None, f"the CPU runs the {target} target, so its kernels must build"
+    assert module.target == target
     return module
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def kernels(request):
+    return built_kernels(request.param)
+
+
+@pytest.fixture(scope="module", params=[target for target in TARGETS if target == "avx512"])
+def prefill_kernels(request):
+    """The targets with prefill attention."""
+    return built_kernels(request.param)
 
 
 @needs_kernels
@@ -42,8 +56,9 @@ def test_gemv_kernels_match_torch(kernels, kind, rows):
     if kind == "int8":
         q, scale = torch.randint(-127, 128, (203, 1056), dtype=torch.int8), torch.rand(203) / 50
         actual, expected = kernels.gemv_int8(x, q, scale), (x @ q.float().T) * scale
-        # x quantized to int16 in blocks of 128: within half a step of each block's scale
-        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3 + _int16_rounding_bound(x, q, scale))
+        # x quantized per block (int16 per 128 on avx512, int8 per 32 on avx2): within half a step of each block
+        bound = _x_rounding_bound(x, q, scale, *X_CODES[kernels.target])
+        torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3 + bound)
         return
     elif kind == "bf16":
         w = torch.randn(203, 1056).bfloat16()
@@ -54,28 +69,30 @@ def test_gemv_kernels_match_torch(kernels, kind, rows):
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3)
 
 
-def _int16_rounding_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> float:
-    """The most x quantized to int16 per 128-element block of a row (step max|block| / 32767, rounded to
-    nearest) can move x @ (q * scale).T: half a step times |w|, summed; the largest over rows."""
+def _x_rounding_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: int, levels: int) -> float:
+    """The most x quantized per `block`-element block of a row (step max|block| / levels, rounded to nearest)
+    can move x @ (q * scale).T: half a step times |w|, summed; the largest over rows."""
     half_steps = torch.stack([
-        torch.cat([b.abs().max().expand(b.numel()) for b in row.float().split(128)]) / 32767 / 2 for row in x
+        torch.cat([b.abs().max().expand(b.numel()) for b in row.float().split(block)]) / levels / 2 for row in x
     ])
     return (half_steps @ (q.float().abs() * scale[:, None]).T).max().item()
 
 
 @needs_kernels
 def test_int8_one_row_keeps_each_block_of_x_precise(kernels):
-    """An outlier in x coarsens only its own 128-element block: the weights meeting it are zero here, so
-    the rest must come out as precise as their own small values allow (one step for all of x: ~100x off)."""
+    """An outlier in x coarsens only its own block (128 elements on avx512, 32 on avx2): the weights meeting it
+    are zero here, so the rest must come out as precise as their own small values allow (one step for all of x:
+    ~100x off)."""
     torch.manual_seed(1)
     x = torch.randn(1, 512) * 1e-3
     x[0, 5] = 1000.0
     x[0, 256:384] = 0.0  # a block of zeros
     q, scale = torch.randint(-127, 128, (64, 512), dtype=torch.int8), torch.rand(64) / 50
-    q[:, :128] = 0
+    q[:, :128] = 0  # the outlier's block, on either target
     actual, expected = kernels.gemv_int8(x, q, scale), (x.double() @ q.double().T * scale.double()).float()
-    bound = _int16_rounding_bound(x, q, scale)
-    one_step_for_the_row = ((q.float().abs() * scale[:, None]).sum(dim=1) * 1000 / 32767 / 2).max().item()
+    block, levels = X_CODES[kernels.target]
+    bound = _x_rounding_bound(x, q, scale, block, levels)
+    one_step_for_the_row = ((q.float().abs() * scale[:, None]).sum(dim=1) * 1000 / levels / 2).max().item()
     assert bound < one_step_for_the_row / 1000  # so the check below tells the two apart
     torch.testing.assert_close(actual, expected, rtol=0, atol=bound)
 
@@ -229,7 +246,7 @@ def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_head
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128), (8, 1, 32), (6, 6, 96)])
 @pytest.mark.parametrize("window", [None, 13, 70])
-def test_paged_prefill_kernel_matches_fp32_attention(kernels, dtype, heads, kv_heads, head_dim, window):
+def test_paged_prefill_kernel_matches_fp32_attention(prefill_kernels, dtype, heads, kv_heads, head_dim, window):
     """The prefill kernel in a mixed step (whole prompts, chunks that follow cached keys, decodes) on
     scattered slots, against the reference backend computing in fp32 on the same values."""
     from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
@@ -247,7 +264,7 @@ def test_paged_prefill_kernel_matches_fp32_attention(kernels, dtype, heads, kv_h
     k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
                         for _ in range(2))
     q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
-    fast = CpuAttentionBackend(kernels).forward(q, k_cache, v_cache, meta, head_dim**-0.5, window).float()
+    fast = CpuAttentionBackend(prefill_kernels).forward(q, k_cache, v_cache, meta, head_dim**-0.5, window).float()
     reference = TorchAttentionBackend().forward(
         q.float(), k_cache.float(), v_cache.float(), meta, head_dim**-0.5, window
     )
@@ -266,7 +283,8 @@ def test_prefill_attention_takes_amx_tiles_where_the_cpu_has_them(kernels):
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128), (8, 1, 32), (6, 6, 96)])
 @pytest.mark.parametrize("window", [0, 13, 70])
 @pytest.mark.parametrize("spread", [1.0, 12.0])  # 12: peaked rows, most probabilities below fp32's range
-def test_bf16_prefill_kernel_forms_match_fp32_attention(kernels, use_amx, heads, kv_heads, head_dim, window, spread):
+def test_bf16_prefill_kernel_forms_match_fp32_attention(prefill_kernels, use_amx, heads, kv_heads, head_dim, window,
+                                                       spread):
     """Both bf16 forms (AMX tiles where the CPU has them; vdpbf16ps) on a chunk of 150 queries after 170
     cached keys, on scattered slots: 5 key blocks, tiles of rows that straddle query heads and positions."""
     gen = torch.Generator().manual_seed(heads * head_dim + window)
@@ -275,7 +293,7 @@ def test_bf16_prefill_kernel_forms_match_fp32_attention(kernels, use_amx, heads,
     k_cache, v_cache = (torch.randn(400, kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
     q = (torch.randn(queries, heads, head_dim, generator=gen) * spread).bfloat16()
     out = torch.empty_like(q)
-    kernels.paged_prefill_attention_(q, k_cache, v_cache, slots, window, head_dim**-0.5, out, use_amx=use_amx)
+    prefill_kernels.paged_prefill_attention_(q, k_cache, v_cache, slots, window, head_dim**-0.5, out, use_amx=use_amx)
     reference = torch.empty(q.shape)  # the stand-in kernel, computing in fp32 on the same values
     ReferenceKernels().paged_prefill_attention_(q.float(), k_cache.float(), v_cache.float(), slots, window,
                                                 head_dim**-0.5, reference)
@@ -284,11 +302,11 @@ def test_bf16_prefill_kernel_forms_match_fp32_attention(kernels, use_amx, heads,
 
 
 @needs_kernels
-def test_paged_prefill_kernel_rejects_shapes_it_does_not_handle(kernels):
+def test_paged_prefill_kernel_rejects_shapes_it_does_not_handle(prefill_kernels):
     q = torch.zeros(4, 4, 48, dtype=torch.bfloat16)
     cache = torch.zeros(8, 2, 48, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="head_dim 32..128"):
-        kernels.paged_prefill_attention_(q, cache, cache, torch.arange(4), 0, 1.0, torch.empty_like(q))
+        prefill_kernels.paged_prefill_attention_(q, cache, cache, torch.arange(4), 0, 1.0, torch.empty_like(q))
     q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="must share a dtype"):
-        kernels.paged_prefill_attention_(q, cache.float(), cache.float(), torch.arange(4), 0, 1.0, q)
+        prefill_kernels.paged_prefill_attention_(q, cache.float(), cache.float(), torch.arange(4), 0, 1.0, q)

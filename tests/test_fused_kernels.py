@@ -1,4 +1,5 @@
-"""The fused elementwise kernels (kernels/cpu_fused.cpp) against the torch reference they replace.
+"""The fused elementwise kernels (kernels/cpu_fused.cpp; simd_fused.cpp on avx2), on every target the CPU
+has, against the torch reference they replace.
 
 Rotary + KV write is exact (the same roundings in the same order); residual add is exact; the norm and
 the SiLU gate may differ in the last bit of an fp32 reduction or exp, so bf16 outputs may differ by one
@@ -10,21 +11,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fast_paths import KERNELS_APPLY
+from test_fast_paths import KERNELS_APPLY, TARGETS, built_kernels
 
-from pagoda.kernels import cpu_kernels
 from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(not KERNELS_APPLY, reason="this CPU lacks AVX-512 BF16/VNNI: no kernels")
+pytestmark = pytest.mark.skipif(not KERNELS_APPLY, reason="this CPU has neither AVX2 + FMA nor AVX-512: no kernels")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels()
-    assert module is not None, "the CPU has AVX-512 BF16, so the kernels must build"
-    return module
+@pytest.fixture(scope="module", params=TARGETS)
+def kernels(request):
+    return built_kernels(request.param)
 
 
 def assert_within_rounding(actual: torch.Tensor, expected: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-"""The native decode stack (kernels/cpu_decode.cpp) against the module path it replaces.
+"""The native decode stack (kernels/cpu_decode.cpp), on every kernel target the CPU has, against the module path
+it replaces.
 
 It runs the same kernels in the same order, so the contract is exact: the same hidden states, KV cache
 contents, tokens and logprobs, bit for bit, in every dtype and quantization, with biases (qwen2),
@@ -12,13 +13,19 @@ import torch
 from conftest import random_prompts
 
 from pagoda import SamplingParams
-from pagoda.kernels import cpu_has_kernel_features
+from pagoda.kernels import TARGET_ENV, available_targets
 from pagoda.model.attention import build_metadata
 from pagoda.model.native_decode import NativeDecode
 from pagoda.model.quantization import KERNEL_MAX_ROWS
 
-pytestmark = pytest.mark.skipif(not cpu_has_kernel_features(),
-                                reason="this CPU lacks AVX-512 BF16/VNNI: no kernels")
+pytestmark = pytest.mark.skipif(not available_targets(), reason="this CPU has neither AVX2 + FMA nor AVX-512")
+
+
+@pytest.fixture(autouse=True, params=available_targets())
+def target(request, monkeypatch) -> str:
+    """Every test runs on each target the CPU has: the models it builds load that target's kernels."""
+    monkeypatch.setenv(TARGET_ENV, request.param)
+    return request.param
 
 CONFIGS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"dtype": "bfloat16", "quantization": "int8"},
            "int4": {"quantization": "int4"}, "int4-bf16": {"dtype": "bfloat16", "quantization": "int4"}}
@@ -49,12 +56,13 @@ def _generate(llm, prompts, native: bool):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2-swa", "llama-mqa", "qwen3"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_engine_output_is_bit_identical_to_module_path(make_llm, checkpoint, arch, config):
+def test_engine_output_is_bit_identical_to_module_path(make_llm, checkpoint, arch, config, target):
     """Greedy tokens and their logprobs, exactly equal, with chunking and preemption in the mix."""
     model_dir = checkpoint(arch)
     prompts = random_prompts([3, 30, 47, 12, 9], seed=11)
     options = {"max_num_batched_tokens": 9, "num_kv_blocks": 28, **CONFIGS[config]}
     native_llm, module_llm = make_llm(model_dir, **options), make_llm(model_dir, **options)
+    assert native_llm.engine.model.backend.kernels.target == target
     assert native_llm.engine.model.backend.decode_runner is not None
     native, counter = _generate(native_llm, prompts, native=True)
     module, _ = _generate(module_llm, prompts, native=False)

@@ -25,15 +25,12 @@ from tests.reference_kernels import (
     reference_matmul_int8,
 )
 
-# Both builds of the kernels, each where the CPU runs it: the full set (AVX-512) and the AVX2 module.
-BUILDS = {"full set": pagoda.kernels.cpu_kernels, "avx2": pagoda.kernels.avx2_kernels}
 
-
-@pytest.fixture(params=list(BUILDS))
+# Each kernel target the CPU runs: the full set (avx512) and the AVX2 module.
+@pytest.fixture(params=pagoda.kernels.available_targets())
 def module(request):
-    built = BUILDS[request.param]()
-    if built is None:
-        pytest.skip(f"this CPU does not run the {request.param} build")
+    built = pagoda.kernels.target_kernels(request.param)
+    assert built is not None, f"the CPU runs the {request.param} target, so its kernels must build"
     return built
 
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64, 130]
@@ -134,7 +131,7 @@ def test_int4_layer_takes_the_kernel_up_to_its_row_bound(module):
     longer ones the dequantized tiles, as without the kernel. The AVX2 form stops at 512 rows; the AVX-512 form has
     no bound."""
     bound = module.matmul_int4_max_rows
-    assert bound == (512 if module is pagoda.kernels.avx2_kernels() else sys.maxsize)
+    assert bound == (512 if module.target == "avx2" else sys.maxsize)
     layer = _layer(module, 96, 200, 64)  # 200 columns: padded to 256 by the layer, a ragged last group
     layer.bias = torch.nn.Parameter(torch.randn(96), requires_grad=False)
     for rows in (1, 8, 64, 65, 200, 512, 1100):
@@ -179,12 +176,13 @@ def test_the_startup_summary_names_what_int4_layers_run(make_llm, checkpoint):
         return next(line for line in startup_summary(llm.engine, "m").splitlines() if "quantization" in line)
 
     with_kernel = make_llm(checkpoint("llama"), quantization="int4")
-    if pagoda.kernels.cpu_kernels() is not None:
+    target, _ = pagoda.kernels.simd_target()
+    if target == "avx512":
         assert quantization_row(with_kernel).endswith("; pagoda's int4 kernel (x as int8)")
     else:
         assert quantization_row(with_kernel).endswith("; pagoda's int4 kernel up to 512 rows (x as int8), "
                                                       "dequantized tiles beyond")
-    if pagoda.kernels.cpu_kernels() is None:
+    if target != "avx512":
         int8 = make_llm(checkpoint("llama"), quantization="int8")
         assert quantization_row(int8).endswith("; pagoda's int8 kernel up to 128 rows (x as int8), dequantized "
                                                "tiles beyond")

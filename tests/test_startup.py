@@ -16,7 +16,7 @@ from pagoda.cli import build_parser, main, model_to_load, served_model_name
 from pagoda.config import CacheConfig
 from pagoda.demo import DEMO_MODEL_DIR
 from pagoda.engine.kv_pool import kv_pool_size
-from pagoda.kernels import cpu_has_kernel_features
+from pagoda.kernels import available_targets
 from pagoda.model.tokenizer import encode_chat
 from pagoda.startup import native_kernels_status, startup_summary
 
@@ -147,13 +147,25 @@ def test_the_summary_says_what_runs(demo_llm):
     assert rows["URL"].startswith("http://127.0.0.1:8000")
 
 
-def test_native_kernels_say_why_they_are_off(demo_llm):
+def test_native_kernels_say_why_they_are_off(demo_llm, monkeypatch):
     from dataclasses import replace
 
     config = demo_llm.engine.config
     assert native_kernels_status(replace(config, use_kernels=False)) == "off: --no-use-kernels"
-    if not cpu_has_kernel_features():
-        assert native_kernels_status(config).startswith("off: the CPU lacks AVX-512")
+    monkeypatch.setenv("PAGODA_SIMD_TARGET", "neon")
+    assert native_kernels_status(config) == "off: PAGODA_SIMD_TARGET=neon is not a target (avx512, avx2); torch path"
+
+
+def test_native_kernels_say_which_target_runs_and_why(demo_llm, monkeypatch):
+    config = demo_llm.engine.config
+    best = available_targets()[0]
+    reason = "the best this CPU has" if best == "avx512" else "the CPU lacks avx512_bf16, "
+    assert native_kernels_status(config).startswith(f"on: {best} ({reason}")
+    monkeypatch.setenv("PAGODA_SIMD_TARGET", "avx2")
+    assert native_kernels_status(config) == "on: avx2 (PAGODA_SIMD_TARGET=avx2)"
+    if "avx512" not in available_targets():
+        monkeypatch.setenv("PAGODA_SIMD_TARGET", "avx512")
+        assert native_kernels_status(config).startswith("off: PAGODA_SIMD_TARGET=avx512, but the CPU lacks avx512_bf16")
 
 
 # --------------------------------------------------------------------------------------------------

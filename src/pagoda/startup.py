@@ -13,9 +13,9 @@ if TYPE_CHECKING:
 
 
 def native_kernels_status(config: EngineConfig) -> str:
-    """'on' (saying where bf16 prefill attention runs on AMX tiles), or 'off: <why>' (the reasons
-    pagoda.kernels.cpu_kernels returns None for, and the user's own)."""
-    from pagoda.kernels import REQUIRED_CPU_FLAGS, cpu_has_kernel_features, cpu_kernels
+    """'on: <target> (<why that target>)', saying where bf16 prefill attention runs on AMX tiles, or 'off: <why>'
+    (the reasons pagoda.kernels.cpu_kernels returns None for, and the user's own)."""
+    from pagoda.kernels import cpu_kernels, simd_target
 
     if not config.use_kernels:
         return "off: --no-use-kernels"
@@ -23,12 +23,14 @@ def native_kernels_status(config: EngineConfig) -> str:
         return f"off: they are CPU kernels, the model is on {config.device}"
     if os.environ.get("PAGODA_DISABLE_KERNELS") == "1":
         return "off: PAGODA_DISABLE_KERNELS=1"
-    if not cpu_has_kernel_features():
-        return f"off: the CPU lacks AVX-512 with BF16 and VNNI ({', '.join(sorted(REQUIRED_CPU_FLAGS))}); torch path"
+    target, why = simd_target()
+    if target is None:
+        return f"off: {why}; torch path"
     kernels = cpu_kernels()
     if kernels is None:
-        return "off: they did not build or load (see the warning above); torch path"
-    return "on, bf16 prefill attention on AMX tiles" if kernels.prefill_attention_amx else "on"
+        return f"off: the {target} kernels did not build or load (see the warning above); torch path"
+    amx = ", bf16 prefill attention on AMX tiles" if kernels.prefill_attention_amx else ""
+    return f"on: {target} ({why}){amx}"
 
 
 def quantization_summary(config: EngineConfig, matmul: str | None = None) -> str:

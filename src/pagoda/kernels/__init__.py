@@ -1,9 +1,11 @@
 """Optional native kernels, compiled on first use; pagoda falls back to torch where they are missing.
 
-`cpu_kernels()` returns the compiled module, or None (with one warning) when the CPU lacks AVX-512
-BF16, no compiler is present, the build fails, or PAGODA_DISABLE_KERNELS=1 asks for the torch path.
-`avx2_kernels()` returns the smaller module built for AVX2 alone (the int8 and int4 matmuls), for CPUs
-without that AVX-512 set.
+Two targets, each one compiled module: "avx512" (the full set: AVX-512 with BF16, VNNI and VBMI; prefill
+attention too, on AMX tiles where granted) and "avx2" (AVX2 with FMA: the decode path, from the simd_*.cpp
+kernels written once over cpu_simd.h, plus the integer matmuls). `simd_target()` picks the best the CPU has,
+or the one PAGODA_SIMD_TARGET names; `cpu_kernels()` returns its module, or None (with one warning) when no
+target fits, no compiler is present, the build fails, or PAGODA_DISABLE_KERNELS=1 asks for the torch path.
+`target_kernels(name)` loads one target's module whatever was chosen (tests run every target the host has).
 
 The targets are defined here; `build.py` compiles each once per version of its sources into
 ~/.cache/pagoda/kernels/<hash of the sources and flags>/ (shared by every checkout with the same sources), under
@@ -33,7 +35,7 @@ class _Build:
     cpu_flags: frozenset[str]
 
 
-_HEADERS = ("cpu_vec.h", "cpu_ops.h", "cpu_x_codes.h", "cpu_prefill_attention.h")
+_HEADERS = ("cpu_vec.h", "cpu_simd.h", "cpu_ops.h", "cpu_bindings.h", "cpu_x_codes.h", "cpu_prefill_attention.h")
 # -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
 _LINK_FLAGS = ["-lgomp"]
 # The full set, for AVX-512 with bf16 dot products (vdpbf16ps), VNNI (vpdpwssd, vpdpbusd) and VBMI (vpermb).
@@ -47,37 +49,77 @@ _AVX512 = _Build(
      "-fopenmp", "-ffp-contract=off"),
     frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512vbmi"}),
 )
-# What runs on AVX2 alone (the int8 and int4 matmuls), for CPUs without that AVX-512 set.
-_AVX2 = _Build("pagoda_cpu_avx2_kernels", ("cpu_int8.cpp", "cpu_int4.cpp", "cpu_avx2_module.cpp"),
-               ("-O3", "-mavx2", "-mfma", "-fopenmp"), frozenset({"avx2", "fma"}))
+# The decode path on AVX2 + FMA alone: GEMVs, fused ops and decode attention over cpu_simd.h's 8 lanes, the
+# integer matmuls, and the native decode stack over them.
+_AVX2 = _Build(
+    "pagoda_cpu_avx2_kernels",
+    ("simd_gemv.cpp", "simd_fused.cpp", "simd_attention.cpp", "cpu_int8.cpp", "cpu_int4.cpp", "cpu_decode.cpp",
+     "cpu_avx2_module.cpp"),
+    ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"),
+    frozenset({"avx2", "fma"}),
+)
+TARGETS = {"avx512": _AVX512, "avx2": _AVX2}  # best first
+TARGET_ENV = "PAGODA_SIMD_TARGET"
 REQUIRED_CPU_FLAGS = _AVX512.cpu_flags
 
 
-def cpu_flags() -> set[str]:
+@functools.cache
+def cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
 def cpu_has_kernel_features() -> bool:
     return not REQUIRED_CPU_FLAGS - cpu_flags()
 
 
-@functools.cache
+def simd_target() -> tuple[str | None, str]:
+    """(the target the kernels run, why): the best the CPU has, or PAGODA_SIMD_TARGET's if the CPU has it;
+    (None, why not) when none fits."""
+    flags = cpu_flags()
+    forced = os.environ.get(TARGET_ENV)
+    if forced:
+        if forced not in TARGETS:
+            return None, f"{TARGET_ENV}={forced} is not a target ({', '.join(TARGETS)})"
+        missing = TARGETS[forced].cpu_flags - flags
+        if missing:
+            return None, f"{TARGET_ENV}={forced}, but the CPU lacks {', '.join(sorted(missing))}"
+        return forced, f"{TARGET_ENV}={forced}"
+    best = "the best this CPU has"
+    for name, build in TARGETS.items():
+        if not build.cpu_flags - flags:
+            return name, best
+        best = f"the CPU lacks {', '.join(sorted(build.cpu_flags - flags))} for {name}"
+    return None, best
+
+
+def available_targets() -> list[str]:
+    """The targets this CPU runs, best first."""
+    flags = cpu_flags()
+    return [name for name, build in TARGETS.items() if not build.cpu_flags - flags]
+
+
 def cpu_kernels():
-    """The full set of kernels (AVX-512), or None."""
-    return _load(_AVX512)
+    """The chosen target's module (`simd_target`), or None."""
+    target, _ = simd_target()
+    return None if target is None else target_kernels(target)
 
 
 @functools.cache
+def target_kernels(target: str):
+    """One target's module, or None."""
+    return _load(TARGETS[target])
+
+
 def avx2_kernels():
     """The AVX2 module (the int8 and int4 matmuls, which the full set has too), or None."""
-    return _load(_AVX2)
+    return target_kernels("avx2")
 
 
 def _load(build: _Build):

@@ -1,10 +1,12 @@
-"""`python -m pagoda.kernels`: build the native CPU kernels now (`make install` does this)."""
+"""`python -m pagoda.kernels`: build the native CPU kernels now (`make install` does this), every target the
+CPU runs: the tests check each one."""
 
 import logging
 
-from pagoda.kernels import avx2_kernels, cpu_kernels
+from pagoda.kernels import available_targets, simd_target, target_kernels
 
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-print("pagoda CPU kernels:", "ready" if cpu_kernels() is not None else "unavailable (torch fallback)")
-# Where the full set runs, the AVX2 module is built too: the tests check both forms of the integer matmuls.
-print("pagoda int8/int4 matmuls (AVX2):", "ready" if avx2_kernels() is not None else "unavailable (torch fallback)")
+for target in available_targets():
+    print(f"pagoda CPU kernels ({target}):", "ready" if target_kernels(target) is not None else "unavailable")
+chosen, why = simd_target()
+print("pagoda runs:", f"{chosen} ({why})" if chosen else f"the torch path ({why})")

@@ -1,26 +1,13 @@
-// The Python module: every operation in cpu_ops.h, and the native decode stack.
-#include "cpu_ops.h"
+// The Python module of the AVX-512 target: every operation in cpu_ops.h, and the native decode stack.
+#include "cpu_bindings.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "one query per sequence attending to its keys in the paged KV cache (window 0: none)");
-  m.def("gemv_fp32", &gemv_fp32, "y = x @ w.T for fp32 w and 1..64 rows of x (x's dtype out)");
-  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for bf16 w and 1..64 rows of x (x's dtype out)");
-  m.def("gemv_int8", &gemv_int8, "y = (x @ w.T) * scale for int8 w and 1..64 rows of x (x's dtype out)");
-  // The integer matmuls take tens of milliseconds at prefill sizes: the server's event loop runs meanwhile.
-  m.def("matmul_int8", &matmul_int8, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "y = (x @ w.T) * scale for int8 w, x quantized per 32 columns to int8");
-  m.def("matmul_int4", &matmul_int4, pybind11::call_guard<pybind11::gil_scoped_release>(),
-        "y = x @ W.T for W in pagoda's int4 layout, x quantized per group to int8 (x's dtype out)");
-  m.attr("matmul_int4_max_rows") = matmul_int4_max_rows();
-  m.def("add_rms_norm_", &add_rms_norm_, "x += delta (if given) in place; returns RMSNorm(x) * weight");
-  m.def("rotary_write_kv_", &rotary_write_kv_, "rotates qkv's q and k heads in place; writes k, v to the cache");
-  m.def("silu_mul", &silu_mul, "[gate | up] -> silu(gate) * up");
+  m.attr("target") = "avx512";
+  define_shared_ops(m);
   m.def("paged_prefill_attention_", &paged_prefill_attention_,
         "one sequence's queries attending causally to its keys in the paged KV cache, into out (use_amx: bf16 "
         "on AMX tiles where the CPU grants them)",
         pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("v_cache"), pybind11::arg("key_slots"),
         pybind11::arg("window"), pybind11::arg("scale"), pybind11::arg("out"), pybind11::arg("use_amx") = true);
   m.attr("prefill_attention_amx") = prefill_attention_amx_available();
-  define_decode_stack(m);
 }

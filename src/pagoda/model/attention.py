@@ -285,8 +285,9 @@ class CpuAttentionBackend(AttentionBackend):
     """Attends through pagoda's paged-attention kernels, which read keys in place (nothing gathered or
     repeated to the query heads): decodes one query a sequence, prefills flash-attention style (bf16 on
     vdpbf16ps: torch's SDPA runs at a quarter of the bf16 GEMMs' rate without AMX; head dims that are not
-    a multiple of 32 through the reference's SDPA). Rotates q/k and writes the cache in one kernel call.
-    With `decode_stack`, `bind` builds the native decode stack, which runs decode-only steps whole."""
+    a multiple of 32, and every prefill on the AVX2 target, through the reference's SDPA). Rotates q/k and
+    writes the cache in one kernel call. With `decode_stack`, `bind` builds the native decode stack, which
+    runs decode-only steps whole."""
 
     def __init__(self, kernels: CpuKernels, decode_stack: bool = False) -> None:
         self.kernels = kernels
@@ -305,7 +306,7 @@ class CpuAttentionBackend(AttentionBackend):
 
     def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, scale: float,
                 window: int | None, out: torch.Tensor) -> None:
-        if q.shape[-1] % 32:  # a head size the prefill kernel does not take
+        if q.shape[-1] % 32 or self.kernels.target != "avx512":  # a head size or a target without the kernel
             sdpa_prefill(q, k_cache, v_cache, seq, scale, window, out)
         else:
             self.kernels.paged_prefill_attention_(q, k_cache, v_cache, seq.key_slots, window or 0, scale, out)

@@ -45,8 +45,10 @@ class QuantizedKernels(Protocol):
 
 
 class CpuKernels(QuantizedKernels, Protocol):
-    """The compiled module of pagoda's CPU kernels (kernels/cpu_module.cpp), as model/ calls it."""
+    """The compiled module of pagoda's CPU kernels for one target (kernels/cpu_module.cpp: "avx512";
+    cpu_avx2_module.cpp: "avx2", which has no prefill attention), as model/ calls it."""
 
+    target: str
     DecodeStack: Callable[[int, int, int, float, float, torch.Tensor], CompiledDecodeStack]
     prefill_attention_amx: bool  # bf16 prefill attention runs on AMX tiles (the CPU has them, Linux granted them)
 
@@ -61,6 +63,7 @@ class CpuKernels(QuantizedKernels, Protocol):
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int,
                                scale: float) -> torch.Tensor: ...
+    # the "avx512" target only
     def paged_prefill_attention_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor,
                                  use_amx: bool = True) -> None: ...
@@ -82,8 +85,8 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     """The implementations a model of `config` in `dtype` runs. kernels: pagoda's compiled CPU kernels for a
     model on the CPU that may use them; None: the torch reference throughout. quantized_kernels: the module
     with the integer matmuls (the full set, or on AVX2-only CPUs the AVX2 module), which the quantized layers
-    run up to their row bounds: int4 always, int8 only without the full set (whose int8 GEMV the native decode
-    stack shares with the layers); None: torch's int4/int8 matmuls. With kernels:
+    run up to their row bounds: int4 always, int8 unless the kernels are the AVX-512 set (whose int8 GEMV the
+    native decode stack shares with the layers); None: torch's int4/int8 matmuls. With kernels:
 
     - the linears run their GEMVs, in any dtype (`prepare_linears` decides per layer);
     - fp32/bf16 models also fuse the norms' residual add + RMSNorm and the MLP's SiLU gate;
@@ -93,7 +96,9 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
       steps through the native decode stack, which the backend's `bind` builds once the weights are final
       (and only if they are what it takes: `decode_stack_covers`).
     """
-    integer = quantized_kernels if quantization == "int4" or (quantization == "int8" and kernels is None) else None
+    # The AVX2 target's int8 GEMV is its integer matmul, which the layers then run up to its own row bound.
+    int8_matmul = kernels is None or kernels.target == "avx2"
+    integer = quantized_kernels if quantization == "int4" or (quantization == "int8" and int8_matmul) else None
     fused = kernels if dtype in (torch.float32, torch.bfloat16) else None
     if fused is None:
         return ModelRuntime(gemv_kernels=kernels, quantized_kernels=integer)

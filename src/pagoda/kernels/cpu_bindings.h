@@ -1,0 +1,23 @@
+// The operations every target's Python module binds (cpu_module.cpp: AVX-512; cpu_avx2_module.cpp: AVX2), with
+// one description each; a module adds what only its target has.
+#pragma once
+
+#include "cpu_ops.h"
+
+inline void define_shared_ops(pybind11::module& m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "one query per sequence attending to its keys in the paged KV cache (window 0: none)");
+  m.def("gemv_fp32", &gemv_fp32, "y = x @ w.T for fp32 w and 1..64 rows of x (x's dtype out)");
+  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for bf16 w and 1..64 rows of x (x's dtype out)");
+  m.def("gemv_int8", &gemv_int8, "y = (x @ w.T) * scale for int8 w and 1..64 rows of x (x's dtype out)");
+  // The integer matmuls take tens of milliseconds at prefill sizes: the server's event loop runs meanwhile.
+  m.def("matmul_int8", &matmul_int8, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "y = (x @ w.T) * scale for int8 w, x quantized per 32 columns to int8");
+  m.def("matmul_int4", &matmul_int4, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "y = x @ W.T for W in pagoda's int4 layout, x quantized per group to int8 (x's dtype out)");
+  m.attr("matmul_int4_max_rows") = matmul_int4_max_rows();
+  m.def("add_rms_norm_", &add_rms_norm_, "x += delta (if given) in place; returns RMSNorm(x) * weight");
+  m.def("rotary_write_kv_", &rotary_write_kv_, "rotates qkv's q and k heads in place; writes k, v to the cache");
+  m.def("silu_mul", &silu_mul, "[gate | up] -> silu(gate) * up");
+  define_decode_stack(m);
+}
