@@ -486,9 +486,11 @@ def test_every_limit_is_a_serve_flag_with_its_default_in_one_place():
     given = build_parser().parse_args(["serve", "--max-request-body-bytes", "4M", "--max-chars-per-token", "8",
                                        "--max-sequences-per-request", "16", "--max-stop-strings", "4",
                                        "--max-stop-string-chars", "64", "--max-logit-bias", "10",
-                                       "--request-timeout", "0", "--api-key", "a", "--api-key", "b"])
+                                       "--request-timeout", "0", "--request-read-timeout", "5", "--api-key", "a",
+                                       "--api-key", "b"])
     limits = ServerLimits(**{name: getattr(given, name) for name in SERVER_LIMITS})
     assert limits.max_request_body_bytes == 4 << 20 and limits.max_sequences_per_request == 16
+    assert limits.request_read_timeout == 5.0
     assert given.api_key == ["a", "b"]
     assert ServerState(model_name=MODEL, limits=limits).deadline(arrival=1.0) is None  # 0: no deadline
     assert ServerState(model_name=MODEL).deadline(arrival=1.0) == 601.0

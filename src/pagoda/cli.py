@@ -193,7 +193,7 @@ def kv_events_config(values: dict | None):
 
 # The `serve` flags that bound one request (pagoda.server.guards.ServerLimits' fields, defaults there).
 SERVER_LIMITS = ("max_request_body_bytes", "max_chars_per_token", "max_sequences_per_request", "max_stop_strings",
-                 "max_stop_string_chars", "max_logit_bias", "request_timeout")
+                 "max_stop_string_chars", "max_logit_bias", "request_timeout", "request_read_timeout")
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds from a request's arrival to its last token; then it is aborted and "
                             "answered 504 (default 600; 0: no limit)")
+    serve.add_argument("--request-read-timeout", type=float, default=None,
+                       help="seconds a client has to send a request's headers and body, from its first byte "
+                            "(or the connection's opening); then the connection is closed (default 10)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
     serve.add_argument("--uvicorn-log-level", default="warning")
     serve.add_argument("--disable-web-ui", action="store_true",

@@ -39,10 +39,13 @@ class ServerLimits:
     max_stop_string_chars: int = 1024
     max_logit_bias: int = 1024
     request_timeout: float | None = 600.0  # seconds from arrival to the last token; 0 or None: no deadline
+    # seconds a client has to send a request's headers and body, from its first byte (or from the
+    # connection's opening); then the connection is closed (server/read_deadline.py)
+    request_read_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         for name in ("max_request_body_bytes", "max_chars_per_token", "max_sequences_per_request",
-                     "max_stop_strings", "max_stop_string_chars", "max_logit_bias"):
+                     "max_stop_strings", "max_stop_string_chars", "max_logit_bias", "request_read_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.request_timeout is not None and self.request_timeout < 0:
@@ -61,9 +64,32 @@ class BodyTooLarge(HTTPException):
         super().__init__(413, f"the request body is larger than {limit} bytes (--max-request-body-bytes)")
 
 
+class TooManyItems(HTTPException):
+    def __init__(self, limit: int, field: str, what: str) -> None:
+        self.param = field
+        super().__init__(400, f"{field}: at most {limit} {what} (the model's context length); the body holds more")
+
+
+# Routes whose body is essentially one list, of at most the model's context length (WireLimits.max_items)
+# entries: (its field, what an entry is). Such a body with more commas than that can never be valid, and is
+# refused as it arrives: counting costs nothing, while parsing a million ids takes seconds.
+COUNTED_ROUTES = {"/detokenize": ("tokens", "token ids")}
+OTHER_COMMAS = 16  # commas a valid body may hold outside its list: between its few other fields
+
+
+def _max_items(scope: Scope) -> int | None:
+    """The served model's context length, from the app's ServerState; None before a model is loaded, or for
+    apps without one (the router)."""
+    state = getattr(getattr(scope.get("app"), "state", None), "pagoda", None)
+    wire_limits = getattr(state, "wire_limits", None)
+    return wire_limits().max_items if callable(wire_limits) else None
+
+
 class BodySizeLimit:
     """413 for a body over the limit: at once when Content-Length says so, else as soon as the bytes
-    received pass it (chunked uploads), before anything parses them."""
+    received pass it (chunked uploads), before anything parses them. On COUNTED_ROUTES, a 400 for a body
+    with more list entries than the context holds, once it has arrived (so that the client, still sending,
+    reads the answer) and before anything parses it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -76,15 +102,22 @@ class BodySizeLimit:
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
             await _send_error(_as_openai(BodyTooLarge(self.max_bytes)), scope, receive, send)
             return
-        received = 0
+        received, commas = 0, 0
+        counted = COUNTED_ROUTES.get(scope.get("path", ""))
+        max_items = _max_items(scope) if counted is not None else None
 
         async def counting_receive() -> Message:
-            nonlocal received
+            nonlocal received, commas
             message = await receive()
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                chunk = message.get("body", b"")
+                received += len(chunk)
                 if received > self.max_bytes:  # FastAPI passes an HTTPException from the body read through
                     raise BodyTooLarge(self.max_bytes)
+                if counted is not None and max_items is not None:
+                    commas += chunk.count(b",")
+                    if commas > max_items + OTHER_COMMAS and not message.get("more_body", False):
+                        raise TooManyItems(max_items, *counted)
             return message
 
         await self.app(scope, counting_receive, send)
@@ -118,13 +151,23 @@ class InvalidText(HTTPException):
         super().__init__(400, f"{where}: invalid Unicode (a lone surrogate) in a string")
 
 
+class NotUtf8(HTTPException):
+    def __init__(self, offset: int) -> None:
+        super().__init__(400, f"the request body is not UTF-8 (at byte {offset}): JSON bodies must be UTF-8")
+
+
 def decode_json(body: bytes) -> Any:
-    """json.loads, by the C parser or (large bodies) the pure-Python scanner; raises InvalidText for a lone
-    surrogate anywhere (JSON's \\ud800 escapes, or raw surrogate bytes, which json.loads lets through)."""
+    """UTF-8 only (RFC 8259; json.loads would also take UTF-16 and UTF-32), then json.loads by the C parser,
+    or for large bodies the pure-Python scanner; raises InvalidText for a lone surrogate anywhere (JSON's
+    \\ud800 escapes, or their raw bytes, which are let through here to be reported with their path)."""
+    try:
+        text = body.decode("utf-8", "surrogatepass")
+    except UnicodeDecodeError as error:
+        raise NotUtf8(error.start) from None
     if len(body) <= C_PARSER_MAX_BYTES:
-        value = json.loads(body)
-    else:  # json.loads' own decoding of bytes, then a scanner of this call's own (its memo is not thread-safe)
-        value = _PyDecoder().decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+        value = json.loads(text, parse_constant=_not_json)
+    else:  # a scanner of this call's own (its memo is not thread-safe)
+        value = _PyDecoder().decode(text)
     if _may_hold_surrogates(body):
         path = first_invalid_text(value)
         if path is not None:
@@ -138,9 +181,19 @@ def _may_hold_surrogates(body: bytes) -> bool:
     return b"\\ud" in body or b"\\uD" in body or b"\xed" in body
 
 
+class NotJsonNumber(HTTPException):
+    def __init__(self, literal: str) -> None:
+        super().__init__(400, f"{literal} is not a JSON number (RFC 8259 has no NaN or Infinity)")
+
+
+def _not_json(literal: str) -> Any:
+    """Python's decoder takes NaN, Infinity and -Infinity; JSON does not."""
+    raise NotJsonNumber(literal)
+
+
 class _PyDecoder(json.JSONDecoder):
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__(parse_constant=_not_json)
         self.scan_once = json.scanner.py_make_scanner(self)  # type: ignore[attr-defined]
 
 

@@ -34,6 +34,7 @@ from pagoda.server.api import LoadedModel, ServerState, build_app
 from pagoda.server.guards import ServerLimits
 from pagoda.server.kv_events import KVEventsConfig, make_publisher
 from pagoda.server.metrics import ServerMetrics, cache_config_info
+from pagoda.server.read_deadline import read_deadline_protocol
 from pagoda.server.tokenizers import TokenizerPool
 from pagoda.startup import startup_summary
 
@@ -111,7 +112,8 @@ def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int,
                         admission=Admission(max_waiting_requests), tool_call_parser=tool_call_parser,
                         web_ui=web_ui)
     app = build_app(state)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
+                            http=read_deadline_protocol(limits.request_read_timeout))
     server = DrainingServer(config, state, drain_timeout)
     failed = threading.Event()
 

@@ -252,7 +252,7 @@ class SamplingRequest(WireModel):
             if not _at_default(getattr(self, name), default):
                 raise InvalidParam(name, f"is not supported (only {json.dumps(default)} is accepted)")
         if self.best_of is not None and self.best_of != self.n:
-            raise InvalidParam("best_of", "must equal n: pagoda returns every sample it draws")
+            raise InvalidParam("best_of", "is not supported unless equal to n (pagoda returns every sample it draws)")
         options = self.stream_options
         if options is not None and (options.include_obfuscation or options.continuous_usage_stats):
             raise InvalidParam("stream_options", "include_obfuscation and continuous_usage_stats are not supported")
