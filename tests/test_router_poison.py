@@ -1,7 +1,10 @@
 """`pagoda route` over two real `pagoda serve` replicas on loopback: requests that fail the same way on every
-replica (the client's fault) go back as the replica answered them, while streams run, and eject nothing;
-a replica that is killed is still ejected after --breaker-failures. The router checks its own keys and sends
-the replicas theirs.
+replica (the client's fault: a 400, or a 500 the replica marks `X-Pagoda-Error-Scope: request`) go back as
+the replica answered them, while streams run, and eject nothing; a replica that is killed is still ejected
+after --breaker-failures. The router checks its own keys and sends the replicas theirs.
+
+The replicas let repeat counts past llguidance's means through the door (--grammar-max-repeat), so that one
+poison fails in the engine, alone: the replica's request-scoped 500, produced for real.
 
 Health polls are an hour apart once the first has found both replicas up: what the router does here is the
 circuit breaker's doing, not the poller's.
@@ -17,7 +20,17 @@ import sys
 
 import httpx
 import pytest
-from server_fixtures import LOOPBACK, ServerProcess, free_port, launch_server, make_server_checkpoint, wait_until
+from server_fixtures import (
+    LOOPBACK,
+    ServerProcess,
+    assert_openai_error,
+    free_port,
+    launch_server,
+    make_server_checkpoint,
+    wait_until,
+)
+
+from pagoda.router.faults import ERROR_SCOPE_HEADER
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,14 +39,17 @@ CLIENT_KEY = "router-client-key"
 REPLICA_KEY = "replica-only-key"
 BREAKER_FAILURES = 2
 REPLICA_ARGS = ("--num-kv-blocks", "512", "--block-size", "16", "--max-num-seqs", "32", "--max-model-len", "512",
-                "--no-use-kernels", "--api-key", REPLICA_KEY)
+                "--no-use-kernels", "--grammar-max-repeat", "5000000000", "--grammar-compile-timeout-s", "300")
 NUM_STREAMS = 20
-STREAM_TOKENS = 128  # long enough that the streams are still running when the poison has been answered
+STREAM_TOKENS = 256  # long enough that the streams are still running when the poison has been answered
 NUM_POISON = 10
 CHAT = [{"role": "user", "content": "river stone cloud"}]
-# Refused by each replica whatever it holds: the request's own fault, never the replica's.
+# (route, body, the replica's status): refused by each replica whatever it holds, the request's own fault.
 POISON = [
-    {"model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": 5},  # a field out of range: 400
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "max_tokens": 4, "temperature": 5}, 400),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#"}}}}, 400),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": "x{4294967295}"}}, 500),
 ]
 
 
@@ -64,11 +80,14 @@ def launch_router(replicas: list[ServerProcess], log_dir) -> ServerProcess:
 def fleet(tmp_path_factory):
     root = tmp_path_factory.mktemp("router-poison")
     model_dir = make_server_checkpoint(root / "model", max_position_embeddings=512)
-    replicas = [launch_server(model_dir, root, *REPLICA_ARGS, served_model_name=MODEL) for _ in range(2)]
+    replicas = [launch_server(model_dir, root, *REPLICA_ARGS, served_model_name=MODEL, api_key=REPLICA_KEY)
+                for _ in range(2)]
     router = None
     try:
         for replica in replicas:
             replica.wait_for_health(200)
+            for route, body, status in POISON:  # compiled once here (seconds), so the test's poison answers fast
+                assert replica.post(route, body).status_code == status
         router = launch_router(replicas, root)
         yield replicas, router
     finally:
@@ -93,35 +112,39 @@ async def stream_chat(http: httpx.AsyncClient, started: asyncio.Event, open_stre
     return received
 
 
-async def streams_and_poison(router: ServerProcess) -> tuple[list[bytes], list[httpx.Response], int]:
+async def streams_and_poison(router: ServerProcess) -> tuple[list[bytes], list[httpx.Response], int, int]:
     """NUM_STREAMS streams; once each has its first chunk, NUM_POISON poison requests at once. Returns the
-    streams' bodies, the poison's answers, and how many streams were still open when the last was answered."""
+    streams' bodies, the poison's answers, and how many streams were open when the poison was sent and when
+    the last of it was answered."""
     headers = {"Authorization": f"Bearer {CLIENT_KEY}"}
     async with httpx.AsyncClient(base_url=router.url, headers=headers, timeout=120) as http:
         open_streams = [0]
         starts = [asyncio.Event() for _ in range(NUM_STREAMS)]
         streams = [asyncio.create_task(stream_chat(http, started, open_streams)) for started in starts]
         await asyncio.wait_for(asyncio.gather(*(started.wait() for started in starts)), 120)
-        poison = await asyncio.gather(*(http.post("/v1/chat/completions", json=POISON[i % len(POISON)])
+        open_at_send = open_streams[0]
+        poison = await asyncio.gather(*(http.post(POISON[i % len(POISON)][0], json=POISON[i % len(POISON)][1])
                                         for i in range(NUM_POISON)))
         still_open = open_streams[0]
         bodies = await asyncio.gather(*streams)
-    return list(bodies), list(poison), still_open
+    return list(bodies), list(poison), open_at_send, still_open
 
 
 def test_poison_ejects_nothing_while_streams_run_and_a_killed_replica_is_still_ejected(fleet):
     replicas, router = fleet
     before = router.metrics()
-    bodies, poison, still_open = asyncio.run(streams_and_poison(router))
+    bodies, poison, open_at_send, still_open = asyncio.run(streams_and_poison(router))
 
-    assert still_open > 0, "the poison was answered while streams ran"
+    assert open_at_send == NUM_STREAMS and still_open > 0, "the poison was sent and answered while streams ran"
     for body in bodies:
         events = [e for e in body.decode().split("\n\n") if e.strip()]
         assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events), events[-3:]
         assert len(events) > STREAM_TOKENS // 2, "the stream ran to its end"
-    for response in poison:
-        assert response.status_code == 400, response.text  # the replica's own answer, passed through
-        assert response.json()["error"]["param"] == "temperature"
+    for index, response in enumerate(poison):  # each the replica's own answer, passed through
+        status = POISON[index % len(POISON)][2]
+        assert_openai_error(response, status)
+        if status >= 500:
+            assert response.headers[ERROR_SCOPE_HEADER] == "request"
     metrics = router.metrics()
     assert metrics.value("pagoda_router_ejections_total") == 0
     assert metrics.value("pagoda_router_retries_total") == 0, "nothing moved to another replica"
