@@ -33,6 +33,7 @@ from pagoda.server.admission import Admission
 from pagoda.server.api import LoadedModel, ServerState, build_app
 from pagoda.server.guards import ServerLimits
 from pagoda.server.kv_events import KVEventsConfig, make_publisher
+from pagoda.server.memory import IdleReclaimer, freeze_startup_objects, limit_malloc_arenas
 from pagoda.server.metrics import ServerMetrics, cache_config_info
 from pagoda.server.read_deadline import read_deadline_protocol
 from pagoda.server.tokenizers import TokenizerPool
@@ -86,6 +87,7 @@ def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Calla
         metrics = ServerMetrics(state.model_name, lambda: async_engine.stats, cache_config_info(engine),
                                 max_model_len=engine.max_model_len)
         state.loaded = LoadedModel(async_engine, tokenizer, metrics, TokenizerPool(tokenizer))
+        freeze_startup_objects()  # the model, torch and the app: later collections only walk what requests made
         logger.info("model %s ready in %.1f s\n%s", state.model_name, time.monotonic() - started,
                     startup_summary(engine, state.model_name, url))
     except ModelLoadError as error:  # the checkpoint's fault, named in the message: no traceback to read
@@ -108,6 +110,7 @@ def _warm_up(engine: LLMEngine) -> None:
 def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int, api_keys: ApiKeys,
           limits: ServerLimits, max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info",
           tool_call_parser: str | None = None, web_ui: bool = True, kv_events: KVEventsConfig | None = None) -> int:
+    limit_malloc_arenas()  # before the serving threads start (server/memory.py)
     state = ServerState(model_name=model_name, api_keys=api_keys, limits=limits,
                         admission=Admission(max_waiting_requests), tool_call_parser=tool_call_parser,
                         web_ui=web_ui)
@@ -126,7 +129,11 @@ def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int,
         target=load_engine, args=(state, engine_config, on_error, f"http://{host}:{port}"), name="pagoda-load",
         daemon=True, kwargs={"kv_events": publisher},
     ).start()
+    engine_busy = lambda: state.engine is not None and state.engine.num_unfinished > 0
+    reclaimer = IdleReclaimer(busy=lambda: bool(server.server_state.tasks) or engine_busy(),
+                              served=lambda: server.server_state.total_requests).start()
     server.run()
+    reclaimer.stop()
     if state.engine is not None:
         state.engine.shutdown()
     if publisher is not None:
