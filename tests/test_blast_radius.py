@@ -3,9 +3,10 @@
 Grammar inputs that once failed the whole engine step (every stream in it ended with a 500 event), or that
 were answered 500 instead of 400, are each refused with a 400 naming the field, while four greedy streams
 started before them run to the end with exactly the text they give alone. A constraint let past the door
-(a server whose repeat bound is raised) that then breaks in the engine fails alone: a 500 marked
-`X-Pagoda-Error-Scope: request` (or, streamed, an error event with `"scope": "request"`), the streams
-beside it untouched, the server healthy and every KV block back.
+(a server whose repeat bound is raised) that then breaks in the engine fails alone: a 400 naming the field
+(the client's constraint broke, not the server), marked `X-Pagoda-Error-Scope: request` (or, streamed, an
+error event with code 400 and `"scope": "request"`), the streams beside it untouched, the server healthy
+and every KV block back.
 """
 
 from __future__ import annotations
@@ -155,15 +156,16 @@ def test_a_constraint_that_breaks_in_the_engine_fails_alone_and_says_so(loose_se
     streams = start_streams(url)
     poison = {"prompt": "x", "max_tokens": 8, "structured_outputs": {"regex": HUGE_REPEAT}}
     response = loose_server.post("/v1/completions", poison)
-    assert response.status_code == 500, response.text
+    assert response.status_code == 400, response.text
     assert response.headers["X-Pagoda-Error-Scope"] == "request"
-    assert_openai_error(response, 500)
+    assert_openai_error(response, 400, param="structured_outputs")
+    assert "while generating" in response.json()["error"]["message"]
     with httpx.stream("POST", f"{url}/v1/completions", json={**poison, "stream": True}, timeout=60) as streamed:
         assert streamed.status_code == 200
         events = [json.loads(line[len("data: "):]) for line in streamed.iter_lines()
                   if line.startswith("data: ") and line != "data: [DONE]"]
     errors = [event["error"] for event in events if "error" in event]
-    assert len(errors) == 1 and errors[0]["code"] == 500 and errors[0]["scope"] == "request"
+    assert len(errors) == 1 and errors[0]["code"] == 400 and errors[0]["scope"] == "request"
     assert_streams_whole(streams, expected)
     assert loose_server.health() == 200
     loose_server.wait_until_idle()

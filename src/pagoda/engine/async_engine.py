@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pagoda.engine.engine import EngineStats, LLMEngine
 from pagoda.engine.output import RequestOutput
 from pagoda.sampling import SamplingParams
+from pagoda.structured.interface import GrammarStateError
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +31,15 @@ class EngineDeadError(RuntimeError):
 
 
 class RequestFailed(RuntimeError):
-    """The engine failed while handling this request (an internal error: HTTP 500). `alone`: the fault was
-    this request's own (it failed and the others went on); else a failed step took every request in it."""
+    """The engine failed while handling this request. `alone`: the fault was this request's own (it failed
+    and the others went on); else a failed step took every request in it. `by_constraint`: its output
+    constraint broke while generating (a grammar that passed admission then hit one of the grammar engine's
+    limits, or refused a token): the client's input is at fault, not the server (HTTP 400, not 500)."""
 
-    def __init__(self, message: str, alone: bool = False) -> None:
+    def __init__(self, message: str, alone: bool = False, by_constraint: bool = False) -> None:
         super().__init__(message)
         self.alone = alone
+        self.by_constraint = by_constraint
 
 
 @dataclass
@@ -179,7 +183,8 @@ class AsyncEngine:
                         raise
                     continue
                 for request_id, failure in self._engine.pop_failures().items():
-                    self._fail(request_id, RequestFailed(f"request failed: {failure}", alone=True))
+                    self._fail(request_id, RequestFailed(f"request failed: {failure}", alone=True,
+                                                         by_constraint=isinstance(failure, GrammarStateError)))
                 self._dispatch(outputs)
                 self._update_stats()
         except BaseException as error:

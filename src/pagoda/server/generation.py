@@ -163,8 +163,13 @@ class Generation:
         details under that id."""
         logger.error("request %s failed: %s", self.response_id, error, exc_info=error)
         alone = isinstance(error, RequestFailed) and error.alone
-        return OpenAIError(500, f"internal error (request id {self.response_id})",
-                           headers={ERROR_SCOPE_HEADER: "request"} if alone else None)
+        headers = {ERROR_SCOPE_HEADER: "request"} if alone else None
+        if isinstance(error, RequestFailed) and error.by_constraint:
+            constraint = self.params.structured_outputs
+            param = (constraint.error_param if constraint is not None else None) or "structured_outputs"
+            return OpenAIError(400, f"the output constraint failed while generating ({error}); simplify it, or "
+                                    "raise the grammar engine's limits (--grammar-* flags)", param, headers=headers)
+        return OpenAIError(500, f"internal error (request id {self.response_id})", headers=headers)
 
     def _observe(self, index: int, output: RequestOutput) -> None:
         timing, moment = self.timings[index], time.monotonic()
