@@ -28,6 +28,13 @@ struct Vec {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
   }
+  // 2 * kLanes bf16 as fp32: even receives elements 0, 2, 4, ..., odd 1, 3, 5, ... (a shift and a mask of one
+  // load, no shuffle: bf16 is the upper half of fp32).
+  static void load_pairs(const at::BFloat16* p, Vec& even, Vec& odd) {
+    const __m512i raw = _mm512_loadu_si512(p);
+    even = {_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16))};
+    odd = {_mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(at::BFloat16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits()); }
 
@@ -76,6 +83,13 @@ struct Vec {
   static Vec load(const at::BFloat16* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+  }
+  // 2 * kLanes bf16 as fp32: even receives elements 0, 2, 4, ..., odd 1, 3, 5, ... (a shift and a mask of one
+  // load, no shuffle: bf16 is the upper half of fp32).
+  static void load_pairs(const at::BFloat16* p, Vec& even, Vec& odd) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    even = {_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16))};
+    odd = {_mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(at::BFloat16* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits()); }

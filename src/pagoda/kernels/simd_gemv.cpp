@@ -4,8 +4,9 @@
 // one pass over W, its rows split across threads with at::parallel_for, and every weight vector loaded once for
 // up to kRowGroup rows of x, in fp32 from registers.
 //   fp32 W: fp32 FMAs.
-//   bf16 W: widened to fp32 in registers (a shift: bf16 is fp32's upper half), x rounded to bf16 first as the
-//           AVX-512 form's bf16 dot products do, fp32 FMAs. Half of fp32's bytes, the same arithmetic rate.
+//   bf16 W: widened to fp32 in registers, 2 * kLanes weights from one load by a shift and a mask (bf16 is fp32's
+//           upper half), as even and odd elements against x laid out to match; x rounded to bf16 first, as the
+//           AVX-512 form's bf16 dot products do; fp32 FMAs. Half of fp32's bytes, the same arithmetic rate.
 // With more rows than kRowGroup, each thread walks its channels in tiles of ~kTileBytesOfW of W that stay in L2
 // while every group of rows passes over them.
 #include <torch/extension.h>
@@ -35,21 +36,35 @@ constexpr int weight_rows_for() {
   return M <= 2 ? 4 : M == 3 ? 3 : 2;
 }
 
+// How a step reads W: fp32 one vector of kLanes weights; bf16 2 * kLanes weights from one load, split into even
+// and odd elements (Vec::load_pairs), against x laid out to match (split_pairs).
+template <typename W>
+constexpr int64_t kStep = std::is_same_v<W, float> ? kLanes : 2 * kLanes;
+
 // R weight rows (K apart, from `rows`) against M rows of x: y[m * N + r] = weight row r . row m of x.
 template <typename W, int M, int R>
 void weight_rows(const float* x, const W* rows, int64_t K, float* y, int64_t N) {
-  constexpr int64_t kStepsPerLine = 64 / (kLanes * sizeof(W));
+  constexpr int64_t kStepsPerLine = std::max<int64_t>(1, 64 / (kStep<W> * int64_t(sizeof(W))));
   Vec sums[R * M];
   for (int i = 0; i < R * M; ++i) sums[i] = Vec::zero();
-  for (int64_t k = 0, step = 0; k < K; k += kLanes, ++step) {
+  for (int64_t k = 0, step = 0; k < K; k += kStep<W>, ++step) {
     if (step % kStepsPerLine == 0) {
       for (int r = 0; r < R; ++r) pagoda::simd::prefetch_line_into_l2(rows + r * K + k + kPrefetchBytes / sizeof(W));
     }
-    Vec weights[R];
-    for (int r = 0; r < R; ++r) weights[r] = Vec::load(rows + r * K + k);
-    for (int m = 0; m < M; ++m) {
-      const Vec xv = Vec::load(x + m * K + k);
-      for (int r = 0; r < R; ++r) sums[r * M + m] = fmadd(weights[r], xv, sums[r * M + m]);
+    if constexpr (std::is_same_v<W, float>) {
+      Vec weights[R];
+      for (int r = 0; r < R; ++r) weights[r] = Vec::load(rows + r * K + k);
+      for (int m = 0; m < M; ++m) {
+        const Vec xv = Vec::load(x + m * K + k);
+        for (int r = 0; r < R; ++r) sums[r * M + m] = fmadd(weights[r], xv, sums[r * M + m]);
+      }
+    } else {
+      Vec even[R], odd[R];
+      for (int r = 0; r < R; ++r) Vec::load_pairs(rows + r * K + k, even[r], odd[r]);
+      for (int m = 0; m < M; ++m) {
+        const Vec x_even = Vec::load(x + m * K + k), x_odd = Vec::load(x + m * K + k + kLanes);
+        for (int r = 0; r < R; ++r) sums[r * M + m] = fmadd(odd[r], x_odd, fmadd(even[r], x_even, sums[r * M + m]));
+      }
     }
   }
   for (int r = 0; r < R; ++r)
@@ -100,8 +115,12 @@ torch::Tensor run_gemv(const torch::Tensor& x, const torch::Tensor& w, at::Scala
   check_shapes(x, w);
   TORCH_CHECK(w.scalar_type() == c10::CppTypeToScalarType<W>::value, "w must be ",
               c10::CppTypeToScalarType<W>::value);
-  const auto xf = x.to(x_type).to(at::kFloat).contiguous();
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
+  auto xf = x.to(x_type).to(at::kFloat);
+  if constexpr (!std::is_same_v<W, float>) {  // each block of 2 * kLanes as its even elements, then its odd ones
+    xf = xf.reshape({M, K / (2 * kLanes), kLanes, 2}).transpose(2, 3);
+  }
+  xf = xf.contiguous();
   auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
   gemv_rows<W>(xf.data_ptr<float>(), w.data_ptr<W>(), y.data_ptr<float>(), M, K, N);
   return y.to(x.scalar_type());
