@@ -136,3 +136,15 @@ def test_missing_tokenizer(model_dir):
     (model_dir / "tokenizer_config.json").unlink()
     with pytest.raises(ModelLoadError, match=r"tokenizer\.json"):
         load(model_dir)
+
+
+def test_render_chat_hands_template_variables_to_the_template():
+    from pagoda.demo import DEMO_MODEL_DIR
+    from pagoda.model.tokenizer import load_tokenizer, render_chat
+
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"
+                               "{% if enable_thinking %}<think>{% endif %}")
+    messages = [{"role": "user", "content": "hi"}]
+    assert render_chat(tokenizer, messages) == "hi"
+    assert render_chat(tokenizer, messages, template_kwargs={"enable_thinking": True}) == "hi<think>"

@@ -86,7 +86,6 @@ UNSUPPORTED = [
     ("/v1/completions", "allowed_token_ids", [5, 6]), ("/v1/completions", "add_special_tokens", False),
     ("/v1/completions", "best_of", 3), ("/v1/completions", "prompt_logprobs", 1),
     ("/v1/chat/completions", "chat_template", "{{ messages }}"),
-    ("/v1/chat/completions", "chat_template_kwargs", {"enable_thinking": False}),
     ("/v1/chat/completions", "continue_final_message", True), ("/v1/chat/completions", "echo", True),
     ("/v1/chat/completions", "reasoning_effort", "low"), ("/v1/chat/completions", "modalities", ["text", "audio"]),
     ("/v1/chat/completions", "stream_options", {"include_usage": True, "continuous_usage_stats": True}),
@@ -114,6 +113,16 @@ def test_defaults_labels_and_documented_nulls_are_accepted(server):
                                                      **nulls, "logprobs": None, "modalities": ["text"],
                                                      "chat_template_kwargs": None})
     assert response.status_code == 200, response.text
+
+
+def test_chat_template_kwargs_reach_the_template_but_never_its_renderers_arguments(server):
+    """vLLM's chat_template_kwargs (Qwen3's enable_thinking, ...): variables the template may read, never one
+    of apply_chat_template's own arguments, which the request's fields set."""
+    body = {"messages": CHAT, "max_tokens": 2, "chat_template_kwargs": {"enable_thinking": False, "x": [1]}}
+    assert post(server, "/v1/chat/completions", body).status_code == 200
+    body["chat_template_kwargs"] = {"tokenize": True, "add_generation_prompt": False}
+    assert_openai_error(post(server, "/v1/chat/completions", body), 400, param="chat_template_kwargs",
+                        contains=["add_generation_prompt, tokenize"])
 
 
 # --------------------------------------------------------------------------------------------------

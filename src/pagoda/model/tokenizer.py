@@ -29,17 +29,26 @@ class ChatTemplateError(ValueError):
     """The conversation cannot be rendered: no template, or the template rejects it (the caller's fault)."""
 
 
+# apply_chat_template's own arguments: a request's template variables may not override them.
+RENDERER_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
 def render_chat(
     tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-    tools: list[dict[str, Any]] | None = None,
+    tools: list[dict[str, Any]] | None = None, template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The conversation as the model's own chat template writes it: the one place a template is applied.
-    tools: OpenAI tool definitions, for templates that describe them to the model."""
+    tools: OpenAI tool definitions, for templates that describe them to the model. template_kwargs: extra
+    variables the template may read (vLLM's chat_template_kwargs; callers refuse RENDERER_ARGUMENTS)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError("this model has no chat template; use /v1/completions")
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
         )
         return str(text)
     except Exception as error:  # jinja's raise_exception, unknown roles: the conversation's fault

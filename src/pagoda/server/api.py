@@ -201,7 +201,8 @@ def build_app(state: ServerState) -> FastAPI:
         tools = body.tool_dicts() if tool_reader is not None else None  # tool_choice "none": answer in text
         conversation = _conversation(state, loaded, body.messages)
         with _holding(_reserve(state, 1, params.n)) as slots:
-            prompt = await _render_chat(state, loaded, conversation, body.add_generation_prompt, tools)
+            prompt = await _render_chat(state, loaded, conversation, body.add_generation_prompt, tools,
+                                        body.chat_template_kwargs)
             await _validate(state, loaded.engine, [prompt], params, body.priority)
             generation = Generation(
                 kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name,
@@ -334,13 +335,14 @@ def _conversation(state: ServerState, loaded: LoadedModel, messages: list[ChatMe
 
 
 async def _render_chat(state: ServerState, loaded: LoadedModel, conversation: list[dict[str, Any]],
-                       add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None) -> list[int]:
+                       add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
+                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The conversation through the chat template, then tokenized: both on the pool. The rendered text is
     bounded like any prompt before it is tokenized (tool definitions and the template add to it)."""
 
     def render(tokenizer: Any) -> list[int] | OpenAIError:
         try:
-            text = render_chat(tokenizer, conversation, add_generation_prompt, tools)
+            text = render_chat(tokenizer, conversation, add_generation_prompt, tools, template_kwargs)
         except ChatTemplateError as error:  # no template, or the template rejects the conversation
             return OpenAIError(400, str(error), "messages")
         try:

@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from pagoda.model.tokenizer import RENDERER_ARGUMENTS
 from pagoda.sampling import InvalidParam
 from pagoda.server.protocol.messages import AnyMessage
 from pagoda.server.protocol.sampling import SamplingRequest
@@ -51,7 +52,7 @@ class ChatCompletionRequest(SamplingRequest):
                                                          "include_reasoning"}
     UNSUPPORTED = {**SamplingRequest.UNSUPPORTED, "echo": False, "continue_final_message": False,
                    "add_special_tokens": False, "documents": None, "chat_template": None,
-                   "chat_template_kwargs": None, "reasoning_effort": None, "verbosity": None, "audio": None,
+                   "reasoning_effort": None, "verbosity": None, "audio": None,
                    "prediction": None, "web_search_options": None}
 
     messages: list[AnyMessage] = Field(min_length=1, fail_fast=True)
@@ -66,13 +67,14 @@ class ChatCompletionRequest(SamplingRequest):
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     modalities: list[Literal["text", "audio"]] | None = None  # only ["text"] is supported
     include_reasoning: bool = True  # vLLM's; there is no reasoning parser, so nothing to include or leave out
+    # vLLM's: extra variables for the chat template (Qwen3's enable_thinking, ...); never the renderer's own
+    chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's and vLLM's, not implemented: refused unless at their defaults (UNSUPPORTED)
     echo: bool = False
     continue_final_message: bool = False
     add_special_tokens: bool = False
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
     verbosity: Literal["low", "medium", "high"] | None = None
     audio: dict[str, Any] | None = None
@@ -101,6 +103,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     def refuse_unsupported(self) -> None:
         super().refuse_unsupported()
+        taken = sorted(RENDERER_ARGUMENTS & set(self.chat_template_kwargs or {}))
+        if taken:
+            raise InvalidParam("chat_template_kwargs", f"may not set {', '.join(taken)}: the request's own fields do")
         if self.functions and self.function_call != "none":
             raise InvalidParam("functions", "is not supported: use tools (and tool_choice)")
         if self.function_call not in (None, "none"):
