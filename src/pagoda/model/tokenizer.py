@@ -48,7 +48,8 @@ def render_chat(
         raise ChatTemplateError("this model has no chat template; use /v1/completions")
     try:
         text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False, **(template_kwargs or {})
+            messages, tools=tools or None, add_generation_prompt=add_generation_prompt, tokenize=False,
+            **(template_kwargs or {}),
         )
         return str(text)
     except Exception as error:  # jinja's raise_exception, unknown roles: the conversation's fault
