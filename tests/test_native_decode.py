@@ -16,7 +16,7 @@ from pagoda import SamplingParams
 from pagoda.kernels import TARGET_ENV, available_targets
 from pagoda.model.attention import build_metadata
 from pagoda.model.native_decode import NativeDecode
-from pagoda.model.quantization import KERNEL_MAX_ROWS
+from pagoda.model.quantization import AVX2_FP32_GEMV_MAX_ROWS, KERNEL_MAX_ROWS
 
 pytestmark = pytest.mark.skipif(not available_targets(), reason="this CPU has neither AVX2 + FMA nor AVX-512")
 
@@ -72,7 +72,7 @@ def test_engine_output_is_bit_identical_to_module_path(make_llm, checkpoint, arc
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize(("arch", "batch"), [("qwen2-swa", 5), ("qwen3", 1), ("qwen3", 5)])
+@pytest.mark.parametrize(("arch", "batch"), [("qwen2-swa", 4), ("qwen3", 1), ("qwen3", 4)])  # 4: every target
 def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, config, arch, batch):
     """One decode step at scattered blocks, from the same cache: equal outputs and caches. (qwen3's head
     norms take the fused kernel for one token and torch's ops for more, in both paths.)"""
@@ -111,6 +111,16 @@ def test_stack_takes_only_decode_steps_its_gemvs_cover(make_llm, checkpoint):
     mixed = build_metadata([1, 5], [4, 5], [[0], [1, 2]], 4, {None})
     assert native.takes(decode, 3) and not native.takes(mixed, 6)
     assert native.takes(decode, KERNEL_MAX_ROWS) and not native.takes(decode, KERNEL_MAX_ROWS + 1)  # then GEMMs
+
+
+def test_stack_takes_as_many_tokens_as_the_fp32_gemvs_do(make_llm, checkpoint, target):
+    """fp32 on the AVX2 target: GEMVs up to one group of rows, and so the stack; the other targets' up to 64."""
+    model = make_llm(checkpoint("llama")).engine.model
+    bound = AVX2_FP32_GEMV_MAX_ROWS if target == "avx2" else KERNEL_MAX_ROWS
+    assert model.layers[0].mlp.down_proj.max_rows == bound
+    decode = build_metadata([1] * 3, [4, 8, 9], [[0, 1], [2, 3], [4, 5, 6]], 4, {None})
+    native = model.backend.decode_runner
+    assert native.takes(decode, bound) and not native.takes(decode, bound + 1)
 
 
 def test_stack_is_off_where_it_does_not_cover_the_model(make_llm, checkpoint):

@@ -3,7 +3,7 @@
 The stack runs the very kernels the module path calls, in the same order, so its output is the module
 path's bit for bit; what it removes is the interpreter between them: ~10 module calls and op
 dispatches a layer, 2-6 ms a step on bench-1b (22 layers), during which no weight streams. It takes a
-step when every token is a decode and every linear runs as a GEMV (at most KERNEL_MAX_ROWS tokens);
+step when every token is a decode and every linear runs as a GEMV (at most `max_rows` tokens);
 prefills and larger batches run through the modules. `backends.create_runtime` offers it to models whose
 shapes it takes (the native attention backend, every linear's width a GEMV's), and the backend builds it
 once the weights are final if `decode_stack_covers` them (every linear runs decode inputs straight through a kernel).
@@ -61,9 +61,12 @@ class NativeDecode:
             self.stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                                  None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                                  qkv, o, gate_up, down, attention.window or 0)
+        # The most tokens a step may have: every dense linear's GEMV bound, as the modules apply it.
+        dense = [linear for layer in layers for linear in _layer_linears(layer) if isinstance(linear, DenseLinear)]
+        self.max_rows = min((linear.max_rows for linear in dense), default=KERNEL_MAX_ROWS)
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return not meta.prefills and num_tokens <= KERNEL_MAX_ROWS
+        return not meta.prefills and num_tokens <= self.max_rows
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:

@@ -38,6 +38,18 @@ KERNEL_MAX_ROWS = 64
 INT8_MATMUL_MAX_ROWS = 128
 
 
+# The AVX2 target's fp32 GEMV serves up to 4 rows of x from each weight vector in registers; at bench-125m's
+# batch 32 it lost to oneDNN's fp32 GEMM (native decode stack 49 against torch's 219 tokens per CPU-second, one
+# thread), so fp32 on AVX2 takes the kernel only up to one group of rows. bf16 (which torch's matmuls emulate
+# there) and the AVX-512 forms take up to KERNEL_MAX_ROWS.
+AVX2_FP32_GEMV_MAX_ROWS = 4
+
+
+def gemv_max_rows(kernels: CpuKernels, dtype: torch.dtype) -> int:
+    """The most rows of x the GEMV kernels take for weights of `dtype`; torch's GEMM beyond."""
+    return AVX2_FP32_GEMV_MAX_ROWS if kernels.target == "avx2" and dtype == torch.float32 else KERNEL_MAX_ROWS
+
+
 def gemv_takes(in_features: int) -> bool:
     """Whether the GEMV kernels take a layer of this input width (K)."""
     return in_features % 32 == 0
@@ -60,11 +72,13 @@ class DenseLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         usable = _usable(kernels, linear)
         self.gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.max_rows = KERNEL_MAX_ROWS  # the most rows the GEMV takes (`gemv_max_rows`)
         if usable is not None:
             self.gemv = {torch.float32: usable.gemv_fp32, torch.bfloat16: usable.gemv_bf16}[self.weight.dtype]
+            self.max_rows = gemv_max_rows(usable, self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is None or x.shape[0] > KERNEL_MAX_ROWS:
+        if self.gemv is None or x.shape[0] > self.max_rows:
             return F.linear(x, self.weight, self.bias)
         y = self.gemv(x, self.weight)
         return y if self.bias is None else y + self.bias
