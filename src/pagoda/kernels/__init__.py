@@ -19,6 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pagoda.kernels.build import compile_and_load
 
@@ -105,19 +106,19 @@ def available_targets() -> list[str]:
     return [name for name, build in TARGETS.items() if not build.cpu_flags - flags]
 
 
-def cpu_kernels():
-    """The chosen target's module (`simd_target`), or None."""
+def cpu_kernels() -> Any:
+    """The chosen target's module (`simd_target`; model/backends.py's CpuKernels types it), or None."""
     target, _ = simd_target()
     return None if target is None else target_kernels(target)
 
 
 @functools.cache
-def target_kernels(target: str):
+def target_kernels(target: str) -> Any:
     """One target's module, or None."""
     return _load(TARGETS[target])
 
 
-def avx2_kernels():
+def avx2_kernels() -> Any:
     """The AVX2 module (the int8 and int4 matmuls, which the full set has too), or None."""
     return target_kernels("avx2")
 
