@@ -116,7 +116,8 @@ def main() -> int:
     # build-no-amx` and --llama-build run its repacked (fastest) kernels.
     parser.add_argument("--llama-args", default="", help="extra llama-server flags, e.g. --no-repack")
     parser.add_argument("--llama-build", type=Path, default=LLAMA_DIR / "build",
-                        help="llama.cpp's build directory (llama_cpp.sh build-no-amx: $LLAMA_CPP_DIR/build-no-amx)")
+                        help="llama.cpp's build directory (llama_cpp.sh build-no-amx: $LLAMA_CPP_DIR/build-no-amx; "
+                             "build-avx2: $LLAMA_CPP_DIR/build-avx2)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.requests = args.requests or (4 if args.workload == "batch1" else 64)
