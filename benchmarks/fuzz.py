@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-seconds", type=float, default=4 * 3600.0, help="stop sending after this long")
     parser.add_argument("--max-examples", type=int, default=100,
                         help="openapi: requests per operation and generation mode")
-    parser.add_argument("--batch-size", type=int, default=4, help="grammar: requests sent together per bystander")
+    parser.add_argument("--batch-size", type=int, default=16, help="grammar: requests sent together per bystander")
     parser.add_argument("--bystander-tokens", type=int, default=200, help="grammar: the bystander's length")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write the counts and findings here")
