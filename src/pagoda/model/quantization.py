@@ -2,8 +2,8 @@
 (W4A16) is `model/int4.py`.
 
 After loading, `prepare_linears` swaps the model's nn.Linear layers for these. Decode-sized inputs
-(<= 64 rows) go to pagoda's AVX-512 GEMV kernels (kernels/cpu_gemv.cpp), which stream
-weights faster than stock torch (bf16/int8 at about twice its rate, fp32 ~1.5x); larger inputs
+(<= 64 rows; fp32 on the AVX2 target <= 4) go to pagoda's GEMV kernels (kernels/cpu_gemv.cpp; simd_gemv.cpp on
+AVX2), which stream weights faster than stock torch (bf16/int8 at about twice its rate, fp32 ~1.5x); larger inputs
 (prefill, big batches) are matrix multiplications and go to torch (oneDNN). Without the kernels (or for an input
 width the kernels do not take, not a multiple of 32), everything goes to torch: the same arithmetic up to
 summation order, slower. (int8's kernel also rounds x to int16 per 128-element block: ~15 bits against
