@@ -1,8 +1,8 @@
 """Decode tokens/s on each path this CPU runs: the torch path (`use_kernels=False`) and every kernel target
 (`PAGODA_SIMD_TARGET`), per weight config, at 1 and 32 concurrent sequences.
 
-A config's model is loaded once per path; each rate is (B x (out - 1) tokens) / (time to generate `out` tokens
-- time to generate 1), so prefill (128-token prompts) is left out; the median of --repeats.
+A config's model is loaded once per path; each rate is B x (out - 1) tokens over the time of the engine's steps
+after the one that prefills every prompt (128 tokens each): decode alone; the median of --repeats.
 
     python benchmarks/decode_targets.py --model models/bench-125m --configs fp32,bf16,int8 --threads 2
 """
@@ -21,26 +21,24 @@ from common import CONFIGS, add_common_args, environment, load_average, log, set
 from pagoda.kernels import TARGET_ENV, available_targets
 
 
-def generate_seconds(llm, prompts: list[list[int]], tokens: int, clock) -> float:
+def decode_rate(llm, batch: int, prompt_len: int, out: int, repeats: int, seed: int, clock) -> float:
+    """Decode tokens/s of `batch` sequences: the engine's steps after the one that prefills every prompt."""
     from pagoda import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    started = clock()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = clock() - started
-    assert all(len(o.outputs[0].token_ids) == tokens for o in outputs)
-    return elapsed
-
-
-def decode_rate(llm, batch: int, prompt_len: int, out: int, repeats: int, seed: int, clock) -> float:
-    rng = random.Random(seed)
-    rates = []
-    for _ in range(repeats):
-        prompts = [[rng.randrange(10, 32000) for _ in range(prompt_len)] for _ in range(batch)]
-        first = generate_seconds(llm, prompts, 1, clock)
-        prompts = [[rng.randrange(10, 32000) for _ in range(prompt_len)] for _ in range(batch)]  # no prefix hits
-        whole = generate_seconds(llm, prompts, out, clock)
-        rates.append(batch * (out - 1) / (whole - first))
+    engine, rng, rates = llm.engine, random.Random(seed), []
+    params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
+    for repeat in range(repeats):
+        for index in range(batch):  # fresh prompts: no prefix-cache hits
+            engine.add_request(f"decode-{seed}-{repeat}-{index}", [rng.randrange(10, 32000) for _ in range(prompt_len)],
+                               params)
+        engine.step()  # every prompt, and each sequence's first token (max_num_batched_tokens holds them all)
+        started, steps = clock(), 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        elapsed = clock() - started
+        assert steps == out - 1, f"{steps} decode steps for {out} tokens: the prompts did not prefill in one step"
+        rates.append(batch * steps / elapsed)
     return statistics.median(rates)
 
 
@@ -67,7 +65,8 @@ def main() -> None:
             if path != "torch":
                 os.environ[TARGET_ENV] = path
             llm = LLM(args.model, dtype=dtype, quantization=quantization, use_kernels=path != "torch",
-                      max_num_seqs=32, max_model_len=args.prompt_len + args.out_len + 16)
+                      max_num_seqs=32, max_model_len=args.prompt_len + args.out_len + 16,
+                      max_num_batched_tokens=32 * args.prompt_len)
             backend = llm.engine.model.backend
             native_stack = getattr(backend, "decode_runner", None) is not None
             for batch in (int(b) for b in args.batches.split(",")):

@@ -39,9 +39,9 @@ INT8_MATMUL_MAX_ROWS = 128
 
 
 # The AVX2 target's fp32 GEMV serves up to 4 rows of x from each weight vector in registers; at bench-125m's
-# batch 32 it lost to oneDNN's fp32 GEMM (native decode stack 49 against torch's 219 tokens per CPU-second, one
-# thread), so fp32 on AVX2 takes the kernel only up to one group of rows. bf16 (which torch's matmuls emulate
-# there) and the AVX-512 forms take up to KERNEL_MAX_ROWS.
+# batch 32 it lost to oneDNN's fp32 GEMM (decode through the native stack at 85 tokens per CPU-second, through
+# the modules with oneDNN's GEMM at 130; one thread, Zen 3), so fp32 on AVX2 takes the kernel only up to one
+# group of rows. bf16 (which torch's matmuls emulate there) and the AVX-512 forms take up to KERNEL_MAX_ROWS.
 AVX2_FP32_GEMV_MAX_ROWS = 4
 
 
