@@ -20,7 +20,8 @@ Checked, and the exit code is 1 when any fails:
   entry per token, in the stream and out of it);
 - resident memory of the server is flat after warm-up: the last quarter's median within 5% of the median of
   the second quarter of the long level (sampled every few seconds; plotted);
-- once the load stops, no request is running or waiting and KV usage is 0 (no block leaked).
+- once the load stops, no request is running or waiting and KV usage is 0 (no block leaked);
+- idle resident memory after the run (nothing in flight, settled) within 10% of idle after the warm-up.
 Reported per level: offered and completed rate, 429 share, TTFT p50/p99 of streamed requests.
 """
 
@@ -203,6 +204,9 @@ async def send_poison(client: httpx.AsyncClient, rng: random.Random, model: str,
     level.problems.append(f"hostile {name}: {response.status_code} {text[:200]} for {json.dumps(case.body)[:300]}")
 
 
+# Idle resident memory after the run may exceed idle after warm-up by at most this factor.
+IDLE_RSS_GROWTH_LIMIT = 1.10
+
 async def run_level(url: str, model: str, level: Level, seed: int, args) -> None:
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -266,11 +270,21 @@ async def metric(url: str, name: str) -> float:
     return sum(values)
 
 
+async def idle_rss_mib(url: str, sampler: RssSampler, settle_s: float) -> float:
+    """The server's RSS once nothing is running or waiting and it has had settle_s to give memory back."""
+    while await metric(url, "vllm:num_requests_running") + await metric(url, "vllm:num_requests_waiting"):
+        await asyncio.sleep(0.5)
+    await asyncio.sleep(settle_s)
+    return sampler.rss_mib()
+
+
 async def soak(url: str, pid: int, model: str, args) -> dict:
     print(f"calibrating for {args.calibrate_seconds:.0f} s with {args.max_num_seqs} clients ...", flush=True)
     saturation = await calibrate(url, model, args.max_num_seqs, args.calibrate_seconds)
     print(f"saturation: {saturation:.2f} requests/s", flush=True)
     sampler, began = RssSampler(pid, args.rss_period), time.monotonic()
+    idle_after_warmup = await idle_rss_mib(url, sampler, args.idle_settle_seconds)  # the calibration warmed it up
+    print(f"idle RSS after warm-up: {idle_after_warmup:.0f} MiB", flush=True)
     levels = []
     for index, multiple in enumerate(args.levels):
         seconds = args.minutes * 60 if index == len(args.levels) - 1 else args.short_seconds
@@ -285,13 +299,20 @@ async def soak(url: str, pid: int, model: str, args) -> dict:
     await asyncio.sleep(2)  # let aborted requests drain
     leftover = {name: await metric(url, name) for name in
                 ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")}
+    idle_after_run = await idle_rss_mib(url, sampler, args.idle_settle_seconds)
+    print(f"idle RSS after the run: {idle_after_run:.0f} MiB", flush=True)
     rss = [{"t_s": round(t, 1), "level": label, "rss_mib": round(mib, 1)} for t, label, mib in sampler.samples]
-    return {"saturation_rps": round(saturation, 3), "levels": levels, "after": leftover, "rss": rss}
+    return {"saturation_rps": round(saturation, 3), "levels": levels, "after": leftover, "rss": rss,
+            "idle_rss_mib": {"after_warmup": round(idle_after_warmup, 1), "after_run": round(idle_after_run, 1)}}
 
 
 def verdict(result: dict) -> list[str]:
     failures = [f"{level['multiple']}x: {problem}" for level in result["levels"] for problem in level["problems"]]
     failures += [f"{name} = {value} after the load" for name, value in result["after"].items() if value != 0]
+    idle = result["idle_rss_mib"]
+    if idle["after_run"] > IDLE_RSS_GROWTH_LIMIT * idle["after_warmup"]:
+        failures.append(f"idle RSS {idle['after_run']:.0f} MiB after the run, {idle['after_warmup']:.0f} MiB after "
+                        f"warm-up: more than {IDLE_RSS_GROWTH_LIMIT - 1:.0%} above")
     long = [s["rss_mib"] for s in result["rss"] if s["level"] == result["rss"][-1]["level"]]
     quarter = len(long) // 4
     if quarter >= 2:
@@ -336,6 +357,8 @@ def main() -> int:
     parser.add_argument("--hostile-share", type=float, default=0.05)
     parser.add_argument("--disconnect-share", type=float, default=0.1)
     parser.add_argument("--rss-period", type=float, default=5.0)
+    parser.add_argument("--idle-settle-seconds", type=float, default=10.0,
+                        help="idle time before idle RSS is read (the server gives memory back after 2 s idle)")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/soak.json"))
     args = parser.parse_args()
 

@@ -363,6 +363,20 @@ def test_compile_cache_is_bounded_lru(tokenizer):
     assert compile_(backend, regex="b") is not b
 
 
+def test_compile_cache_is_bounded_by_constraint_text(tokenizer):
+    """Memory grows with a grammar's text: the cache keeps at most cache_chars of it, and a constraint longer
+    than that on its own is compiled for each request, never kept."""
+    backend = LLGuidanceBackend(tokenizer, vocab_size=MODEL_VOCAB, eos_token_ids=[2],
+                                limits=GrammarLimits(cache_chars=10))
+    short, other = compile_(backend, regex="a" * 6), compile_(backend, regex="b" * 4)  # 10 characters: both kept
+    assert compile_(backend, regex="a" * 6) is short and compile_(backend, regex="b" * 4) is other
+    compile_(backend, regex="c" * 3)  # 13 characters: the stalest ("a" * 6) goes
+    assert compile_(backend, regex="b" * 4) is other
+    assert compile_(backend, regex="a" * 6) is not short
+    long = compile_(backend, regex="d" * 11)
+    assert compile_(backend, regex="d" * 11) is not long
+
+
 @pytest.mark.parametrize(
     ("constraint", "message"),
     [

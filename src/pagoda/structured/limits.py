@@ -4,7 +4,8 @@ Two kinds of bound. llguidance's own (`LLParserLimits`'s fields, under the same 
 compiling a grammar and of each step's mask; a constraint past them fails while it compiles or, worse, in
 the middle of generation. pagoda's rule bounds (`max_schema_depth`, `max_repeat`, `max_alternatives`, and
 the rules of `structured/bounds.py` that need no number) refuse a constraint before llguidance sees it,
-with a message naming the bound, where llguidance would fail late or fail without saying why.
+with a message naming the bound, where llguidance would fail late or fail without saying why. And one bound
+on what constraints cost together: `cache_chars`, the compiled-grammar cache's share of memory.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class GrammarLimits:
                                      "schema's minItems, minLength, minProperties, minContains")
     max_alternatives: int = _limit(4096, "most alternatives in one place: a schema's enum, anyOf or oneOf, "
                                          "a choice list")
+    # A compiled grammar's memory grows with its text (~50-200 bytes a character for large ones): the cache of
+    # compiled grammars is bounded by their texts' total length, so hostile constraints cannot pin memory.
+    cache_chars: int = _limit(65_536, "most characters of constraint text whose compiled grammars are kept for "
+                                      "reuse (a longer constraint is compiled for each request)")
 
     def __post_init__(self) -> None:
         for item in fields(self):

@@ -85,8 +85,9 @@ class LLGuidanceBackend:
         self._vocab_size = max(vocab_size, len(hf_tokenizer))
         self._tokenizer = llguidance_tokenizer(hf_tokenizer, self._vocab_size, list(eos_token_ids))
         self._eos_token_ids = frozenset(eos_token_ids)
-        self._cache: LRUCache[CacheKey, LLGuidanceGrammar | _CompileFailure] = LRUCache(cache_size)
         self._limits = limits or GrammarLimits()
+        self._cache: LRUCache[CacheKey, LLGuidanceGrammar | _CompileFailure] = LRUCache(
+            cache_size, self._limits.cache_chars, weight=lambda key: len(key[1]))
         self._json_options: JsonCompileOptions = (
             {"whitespace_flexible": True} if any_whitespace
             else {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
