@@ -184,7 +184,10 @@ async def send_poison(client: httpx.AsyncClient, rng: random.Random, model: str,
     level.hostile += 1
     level.poisons += 1
     try:
-        async with client.stream("POST", case.route, json=case.body) as response:
+        # Encoded here, ASCII-escaped: a poison may hold a lone surrogate, which httpx's json= cannot encode.
+        body = json.dumps(case.body).encode()
+        async with client.stream("POST", case.route, content=body,
+                                 headers={"content-type": "application/json"}) as response:
             text = (await response.aread()).decode(errors="replace")
     except httpx.HTTPError as error:
         level.problems.append(f"hostile {name}: transport error {error!r}")
