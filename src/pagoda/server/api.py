@@ -26,17 +26,16 @@ from pagoda.api_keys import ApiKeyGuard, ApiKeys
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import RequestRejected
 from pagoda.engine.output import Tokenizer
-from pagoda.model.tokenizer import ChatTemplateError, render_chat
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import Admission, WaitingSlots
 from pagoda.server.generation import Generation, TokenTexts
 from pagoda.server.guards import BodySizeLimit, JsonDecoder, ServerLimits, error_response
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.openapi import install_openapi
+from pagoda.server.prompts import check_prompt_chars, conversation_of, echo_texts, encode_prompts, render_chat_prompt
 from pagoda.server.protocol import (
     WIRE_LIMITS,
     ChatCompletionRequest,
-    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     OpenAIError,
@@ -179,12 +178,12 @@ def build_app(state: ServerState) -> FastAPI:
         inputs = body.prompts()
         for text in inputs:
             if isinstance(text, str):
-                _check_prompt_chars(state, loaded, len(text), "prompt")
+                check_prompt_chars(state, loaded, len(text), "prompt")
         params = _sampling_params(body, body.logprobs)
         with _holding(_reserve(state, len(inputs), params.n)) as slots:
-            prompts = await _encode_prompts(loaded, inputs)
+            prompts = await encode_prompts(loaded, inputs)
             await _validate(state, loaded.engine, prompts, params, body.priority)
-            echo = await _echo_texts(loaded, inputs) if body.echo else None
+            echo = await echo_texts(loaded, inputs) if body.echo else None
             generation = Generation(
                 kind="completion", response_id=random_id("cmpl"), model_name=state.model_name,
                 engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
@@ -199,9 +198,9 @@ def build_app(state: ServerState) -> FastAPI:
         params = _sampling_params(body, body.num_logprobs())
         tool_reader = _tool_reader(state, body)
         tools = body.tool_dicts() if tool_reader is not None else None  # tool_choice "none": answer in text
-        conversation = _conversation(state, loaded, body.messages)
+        conversation = conversation_of(state, loaded, body.messages)
         with _holding(_reserve(state, 1, params.n)) as slots:
-            prompt = await _render_chat(state, loaded, conversation, body.add_generation_prompt, tools,
+            prompt = await render_chat_prompt(state, loaded, conversation, body.add_generation_prompt, tools,
                                         body.chat_template_kwargs)
             await _validate(state, loaded.engine, [prompt], params, body.priority)
             generation = Generation(
@@ -216,11 +215,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(body: TokenizeRequest) -> dict:
         loaded = state.require_ready()
         if body.messages is not None:
-            conversation = _conversation(state, loaded, body.messages)
-            tokens = await _render_chat(state, loaded, conversation, body.add_generation_prompt)
+            conversation = conversation_of(state, loaded, body.messages)
+            tokens = await render_chat_prompt(state, loaded, conversation, body.add_generation_prompt)
         else:
             text, special = body.prompt or "", body.add_special_tokens
-            _check_prompt_chars(state, loaded, len(text), "prompt")
+            check_prompt_chars(state, loaded, len(text), "prompt")
             tokens = await loaded.tokenizers.run(
                 lambda tokenizer: list(tokenizer.encode(text, add_special_tokens=special)))
         return {"tokens": tokens, "count": len(tokens), "max_model_len": loaded.engine.max_model_len}
@@ -272,35 +271,8 @@ def _holding(slots: WaitingSlots) -> Iterator[WaitingSlots]:
         raise
 
 
-def _check_prompt_chars(state: ServerState, loaded: LoadedModel, num_chars: int, param: str) -> None:
-    """A prompt of more characters than max_model_len tokens can plausibly hold is refused before it is
-    tokenized: tokenizing megabytes takes seconds, only to find that it does not fit."""
-    max_model_len = loaded.engine.max_model_len
-    limit = int(max_model_len * state.limits.max_chars_per_token)
-    if num_chars > limit:
-        raise OpenAIError(400, f"{param} has {num_chars} characters: more than this model's maximum context "
-                               f"length ({max_model_len} tokens) can hold (at most {limit} characters are "
-                               f"accepted)", param)
-
-
 def _sampling_params(body: CompletionRequest | ChatCompletionRequest, num_logprobs: int | None) -> SamplingParams:
     return _openai_call(lambda: body.sampling_params(num_logprobs))
-
-
-async def _encode_prompts(loaded: LoadedModel, inputs: list[str | list[int]]) -> list[list[int]]:
-    """Token ids for every prompt: text prompts tokenized on the pool, id prompts as given."""
-    texts = [p for p in inputs if isinstance(p, str)]
-    if not texts:
-        return [list(p) for p in inputs if not isinstance(p, str)]
-    encoded = iter(await loaded.tokenizers.run(
-        lambda tokenizer: [list(tokenizer.encode(text, add_special_tokens=True)) for text in texts]))
-    return [next(encoded) if isinstance(p, str) else list(p) for p in inputs]
-
-
-async def _echo_texts(loaded: LoadedModel, inputs: list[str | list[int]]) -> list[str]:
-    """echo: each prompt as the user gave it, token-id prompts decoded (on the pool)."""
-    return await loaded.tokenizers.run(
-        lambda tokenizer: [p if isinstance(p, str) else tokenizer.decode(p) for p in inputs])
 
 
 def _tool_reader(state: ServerState, body: ChatCompletionRequest) -> ToolCallReader | None:
@@ -322,40 +294,6 @@ def _openai_call(function: Callable[[], _T]) -> _T:
         return function()
     except ValueError as error:
         raise OpenAIError(400, str(error), getattr(error, "param", None)) from error
-
-
-def _conversation(state: ServerState, loaded: LoadedModel, messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template reads them; their text already bounded like a prompt's."""
-    try:
-        conversation = [m.for_template() for m in messages]
-    except ValueError as error:  # a content part that is not text
-        raise OpenAIError(400, f"cannot apply the chat template: {error}", "messages") from error
-    _check_prompt_chars(state, loaded, sum(len(m["content"]) for m in conversation), "messages")
-    return conversation
-
-
-async def _render_chat(state: ServerState, loaded: LoadedModel, conversation: list[dict[str, Any]],
-                       add_generation_prompt: bool, tools: list[dict[str, Any]] | None = None,
-                       template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """The conversation through the chat template, then tokenized: both on the pool. The rendered text is
-    bounded like any prompt before it is tokenized (tool definitions and the template add to it)."""
-
-    def render(tokenizer: Any) -> list[int] | OpenAIError:
-        try:
-            text = render_chat(tokenizer, conversation, add_generation_prompt, tools, template_kwargs)
-        except ChatTemplateError as error:  # no template, or the template rejects the conversation
-            return OpenAIError(400, str(error), "messages")
-        try:
-            _check_prompt_chars(state, loaded, len(text), "messages")
-        except OpenAIError as error:
-            return error
-        # The template writes its own special tokens, so encoding adds none.
-        return list(tokenizer.encode(text, add_special_tokens=False))
-
-    result = await loaded.tokenizers.run(render)
-    if isinstance(result, OpenAIError):
-        raise result
-    return result
 
 
 async def _validate(
