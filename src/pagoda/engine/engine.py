@@ -11,6 +11,7 @@ import torch
 
 from pagoda.config import EngineConfig, ModelConfig
 from pagoda.engine.draft_model import DraftModelProposer, load_draft_model
+from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.kv_cache import KVCacheManager, KVEventSink
 from pagoda.engine.kv_pool import kv_pool_size
 from pagoda.engine.output import IncrementalDetokenizer, RequestOutput, SequenceText, Tokenizer
@@ -19,7 +20,6 @@ from pagoda.engine.runner import ModelRunner, PromptLogprobsChunk
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.speculative import SpecDecodeStats, Speculator
 from pagoda.engine.step_budget import StepCostModel
-from pagoda.engine.structured import StructuredOutputs
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model
 from pagoda.model.tokenizer import load_tokenizer

@@ -28,9 +28,9 @@ from typing import Protocol
 
 import torch
 
+from pagoda.engine.grammar_masks import GrammarMasks, StructuredOutputs
 from pagoda.engine.sampler import Proposal, SamplerOutput, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pagoda.engine.structured import GrammarMasks, StructuredOutputs
 from pagoda.model.attention import QueryLayout, slot_of
 from pagoda.model.llama import LlamaModel
 
