@@ -169,3 +169,6 @@ def test_a_constraint_that_breaks_in_the_engine_fails_alone_and_says_so(loose_se
     assert_streams_whole(streams, expected)
     assert loose_server.health() == 200
     loose_server.wait_until_idle()
+    # An expected outcome of the client's input, not a fault in the server: logged in one line, no traceback.
+    log = loose_server.log_path.read_text()
+    assert "output constraint broke" in log and "Traceback" not in log

@@ -314,7 +314,7 @@ class LLMEngine:
         """failed: requests whose step failed (runner), by id: their groups fail, whatever they sampled."""
         groups: dict[str, RequestGroup] = {}  # in order of first appearance
         for request, error in failed.values():
-            logger.error("request %s failed: %s", request.group_id, error)
+            _log_failure(request.group_id, error)
             groups.setdefault(request.group_id, self._groups[request.group_id]).failure = error
         for request, num_new in advanced:
             group = groups.setdefault(request.group_id, self._groups[request.group_id])
@@ -323,7 +323,7 @@ class LLMEngine:
             try:
                 self._process_tokens(group.sequences[request.sample_index], num_new, logprobs.get(request.request_id))
             except Exception as error:  # one request's fault must not take the others down
-                logger.exception("request %s failed", request.group_id)
+                _log_failure(request.group_id, error)
                 group.failure = error
         outputs = []
         for group in groups.values():
@@ -390,3 +390,11 @@ def _queue_time(request: Request) -> float | None:
     if request.first_scheduled_time is None:
         return None
     return request.first_scheduled_time - request.arrival_time
+
+
+def _log_failure(group_id: str, error: Exception) -> None:
+    """A constraint breaking mid-generation is the client's input (a 400): one line; anything else, a traceback."""
+    if isinstance(error, GrammarStateError):
+        logger.info("request %s: its output constraint broke: %s", group_id, error)
+    else:
+        logger.error("request %s failed", group_id, exc_info=error)

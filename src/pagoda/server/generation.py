@@ -161,14 +161,15 @@ class Generation:
     def _internal_error(self, error: Exception) -> OpenAIError:
         """The client learns that it failed, the id to quote and whether it failed alone; the log has the
         details under that id."""
-        logger.error("request %s failed: %s", self.response_id, error, exc_info=error)
         alone = isinstance(error, RequestFailed) and error.alone
         headers = {ERROR_SCOPE_HEADER: "request"} if alone else None
-        if isinstance(error, RequestFailed) and error.by_constraint:
+        if isinstance(error, RequestFailed) and error.by_constraint:  # the engine logged it, in one line
+            logger.info("request %s: %s", self.response_id, error)
             constraint = self.params.structured_outputs
             param = (constraint.error_param if constraint is not None else None) or "structured_outputs"
             return OpenAIError(400, f"the output constraint failed while generating ({error}); simplify it, or "
                                     "raise the grammar engine's limits (--grammar-* flags)", param, headers=headers)
+        logger.error("request %s failed: %s", self.response_id, error, exc_info=error)
         return OpenAIError(500, f"internal error (request id {self.response_id})", headers=headers)
 
     def _observe(self, index: int, output: RequestOutput) -> None:
