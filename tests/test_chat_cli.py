@@ -4,6 +4,7 @@ against `pagoda serve`. Each answer is compared with what the engine says to the
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ from server_fixtures import start_server
 from pagoda import LLM, SamplingParams
 from pagoda.chat import PROMPT
 from pagoda.demo import DEMO_MODEL_DIR
+from pagoda.engine_args import add_engine_args, json_object
 from pagoda.model.tokenizer import encode_chat
 
 pytestmark = pytest.mark.timeout(300)
@@ -146,6 +148,27 @@ def test_url_chat_refuses_engine_flags(capsys):
 
     assert main(["chat", "--url", "http://127.0.0.1:9", "--dtype", "bfloat16", "--num-kv-blocks", "8"]) == 2
     assert "--dtype, --num-kv-blocks: engine flags apply to a model in this process" in capsys.readouterr().err
+
+
+def test_url_chat_refuses_every_engine_flag_but_model(capsys):
+    """Each flag `add_engine_args` defines, given alone with --url, is refused by name: a flag added there later
+    cannot be silently ignored by a chat with a server (--model names the server's model instead)."""
+    from pagoda.cli import main
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    flags = [action for action in parser._actions if action.dest != "model"]
+    assert len(flags) > 20  # the grammar limits and the scheduling flags are among them
+    for action in flags:
+        flag = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            given = [flag]
+        elif action.choices:
+            given = [flag, str(next(iter(action.choices)))]
+        else:
+            given = [flag, "{}" if action.type is json_object else "1"]
+        assert main(["chat", "--url", "http://127.0.0.1:9", *given]) == 2, flag
+        assert f"{flag}: engine flags apply to a model in this process" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

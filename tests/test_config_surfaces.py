@@ -9,8 +9,9 @@ import json
 import pytest
 import torch
 
-from pagoda.cli import build_parser, engine_config_from
+from pagoda.cli import build_parser
 from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from pagoda.engine_args import engine_config_from
 from pagoda.entrypoints import ENGINE_OPTIONS, FIELD_NAMES, build_engine_config
 from pagoda.model.int4 import Int4Options
 from pagoda.structured.limits import GrammarLimits

@@ -16,9 +16,9 @@ def run_without(modules: list[str], code: str) -> subprocess.CompletedProcess:
 
 def test_the_server_and_the_cli_import_without_the_bench_extra():
     result = run_without(["httpx", "matplotlib"], """
-        import pagoda.cli, pagoda.entrypoints, pagoda.server.launcher
+        import pagoda.cli, pagoda.engine_args, pagoda.entrypoints, pagoda.server.launcher
         args = pagoda.cli.build_parser().parse_args(["serve", "--max-num-seqs", "4"])
-        assert pagoda.cli.engine_config_from(args).scheduler.max_num_seqs == 4
+        assert pagoda.engine_args.engine_config_from(args).scheduler.max_num_seqs == 4
     """)
     assert result.returncode == 0, result.stderr
 

@@ -111,7 +111,7 @@ def test_checkpoint_computes_its_dequantized_weights(make_llm, checkpoint, tmp_p
 
 def test_checkpoint_refuses_another_quantization(checkpoint, tmp_path):
     from pagoda import LLM
-    from pagoda.model.loader import ModelLoadError
+    from pagoda.model_dir import ModelLoadError
 
     quantized_dir, _ = _quantized_pair(checkpoint("llama", intermediate_size=128), tmp_path, "gptq")
     with pytest.raises(ModelLoadError, match="holds gptq 4-bit weights; --quantization int8 cannot apply"):

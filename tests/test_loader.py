@@ -12,7 +12,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from pagoda import LLM
-from pagoda.model.loader import ModelLoadError, load_model_config
+from pagoda.model.loader import load_model_config
+from pagoda.model_dir import ModelLoadError
 
 
 @pytest.fixture

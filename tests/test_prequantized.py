@@ -17,7 +17,6 @@ import torch
 from safetensors import safe_open
 
 from pagoda.model.int4_weights import Int4Weights
-from pagoda.model.loader import ModelLoadError
 from pagoda.model.prequantized import (
     AWQ_PACK_ORDER,
     AWQ_UNPACK_ORDER,
@@ -27,6 +26,7 @@ from pagoda.model.prequantized import (
     unpack_awq,
     unpack_gptq,
 )
+from pagoda.model_dir import ModelLoadError
 
 GOLDEN = Path(__file__).parent / "data" / "int4_golden"
 GOLDEN_FILES = sorted(GOLDEN.glob("*.safetensors"))

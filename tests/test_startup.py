@@ -12,10 +12,11 @@ import torch
 from server_fixtures import make_server_checkpoint
 
 from pagoda import LLM, SamplingParams
-from pagoda.cli import build_parser, main, model_to_load, served_model_name
+from pagoda.cli import build_parser, main
 from pagoda.config import CacheConfig
 from pagoda.demo import DEMO_MODEL_DIR
 from pagoda.engine.kv_pool import kv_pool_size
+from pagoda.engine_args import model_to_load, served_model_name
 from pagoda.kernels import available_targets
 from pagoda.model.tokenizer import encode_chat
 from pagoda.startup import native_kernels_status, startup_summary

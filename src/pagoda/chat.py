@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+from pagoda.engine_args import add_engine_args, engine_config_from, engine_flags, model_to_load, served_model_name
+
 if TYPE_CHECKING:
     from pagoda.engine.engine import LLMEngine
 
@@ -285,8 +287,6 @@ class TerminalChat:
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
-    from pagoda.cli import add_engine_args
-
     chat = commands.add_parser("chat", help="a conversation in the terminal (in-process, or --url a server)")
     add_engine_args(chat)
     chat.add_argument("--url", default=None,
@@ -305,12 +305,6 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     chat.set_defaults(func=run_chat)
 
 
-# Engine flags that mean nothing with --url (--model does: the server's model name).
-_URL_IGNORES = ("dtype", "device", "quantization", "quantization_config", "use_kernels", "seed", "max_model_len",
-                "max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes", "num_kv_blocks",
-                "enable_prefix_caching", "speculative_config", "threads")
-
-
 def run_chat(args: argparse.Namespace) -> int:
     settings = AnswerSettings(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                               seed=args.gen_seed, ignore_eos=args.ignore_eos)
@@ -326,7 +320,8 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def _url_backend(args: argparse.Namespace) -> ChatBackend:
-    given = [f"--{name.replace('_', '-')}" for name in _URL_IGNORES if getattr(args, name, None) is not None]
+    # Every engine flag but --model (with --url, the server's model name) means nothing for a server's model.
+    given = [flag for name, flag in engine_flags().items() if name != "model" and getattr(args, name) is not None]
     if given:
         raise ChatError(f"{', '.join(given)}: engine flags apply to a model in this process, not with --url")
     api_key = args.api_key or os.environ.get("PAGODA_API_KEY") or os.environ.get("OPENAI_API_KEY")
@@ -334,7 +329,6 @@ def _url_backend(args: argparse.Namespace) -> ChatBackend:
 
 
 def _engine_backend(args: argparse.Namespace) -> ChatBackend:
-    from pagoda.cli import engine_config_from, model_to_load, served_model_name
     from pagoda.engine.engine import LLMEngine
 
     args.model = model_to_load(args.model, "chat")

@@ -39,8 +39,8 @@ def quantization_summary(config: EngineConfig, matmul: str | None = None) -> str
     from pathlib import Path
 
     from pagoda.model.int4 import Int4Options
-    from pagoda.model.loader import read_json
     from pagoda.model.prequantized import read_prequantized_format
+    from pagoda.model_dir import read_json
 
     checkpoint = read_prequantized_format(read_json(Path(config.model) / "config.json"), config.model)
     if checkpoint is not None:

@@ -36,8 +36,9 @@ from pagoda.engine.scheduler import ScheduledRequest
 from pagoda.engine.speculative import Draft, draft_room
 from pagoda.model.attention import QueryLayout, build_metadata
 from pagoda.model.llama import LlamaModel
-from pagoda.model.loader import ModelLoadError, load_model, load_model_config
+from pagoda.model.loader import load_model, load_model_config
 from pagoda.model.tokenizer import has_tokenizer, load_tokenizer
+from pagoda.model_dir import ModelLoadError
 from pagoda.sampling import GREEDY_EPS
 from pagoda.structured.interface import GrammarMatcher, GrammarStateError
 

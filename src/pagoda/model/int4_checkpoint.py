@@ -17,6 +17,7 @@ from torch import nn
 
 from pagoda.model.int4 import Int4Linear
 from pagoda.model.int4_weights import Int4Weights, stack_outputs
+from pagoda.model_dir import ModelLoadError
 
 if TYPE_CHECKING:
     from pagoda.model.backends import CpuKernels, QuantizedKernels
@@ -55,8 +56,6 @@ def load_prequantized(model: LlamaModel, weights: Iterable[tuple[str, torch.Tens
         try:
             _set_module(model, path, Int4Linear(_fuse(model, path, pieces), pending.bias, quantized_kernels))
         except ValueError as error:  # a layout pagoda's int4 layer cannot take: name the layer
-            from pagoda.model.loader import ModelLoadError
-
             raise ModelLoadError(f"{path}: {error}") from error
     if not fmt.lm_head and kernels is not None and dtype in DenseLinear.DTYPES:
         _set_module(model, "lm_head", DenseLinear(model.lm_head, kernels))

@@ -6,9 +6,7 @@ unsupported architecture, rope type or field fails here, naming the file or fiel
 
 from __future__ import annotations
 
-import json
 import math
-import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +16,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagoda.config import ModelConfig
+from pagoda.model_dir import ModelLoadError, read_json
 
 if TYPE_CHECKING:
     from pagoda.model.int4 import Int4Options
@@ -30,50 +29,6 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
-
-
-class ModelLoadError(ValueError):
-    pass
-
-
-CHECKPOINT_NEEDS = (
-    "pagoda loads a local Hugging Face checkpoint directory: config.json, *.safetensors weights and the "
-    "tokenizer (tokenizer.json, tokenizer_config.json)"
-)
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
-
-
-def check_model_dir(model: str | Path) -> Path:
-    """The model directory, or a ModelLoadError that says what pagoda needs and how to get it: for a hub id,
-    a GGUF file or a directory without config.json, before anything is loaded."""
-    path = Path(model)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path}: no config.json; {CHECKPOINT_NEEDS}")
-        return path
-    if path.suffix.lower() == ".gguf":
-        raise ModelLoadError(
-            f"{model} is a GGUF file; {CHECKPOINT_NEEDS}, not GGUF.\n"
-            "Download the original model's repository instead: hf download <org>/<model> --local-dir models/<model>"
-        )
-    if not path.exists() and HUB_ID.fullmatch(str(model)):
-        local = f"models/{str(model).split('/')[1]}"
-        raise ModelLoadError(
-            f"{model} is not a local directory, and pagoda does not download models; {CHECKPOINT_NEEDS}.\n"
-            f"Get this one with:  hf download {model} --local-dir {local}   then: --model {local}\n"
-            "Seeded benchmark models (no download): python scripts/make_bench_models.py"
-        )
-    raise ModelLoadError(f"{model}: not a directory; {CHECKPOINT_NEEDS}")
-
-
-def read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: file not found")
-    try:
-        data: dict[str, Any] = json.loads(path.read_text())
-        return data
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ModelLoadError(f"{path}: not valid JSON ({error})") from error
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:

@@ -19,14 +19,12 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 
 from pagoda.model.int4_weights import Int4Weights
-
-if TYPE_CHECKING:
-    from pagoda.model.loader import ModelLoadError
+from pagoda.model_dir import ModelLoadError
 
 SUPPORTED = "pagoda loads 4-bit GPTQ (checkpoint_format gptq or gptq_v2) and 4-bit AWQ GEMM checkpoints"
 CODES_PER_WORD = 8
@@ -36,13 +34,6 @@ AWQ_UNPACK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 GPTQ_PARTS = frozenset({"qweight", "qzeros", "scales", "g_idx"})
 AWQ_PARTS = frozenset({"qweight", "qzeros", "scales"})
 OPTIONAL_PARTS = frozenset({"g_idx"})  # older GPTQ checkpoints without act-order leave it out
-
-
-def _error(message: str) -> ModelLoadError:
-    # loader.py will import this module, so the error class is imported only when it is raised.
-    from pagoda.model.loader import ModelLoadError
-
-    return ModelLoadError(message)
 
 
 @dataclass(frozen=True)
@@ -84,14 +75,14 @@ def read_prequantized_format(hf_config: dict[str, Any], path: str | Path | None 
             try:
                 qc = json.loads(legacy.read_text())
             except json.JSONDecodeError as exc:
-                raise _error(f"{legacy}: not valid JSON ({exc})") from exc
+                raise ModelLoadError(f"{legacy}: not valid JSON ({exc})") from exc
     if qc is None:
         return None
     if not isinstance(qc, dict):
-        raise _error(f"{source}: expected an object, got {type(qc).__name__}")
+        raise ModelLoadError(f"{source}: expected an object, got {type(qc).__name__}")
     method = qc.get("quant_method", qc.get("method", default_method))
     if method is None:
-        raise _error(f"{source}: no quant_method; {SUPPORTED}")
+        raise ModelLoadError(f"{source}: no quant_method; {SUPPORTED}")
     method = str(method).lower()
     if method == "gptq":
         return _gptq_format(qc, source)
@@ -111,7 +102,7 @@ def _bits_and_group_size(qc: dict[str, Any], source: str) -> tuple[int, int]:
 
 
 def _unsupported(source: str, field: str, value: object, detail: str) -> ModelLoadError:
-    return _error(f"{source}: {field}={value!r} is not supported ({detail}); {SUPPORTED}")
+    return ModelLoadError(f"{source}: {field}={value!r} is not supported ({detail}); {SUPPORTED}")
 
 
 def _reject_if_set(qc: dict[str, Any], source: str, field: str, why: str) -> None:
@@ -165,12 +156,12 @@ def _unpack_words(words: torch.Tensor, nibble_order: Sequence[int] = range(CODES
 
 def _check_int32(name: str, tensor: torch.Tensor) -> None:
     if tensor.dtype != torch.int32:
-        raise _error(f"{name}: expected int32 words of eight 4-bit codes, got {tensor.dtype}")
+        raise ModelLoadError(f"{name}: expected int32 words of eight 4-bit codes, got {tensor.dtype}")
 
 
 def _check_shape(name: str, tensor: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(tensor.shape) != expected:
-        raise _error(f"{name}: shape {tuple(tensor.shape)}, expected {expected}")
+        raise ModelLoadError(f"{name}: shape {tuple(tensor.shape)}, expected {expected}")
 
 
 def _trivial_or_none(g_idx: torch.Tensor | None, in_features: int, group_size: int) -> torch.Tensor | None:
@@ -193,7 +184,7 @@ def unpack_gptq(
     _check_int32("qzeros", qzeros)
     in_features, out_features = qweight.shape[0] * CODES_PER_WORD, qweight.shape[1]
     if out_features % CODES_PER_WORD:
-        raise _error(f"qweight: {out_features} output features, not a multiple of {CODES_PER_WORD}")
+        raise ModelLoadError(f"qweight: {out_features} output features, not a multiple of {CODES_PER_WORD}")
     group_size = fmt.group_size_for(in_features)
     num_groups = -(-in_features // group_size)
     _check_shape("scales", scales, (num_groups, out_features))
@@ -201,7 +192,7 @@ def unpack_gptq(
     if g_idx is not None:
         _check_shape("g_idx", g_idx, (in_features,))
         if int(g_idx.min()) < 0 or int(g_idx.max()) >= num_groups:
-            raise _error(f"g_idx: group indices outside 0..{num_groups - 1}")
+            raise ModelLoadError(f"g_idx: group indices outside 0..{num_groups - 1}")
 
     zeros = _unpack_words(qzeros).float() + fmt.zero_offset  # float: a v1 zero point may read back as 16
     return Int4Weights(
@@ -238,7 +229,7 @@ def _unpack_layer(prefix: str, parts: dict[str, torch.Tensor], fmt: Prequantized
             return unpack_gptq(parts["qweight"], parts["qzeros"], parts["scales"], parts.get("g_idx"), fmt)
         return unpack_awq(parts["qweight"], parts["qzeros"], parts["scales"], fmt)
     except ValueError as exc:  # ModelLoadError is a ValueError: name the layer it came from
-        raise _error(f"{prefix}: {exc}") from exc
+        raise ModelLoadError(f"{prefix}: {exc}") from exc
 
 
 def iter_prequantized(
@@ -258,7 +249,7 @@ def iter_prequantized(
             continue
         parts = pending.setdefault(prefix, {})
         if part in parts:
-            raise _error(f"{name}: appears twice in the checkpoint")
+            raise ModelLoadError(f"{name}: appears twice in the checkpoint")
         parts[part] = tensor
         if parts.keys() == expected:
             yield f"{prefix}.weight", _unpack_layer(prefix, pending.pop(prefix), fmt)
@@ -267,6 +258,6 @@ def iter_prequantized(
     if incomplete:
         listed = "; ".join(f"{p}: missing {', '.join(m)}" for p, m in sorted(incomplete.items())[:5])
         more = f" (and {len(incomplete) - 5} more layers)" if len(incomplete) > 5 else ""
-        raise _error(f"quantized layers with missing tensors: {listed}{more}")
+        raise ModelLoadError(f"quantized layers with missing tensors: {listed}{more}")
     for prefix, parts in pending.items():
         yield f"{prefix}.weight", _unpack_layer(prefix, parts, fmt)

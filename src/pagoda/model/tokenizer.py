@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pagoda.model.loader import ModelLoadError
+from pagoda.model_dir import ModelLoadError
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:

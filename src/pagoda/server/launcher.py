@@ -26,8 +26,8 @@ from pagoda.config import EngineConfig
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import LLMEngine
 from pagoda.engine.kv_cache import KVEventSink
-from pagoda.model.loader import ModelLoadError
 from pagoda.model.tokenizer import load_tokenizer
+from pagoda.model_dir import ModelLoadError
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import Admission
 from pagoda.server.api import LoadedModel, ServerState, build_app

@@ -1,0 +1,141 @@
+"""The engine's command-line flags (vLLM's names) and what they load: shared by `pagoda serve`, `generate` and
+`chat`. Importing this module imports no torch, so `--help` answers at once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagoda.config import EngineConfig
+
+
+def default_model() -> str:
+    """The demo model that ships inside the package (see pagoda.demo)."""
+    from pagoda.demo import DEMO_MODEL_DIR
+
+    return str(DEMO_MODEL_DIR)
+
+
+# The name the built-in model is served under, wherever the package is installed.
+DEMO_SERVED_NAME = "pagoda-demo"
+
+
+def model_to_load(model: str | None, command: str) -> str:
+    """The --model to load: the built-in model when none is given. Anything but a local checkpoint directory
+    (a hub id, a GGUF file) ends the command here, exit 2, saying what pagoda needs and how to get it."""
+    if model is None:
+        return default_model()
+    from pagoda.model_dir import ModelLoadError, check_model_dir
+
+    try:
+        check_model_dir(model)
+    except ModelLoadError as error:
+        print(f"pagoda {command}: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return model
+
+
+def served_model_name(model: str, given: str | None = None) -> str:
+    """The name given (--served-model-name), else `pagoda-demo` for the built-in model, else --model as written."""
+    from pathlib import Path
+
+    if given:
+        return given
+    return DEMO_SERVED_NAME if Path(model).resolve() == Path(default_model()).resolve() else model
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, with vLLM's names. Each defaults to None, "not given": build_engine_config fills in
+    pagoda.config's defaults (reading them here would import torch before `--help` could answer)."""
+    parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: built-in)")
+    parser.add_argument("--dtype", help="float32 | bfloat16 | float16")
+    parser.add_argument("--device")
+    parser.add_argument("--quantization", "-q", choices=["int8", "int4"],
+                        help="weight-only, quantized at load: int8 (per output channel, symmetric) or int4 "
+                             "(group-wise); a GPTQ or AWQ checkpoint is int4 already (docs/quantization.md)")
+    parser.add_argument("--quantization-config", type=json_object,
+                        help='int4 options: \'{"group_size": 32, "sym": false, "lm_head": true, "search": true}\' '
+                             "(those are the defaults)")
+    parser.add_argument("--use-kernels", action=argparse.BooleanOptionalAction,
+                        help="pagoda's native CPU kernels (compiled on first use) where they apply")
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-num-seqs", type=int)
+    parser.add_argument("--max-num-batched-tokens", type=int)
+    parser.add_argument("--max-step-ms", type=float,
+                        help="while requests decode, cap each step's prefill so the step is predicted to take at "
+                             "most this long (default 200; 0: no cap; docs/scheduling.md)")
+    parser.add_argument("--long-prefill-token-threshold", type=int,
+                        help="most prefill tokens one request computes per step (default 0: no cap)")
+    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
+                        help="fcfs (default) or priority: the request's `priority`, lower first")
+    parser.add_argument("--priority-aging-s", type=float,
+                        help="priority: each level counts as this many seconds of later arrival, bounding how "
+                             "long lower levels wait (default 10; 0: strict order, no bound)")
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--kv-cache-memory-bytes", type=parse_bytes,
+                        help="most bytes the KV pool may take (suffixes K, M, G: 2G = 2 GiB; default 2G); the pool "
+                             "is what --max-num-seqs x --max-model-len can use, up to this")
+    parser.add_argument("--num-kv-blocks", type=int, help="explicit pool size in blocks")
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--speculative-config", type=json_object,
+                        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
+                             '"num_speculative_tokens": 3}\' (docs/speculative.md)')
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice, one per physical core)")
+    add_grammar_limit_args(parser)
+
+
+def add_grammar_limit_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per GrammarLimits field (docs/serving-limits.md), its help and default read from the field."""
+    from dataclasses import MISSING, fields
+
+    from pagoda.structured.limits import GrammarLimits, grammar_flag
+
+    for item in fields(GrammarLimits):
+        default = item.default if item.default is not MISSING else None
+        parser.add_argument(grammar_flag(item.name), dest=f"grammar_{item.name}", default=None,
+                            type=int if isinstance(default, int) else float,
+                            help=f"{item.metadata['help']} (default {default})")
+
+
+def parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
+def engine_flags() -> dict[str, str]:
+    """Every flag add_engine_args adds: its destination -> its name on the command line."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_engine_args(parser)
+    return {action.dest: action.option_strings[0] for action in parser._actions}
+
+
+def engine_config_from(args: argparse.Namespace) -> EngineConfig:
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    from pagoda.entrypoints import ENGINE_OPTIONS, build_engine_config
+
+    given = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None}
+    return build_engine_config(args.model, **given)
+
+
