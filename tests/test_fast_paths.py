@@ -8,20 +8,26 @@ dtype up to accumulation order.
 from __future__ import annotations
 
 import statistics
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import random_prompts
+from kernel_spy import KernelSpy, spy_on_engine_kernels
 from reference_kernels import ReferenceKernels
 from torch import nn
 
 from pagoda import SamplingParams
-from pagoda.kernels import available_targets, cpu_flags, cpu_kernels, target_kernels
-from pagoda.model.quantization import DenseLinear, Int8Linear
+from pagoda.kernels import TARGETS as ALL_TARGETS
+from pagoda.kernels import available_targets, cpu_flags, target_kernels
+from pagoda.model.quantization import KERNEL_MAX_ROWS, DenseLinear, Int8Linear
 
-TARGETS = available_targets()  # the kernel tests run each target this CPU has
-KERNELS_APPLY = bool(TARGETS)
-needs_kernels = pytest.mark.skipif(not KERNELS_APPLY, reason="this CPU has neither AVX2 + FMA nor AVX-512: no kernels")
+# The kernel tests run each target this CPU has, and skip (saying why) where it has none: a test that compares
+# a kernel path with torch and ran torch on both sides would prove nothing. Each one asserts the kernel ran.
+TARGETS = available_targets()
+needs_kernels = pytest.mark.skipif(not TARGETS, reason="this CPU has neither AVX2 + FMA nor AVX-512: no kernels")
+needs_prefill_kernels = pytest.mark.skipif("avx512" not in TARGETS,
+                                           reason="prefill attention is an avx512-target kernel; this CPU lacks it")
 # How each target's int8 GEMV quantizes x: (columns per scale, largest code).
 X_CODES = {"avx512": (128, 32767), "avx2": (32, 127)}
 
@@ -31,6 +37,21 @@ def built_kernels(target: str):
     assert module is not None, f"the CPU runs the {target} target, so its kernels must build"
     assert module.target == target
     return module
+
+
+def test_the_kernel_tests_run_every_target_the_cpu_has():
+    """The skips above hide nothing: /proc/cpuinfo, read here on its own, names the targets the CPU can run, and
+    each of them is one the kernel tests run and whose module builds (PAGODA_DISABLE_KERNELS=1 fails here)."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = set(next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")),
+                     []))
+    runnable = [name for name, build in ALL_TARGETS.items() if build.cpu_flags <= flags]
+    assert runnable == TARGETS
+    for target in runnable:
+        built_kernels(target)
 
 
 @pytest.fixture(scope="module", params=TARGETS)
@@ -105,11 +126,12 @@ def test_kernels_reject_shapes_they_do_not_handle(kernels):
         kernels.gemv_bf16(torch.randn(65, 64), torch.randn(8, 64).bfloat16())
 
 
+@needs_kernels
 @pytest.mark.parametrize(("layer_type", "dtype", "tolerance"), [
     (DenseLinear, torch.float32, 1e-5), (DenseLinear, torch.bfloat16, 2e-2), (Int8Linear, torch.bfloat16, 2e-2),
 ])
 @pytest.mark.parametrize("rows", [1, 8, 20, 40, 70])  # above 64: torch even with kernels
-def test_fast_linear_layers_agree_with_and_without_kernels(layer_type, dtype, tolerance, rows):
+def test_fast_linear_layers_agree_with_and_without_kernels(kernels, layer_type, dtype, tolerance, rows):
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True)
     x = torch.randn(rows, 128).to(dtype)
@@ -117,20 +139,26 @@ def test_fast_linear_layers_agree_with_and_without_kernels(layer_type, dtype, to
     if layer is not linear:
         layer.load_state_dict({k: v.to(dtype) for k, v in linear.state_dict().items()})
     reference = layer_type(layer, kernels=None)
-    fast = layer_type(layer, kernels=cpu_kernels() if KERNELS_APPLY else None)
-    if KERNELS_APPLY:
-        assert (fast.gemv if layer_type is DenseLinear else fast.kernels) is not None
-    torch.testing.assert_close(fast(x).float(), reference(x).float(), rtol=tolerance, atol=tolerance)
+    spy = KernelSpy(kernels)
+    fast = layer_type(layer, kernels=spy)
+    fast_y = fast(x).float()
+    # The kernel runs exactly where the layer's row bound sends x to it; beyond, torch (a routing check).
+    takes = rows <= (fast.max_rows if layer_type is DenseLinear else KERNEL_MAX_ROWS)
+    assert spy.total() == int(takes), f"{rows} rows: kernel calls {dict(spy.calls)}, expected {int(takes)}"
+    torch.testing.assert_close(fast_y, reference(x).float(), rtol=tolerance, atol=tolerance)
     # And both stay close to the fp32 layer they replace.
-    error = (fast(x).float() - linear(x.float())).abs().max().item()
+    error = (fast_y - linear(x.float())).abs().max().item()
     assert error < 0.05 * linear(x.float()).abs().max().item()
 
 
-def test_kernels_skip_layers_whose_width_they_do_not_take():
+@needs_kernels
+def test_kernels_skip_layers_whose_width_they_do_not_take(kernels):
     """An input width that is not a multiple of 32 goes to torch instead of failing in the kernel."""
     linear = nn.Linear(48, 16)
-    for layer in (DenseLinear(linear, cpu_kernels()), Int8Linear(linear, cpu_kernels())):
+    spy = KernelSpy(kernels)
+    for layer in (DenseLinear(linear, spy), Int8Linear(linear, spy)):
         torch.testing.assert_close(layer(torch.ones(2, 48)), linear(torch.ones(2, 48)), atol=0.05, rtol=0.05)
+    assert spy.total() == 0, f"a kernel ran on a width it does not take: {dict(spy.calls)}"
 
 
 def test_int8_quantization_is_per_channel_symmetric():
@@ -172,13 +200,20 @@ def test_low_precision_logprob_error_is_bounded(make_llm, checkpoint, dtype, qua
     assert max(errors) < 10 * max_mean_error
 
 
-def test_decode_kernel_path_agrees_with_torch_path(make_llm, checkpoint):
+@needs_kernels
+@pytest.mark.parametrize("target", TARGETS)
+def test_decode_kernel_path_agrees_with_torch_path(make_llm, checkpoint, monkeypatch, target):
     """bf16 decode through the kernels and through torch pick the same tokens (or diverge at a near-tie)."""
     model_dir = checkpoint("qwen3")
     prompts = random_prompts([5, 17, 31], seed=3)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    spy = spy_on_engine_kernels(monkeypatch, target)
     with_kernels = make_llm(model_dir, dtype="bfloat16", use_kernels=True).generate(prompts, params)
+    kernel_calls = spy.total()
     torch_only = make_llm(model_dir, dtype="bfloat16", use_kernels=False).generate(prompts, params)
+    # Each decode step of the kernel engine ran the native stack or the modules' bf16 GEMVs; the torch engine none.
+    assert spy.total("DecodeStack.forward", "gemv_bf16") >= params.max_tokens - 1, dict(spy.calls)
+    assert spy.total() == kernel_calls, "the torch-only engine called a kernel"
     for fast, slow in zip(with_kernels, torch_only):
         fast_ids, slow_ids = fast.outputs[0].token_ids, slow.outputs[0].token_ids
         same = next((i for i, (a, b) in enumerate(zip(fast_ids, slow_ids)) if a != b), None)
@@ -196,21 +231,28 @@ def test_unknown_quantization_is_rejected(checkpoint):
         LLM(str(checkpoint("llama")), quantization="int3", num_kv_blocks=16)
 
 
+@needs_kernels
+@pytest.mark.parametrize("target", TARGETS)
 @pytest.mark.parametrize("arch", ["mistral", "qwen2-swa", "llama-mqa"])
-def test_paged_attention_kernel_matches_reference_backend(make_llm, checkpoint, arch):
+def test_paged_attention_kernel_matches_reference_backend(make_llm, checkpoint, monkeypatch, arch, target):
     """fp32 greedy decode through the native paged-attention kernel and through the torch reference
     backend agree token for token (sliding windows and MQA included), with chunking and preemption."""
     model_dir = checkpoint(arch)
     prompts = random_prompts([3, 30, 47, 12], seed=7)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     options = {"max_num_batched_tokens": 9, "num_kv_blocks": 24}
+    spy = spy_on_engine_kernels(monkeypatch, target)
     fast = make_llm(model_dir, **options)
     reference = make_llm(model_dir, use_kernels=False, **options)
-    if KERNELS_APPLY:
-        assert type(fast.engine.model.backend).__name__ == "CpuAttentionBackend"
+    assert type(fast.engine.model.backend).__name__ == "CpuAttentionBackend"
     assert type(reference.engine.model.backend).__name__ == "TorchAttentionBackend"
     fast_ids = [o.outputs[0].token_ids for o in fast.generate(prompts, params)]
+    kernel_calls = spy.total()
     reference_ids = [o.outputs[0].token_ids for o in reference.generate(prompts, params)]
+    # Prompts wrote their keys through the kernel; decodes attended through it, alone or in the native stack.
+    assert spy.calls["rotary_write_kv_"] > 0, dict(spy.calls)
+    assert spy.total("paged_decode_attention", "DecodeStack.forward") >= params.max_tokens - 1, dict(spy.calls)
+    assert spy.total() == kernel_calls, "the reference engine called a kernel"
     assert fast_ids == reference_ids
     assert fast.engine.scheduler.num_preemptions > 0
 
@@ -242,7 +284,7 @@ def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_head
     torch.testing.assert_close(fast, reference, atol=tolerance, rtol=tolerance)
 
 
-@needs_kernels
+@needs_prefill_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128), (8, 1, 32), (6, 6, 96)])
 @pytest.mark.parametrize("window", [None, 13, 70])
@@ -278,7 +320,7 @@ def test_prefill_attention_takes_amx_tiles_where_the_cpu_has_them(kernels):
     assert kernels.prefill_attention_amx == ({"amx_bf16", "amx_tile"} <= cpu_flags())
 
 
-@needs_kernels
+@needs_prefill_kernels
 @pytest.mark.parametrize("use_amx", [True, False])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (16, 2, 128), (8, 1, 32), (6, 6, 96)])
 @pytest.mark.parametrize("window", [0, 13, 70])
@@ -301,7 +343,7 @@ def test_bf16_prefill_kernel_forms_match_fp32_attention(prefill_kernels, use_amx
     torch.testing.assert_close(out.float(), reference, atol=2e-2, rtol=2e-2)
 
 
-@needs_kernels
+@needs_prefill_kernels
 def test_paged_prefill_kernel_rejects_shapes_it_does_not_handle(prefill_kernels):
     q = torch.zeros(4, 4, 48, dtype=torch.bfloat16)
     cache = torch.zeros(8, 2, 48, dtype=torch.bfloat16)
