@@ -3,6 +3,7 @@ check that every engine gives all its KV blocks back after each test."""
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import weakref
@@ -27,10 +28,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
 # different orders may then pick different greedy tokens. A divergence is accepted only at a near-tie: the
 # two tokens' reference logits differ by less than NEAR_TIE_RTOL * max(1, |logit|).
 NEAR_TIE_RTOL = 1e-3
+# And only rarely: a test (one architecture in one batching mode, in the correctness suite) may excuse at most
+# this many sequences that diverged at a near-tie. A path that rounds differently everywhere would meet ties
+# often; its near-ties, each excusable alone, must not add up to a pass. Not zero: each kernel target sums in
+# its own order, and one may meet a tie that another does not.
+MAX_NEAR_TIES_PER_TEST = 2
 
 
 # --------------------------------------------------------------------------------------------------
-# Engines: every one made through `make_llm` is checked after each test for leaked KV blocks.
+# Engines: every one made through `LLM(...)` is checked after each test for leaked KV blocks.
 # --------------------------------------------------------------------------------------------------
 
 _ENGINES: weakref.WeakSet = weakref.WeakSet()
@@ -53,9 +59,26 @@ def register_engine(engine) -> None:
     _ENGINES.add(engine)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _every_llm_registered() -> Iterator[None]:
+    """Every `LLM(...)` a test makes, through make_llm or not, is registered for the leak check."""
+    from pagoda import LLM
+
+    original = LLM.__init__
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs) -> None:
+        original(self, *args, **kwargs)
+        register_engine(self.engine)
+
+    LLM.__init__ = init  # type: ignore[method-assign]
+    yield
+    LLM.__init__ = original  # type: ignore[method-assign]
+
+
 @pytest.fixture(autouse=True)
 def _kv_blocks_returned():
-    """After every test, every engine made through make_llm / register_engine has freed all blocks."""
+    """After every test, every engine made through LLM(...) or given to register_engine has freed all blocks."""
     yield
     failures = []
     for engine in list(_ENGINES):
@@ -70,15 +93,13 @@ def _kv_blocks_returned():
 
 @pytest.fixture
 def make_llm() -> Callable:
-    """LLM(model_dir, **options), always with an explicit (small) KV pool, registered for the leak check."""
+    """LLM(model_dir, **options), always with an explicit (small) KV pool."""
     from pagoda import LLM
 
     def make(model_dir: str | Path, **options):
         options.setdefault("num_kv_blocks", 256)
         options.setdefault("block_size", 4)
-        llm = LLM(str(model_dir), **options)
-        register_engine(llm.engine)
-        return llm
+        return LLM(str(model_dir), **options)
 
     return make
 
@@ -158,12 +179,35 @@ def hf_reference() -> Callable[[Path, Sequence[int], int], Reference]:
     return get
 
 
+_near_ties: list[str] = []  # the current test's sequences that diverged at a near-tie
+
+
+def check_near_tie_count(labels: Sequence[str], cap: int = MAX_NEAR_TIES_PER_TEST) -> None:
+    assert len(labels) <= cap, (
+        f"{len(labels)} sequences diverged from the reference at near-ties, more than the {cap} one test may "
+        "excuse:\n  " + "\n  ".join(labels)
+    )
+
+
+@pytest.fixture(autouse=True)
+def _near_ties_capped() -> Iterator[None]:
+    """After every test, at most MAX_NEAR_TIES_PER_TEST of its comparisons were excused by the near-tie rule."""
+    _near_ties.clear()
+    yield
+    labels = list(_near_ties)
+    _near_ties.clear()
+    try:
+        check_near_tie_count(labels)
+    except AssertionError as error:
+        pytest.fail(str(error), pytrace=False)
+
+
 def compare_with_reference(actual: Sequence[int], reference: Reference, label: str = "") -> int | None:
     """Asserts `actual` equals the reference token for token, up to the near-tie rule.
 
     At the first position where they differ, the two tokens' reference logits must differ by less than
     NEAR_TIE_RTOL * max(1, |logit|); the comparison of this sequence stops there. Returns that position,
-    or None when the sequences are equal.
+    or None when the sequences are equal. Each near-tie counts against the test's MAX_NEAR_TIES_PER_TEST.
     """
     actual = list(actual)
     expected = reference.token_ids
@@ -178,6 +222,7 @@ def compare_with_reference(actual: Sequence[int], reference: Reference, label: s
             f"{want} (logit {want_logit:.6f}); not a near-tie (tolerance {tolerance:.2e}).\n"
             f"  pagoda:       {actual}\n  transformers: {expected}"
         )
+        _near_ties.append(f"{label or 'a sequence'} at token {position}")
         return position
     assert len(actual) == len(expected), f"{label}: {len(actual)} tokens, transformers made {len(expected)}"
     return None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import Reference, compare_with_reference, random_prompts
+from conftest import MAX_NEAR_TIES_PER_TEST, Reference, check_near_tie_count, compare_with_reference, random_prompts
 from test_native_decode import CountingStack
 
 from pagoda import SamplingParams
@@ -150,6 +150,13 @@ def test_near_tie_rule_rejects_real_divergence():
         compare_with_reference([5, 2], reference)
     with pytest.raises(AssertionError, match="1 tokens"):
         compare_with_reference([3], reference)
+
+
+def test_near_ties_are_capped_per_test():
+    """The near-tie rule excuses a few divergences in a test, not every sequence in it."""
+    check_near_tie_count([f"prompt {i}" for i in range(MAX_NEAR_TIES_PER_TEST)])
+    with pytest.raises(AssertionError, match=f"more than the {MAX_NEAR_TIES_PER_TEST} one test may excuse"):
+        check_near_tie_count([f"prompt {i}" for i in range(MAX_NEAR_TIES_PER_TEST + 1)])
 
 
 @pytest.mark.parametrize("mode", ["all-at-once", "chunked"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compare_with_reference, random_prompts, register_engine
+from conftest import compare_with_reference, random_prompts
 
 from pagoda import SamplingParams
 from pagoda.engine.request import Request
@@ -25,9 +25,7 @@ def model_dir(checkpoint):
 def llm(model_dir):
     from pagoda import LLM
 
-    engine = LLM(str(model_dir), num_kv_blocks=256, block_size=4)
-    register_engine(engine.engine)
-    return engine
+    return LLM(str(model_dir), num_kv_blocks=256, block_size=4)
 
 
 def generate(llm, prompts, params):

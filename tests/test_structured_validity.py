@@ -12,7 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 import torch
-from conftest import NEAR_TIE_RTOL, assert_all_blocks_free, random_prompts, register_engine
+from conftest import NEAR_TIE_RTOL, assert_all_blocks_free, random_prompts
 
 from pagoda import LLM, SamplingParams
 from pagoda.demo import DEMO_MODEL_DIR
@@ -36,15 +36,9 @@ def model_dir(checkpoint) -> Path:
     return checkpoint(ARCH)
 
 
-def _module_llm(model_dir: Path, **options: object) -> LLM:
-    llm = LLM(str(model_dir), **options)
-    register_engine(llm.engine)
-    return llm
-
-
 @pytest.fixture(scope="module")
 def random_llm(model_dir: Path) -> LLM:
-    return _module_llm(model_dir, **ENGINE)
+    return LLM(str(model_dir), **ENGINE)
 
 
 def constrained(item: Case, **kwargs: object) -> SamplingParams:
@@ -100,7 +94,7 @@ def test_suite_on_a_random_weight_model(random_llm: LLM) -> None:
 
 
 def test_suite_on_the_demo_model() -> None:
-    llm = _module_llm(DEMO_MODEL_DIR, num_kv_blocks=2048, block_size=16)
+    llm = LLM(str(DEMO_MODEL_DIR), num_kv_blocks=2048, block_size=16)
     tokenizer = llm.get_tokenizer()
     cases = [item for item in ALL_CASES for _ in range(SAMPLES_PER_CASE)]
     prompts = [
