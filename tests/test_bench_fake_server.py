@@ -12,6 +12,7 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import uvicorn
@@ -135,44 +136,67 @@ def assert_late(value: float, nominal: float, slack: float) -> None:
     assert nominal - 0.005 <= value <= nominal + slack, f"{value:.4f} s, expected {nominal} s (+{slack})"
 
 
+def on_time_in_one_of(tries: int, measure: Callable[[], None]) -> None:
+    """Runs `measure` (a load against a fake server, then its timing asserts) until one run passes. Slacks of
+    tens of milliseconds are what tell the metrics' definitions apart, and 2 shared cores can stall a run by
+    more; but the fake server is never early, so a stall only makes a run late, and a definition that is wrong
+    fails every try."""
+    for attempt in range(tries):
+        try:
+            measure()
+            return
+        except AssertionError:
+            if attempt == tries - 1:
+                raise
+
+
 # --- known values ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("api", ["completions", "chat"])
 def test_metric_definitions_give_the_fake_servers_known_values(fake, api):
-    result = run(fake.url, text_conversations(8), LoadSpec(concurrency=4), api=api)
-    summary = summarize(result.records)
-    assert summary["num_ok"] == 8, summary["errors"]
-    assert_late(summary["ttft"]["p50"], TTFT_S, 0.06)
-    assert summary["tpot"]["p50"] == pytest.approx(GAP_S, abs=0.01)
-    assert summary["itl"]["count"] == 8 * (NUM_TOKENS - 1)
-    assert summary["itl"]["p50"] == pytest.approx(GAP_S, abs=0.01)
-    assert_late(summary["e2e"]["p50"], TTFT_S + (NUM_TOKENS - 1) * GAP_S, 0.08)
-    # two waves of four 0.6 s requests: 1.2 s for 8 requests and 72 output tokens
-    assert_late(summary["duration_s"], 1.2, 0.25)
-    assert summary["request_throughput"] == pytest.approx(8 / summary["duration_s"])
-    assert summary["output_throughput"] == pytest.approx(72 / summary["duration_s"])
-    assert summary["output_tokens"] == 72 and summary["tokens"]["usage_missing"] == 0
+    def measure() -> None:
+        result = run(fake.url, text_conversations(8), LoadSpec(concurrency=4), api=api)
+        summary = summarize(result.records)
+        assert summary["num_ok"] == 8, summary["errors"]
+        assert_late(summary["ttft"]["p50"], TTFT_S, 0.06)
+        assert summary["tpot"]["p50"] == pytest.approx(GAP_S, abs=0.01)
+        assert summary["itl"]["count"] == 8 * (NUM_TOKENS - 1)
+        assert summary["itl"]["p50"] == pytest.approx(GAP_S, abs=0.01)
+        assert_late(summary["e2e"]["p50"], TTFT_S + (NUM_TOKENS - 1) * GAP_S, 0.08)
+        # two waves of four 0.6 s requests: 1.2 s for 8 requests and 72 output tokens
+        assert_late(summary["duration_s"], 1.2, 0.25)
+        assert summary["request_throughput"] == pytest.approx(8 / summary["duration_s"])
+        assert summary["output_throughput"] == pytest.approx(72 / summary["duration_s"])
+        assert summary["output_tokens"] == 72 and summary["tokens"]["usage_missing"] == 0
+
+    on_time_in_one_of(3, measure)
 
 
 def test_open_loop_sends_on_schedule(fake):
-    # constant 20/s for 10 requests: sends at 0, 50, ..., 450 ms; each lasts 0.6 s
-    result = run(fake.url, text_conversations(10), LoadSpec(rate=20.0, arrival="constant"))
-    sends = [r.sent for r in sorted(result.records, key=lambda r: r.scheduled)]
-    assert [r.scheduled for r in sorted(result.records, key=lambda r: r.scheduled)] == \
-        pytest.approx([0.05 * i for i in range(10)])
-    for sent, scheduled in zip(sends, [0.05 * i for i in range(10)]):
-        assert_late(sent, scheduled, 0.04)
-    assert_late(summarize(result.records)["duration_s"], 0.45 + 0.6, 0.2)
-    assert len(result.dispatch_lags) == 10
+    def measure() -> None:
+        # constant 20/s for 10 requests: sends at 0, 50, ..., 450 ms; each lasts 0.6 s
+        result = run(fake.url, text_conversations(10), LoadSpec(rate=20.0, arrival="constant"))
+        sends = [r.sent for r in sorted(result.records, key=lambda r: r.scheduled)]
+        assert [r.scheduled for r in sorted(result.records, key=lambda r: r.scheduled)] == \
+            pytest.approx([0.05 * i for i in range(10)])
+        for sent, scheduled in zip(sends, [0.05 * i for i in range(10)]):
+            assert_late(sent, scheduled, 0.04)
+        assert_late(summarize(result.records)["duration_s"], 0.45 + 0.6, 0.2)
+        assert len(result.dispatch_lags) == 10
+
+    on_time_in_one_of(3, measure)
 
 
 def test_concurrency_cap_holds_open_loop_requests_back(fake):
-    # everything at once but at most 2 in flight: 3 waves of 0.6 s
-    result = run(fake.url, text_conversations(6), LoadSpec(rate=float("inf"), max_concurrency=2))
-    summary = summarize(result.records)
-    assert_late(summary["duration_s"], 1.8, 0.3)
-    assert_late(max(r.sent for r in result.records), 1.2, 0.2)
+    def measure() -> None:
+        # everything at once but at most 2 in flight: 3 waves of 0.6 s
+        result = run(fake.url, text_conversations(6), LoadSpec(rate=float("inf"), max_concurrency=2))
+        summary = summarize(result.records)
+        assert_late(summary["duration_s"], 1.8, 0.3)
+        assert_late(max(r.sent for r in result.records), 1.2, 0.2)
+
+    on_time_in_one_of(3, measure)
 
 
 def test_errors_are_counted_by_type_and_short_outputs_flagged(fake):
@@ -224,7 +248,9 @@ def test_cli_compare_sweep_writes_one_table_json_and_png(tmp_path, capsys):
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text('{"prompt": "one"}\n{"prompt": "two"}\n', encoding="utf-8")
     out = tmp_path / "cmp.json"
-    with FakeServer(ttft_s=0.1, gap_s=0.02) as quick, FakeServer(ttft_s=0.2, gap_s=0.02) as slow:
+    # The quick server's TTFT is 100 ms inside the 150 ms SLO (a stall on 2 shared cores must not push it out);
+    # the slow one's is outside it by 50 ms, safely: the fake server is never early.
+    with FakeServer(ttft_s=0.05, gap_s=0.02) as quick, FakeServer(ttft_s=0.2, gap_s=0.02) as slow:
         code = cli.main(["--compare", f"quick={quick.url}", f"slow={slow.url}", "--workload", "jsonl",
                          "--dataset", str(dataset), "--output-len", "5", "--concurrency", "1,2",
                          "--num-requests", "4", "--warmup", "1", "--slo", "ttft=150ms", "--out", str(out),
@@ -237,12 +263,13 @@ def test_cli_compare_sweep_writes_one_table_json_and_png(tmp_path, capsys):
     assert doc["command"].startswith("pagoda bench --compare") and doc["note"] == "a test"
     assert [e["name"] for e in doc["endpoints"]] == ["quick", "slow"]
     assert all(e["tokenize"] is False and e["model"] == "fake-model" for e in doc["endpoints"])
-    for endpoint, ttft in zip(doc["endpoints"], (0.1, 0.2)):
+    for endpoint, ttft in zip(doc["endpoints"], (0.05, 0.2)):
         assert [p["level"] for p in endpoint["levels"]] == [1, 2]
         for point in endpoint["levels"]:
             assert point["summary"]["num_ok"] == 4 and len(point["requests"]) == 4
             assert point["speculative"] is None  # the fake server has no /metrics (404): no section, no failure
-            assert_late(point["summary"]["ttft"]["p50"], ttft, 0.06)
+            # 100 ms of slack for a stall of the shared cores: still less than the two servers' 150 ms apart
+            assert_late(point["summary"]["ttft"]["p50"], ttft, 0.1)
             assert point["summary"]["goodput"]["fraction"] == (1.0 if ttft < 0.15 else 0.0)
             assert point["warmup"] == ({"requests": 1, "errors": 0} if point["level"] == 1 else {"requests": 0,
                                                                                               "errors": 0})
