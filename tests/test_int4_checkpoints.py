@@ -94,7 +94,7 @@ def test_checkpoint_computes_its_dequantized_weights(make_llm, checkpoint, tmp_p
     quantized_dir, reference_dir = _quantized_pair(checkpoint("llama", intermediate_size=128), tmp_path, method)
     prompts = random_prompts([9, 23, 40], seed=11)
     # Kernels off: this checks the weights as loaded, with activations exact where the int4 kernel would
-    # quantize them to int8 (its own bound is tests/test_int4_kernel.py's).
+    # quantize them to int8 (its own bound is tests/test_quantized_kernels.py's).
     quantized, reference = make_llm(quantized_dir, use_kernels=False), make_llm(reference_dir)
     assert isinstance(quantized.engine.model.layers[0].self_attn.qkv_proj, Int4Linear)
     assert not isinstance(quantized.engine.model.lm_head, Int4Linear)  # the checkpoint leaves it unquantized
