@@ -7,7 +7,7 @@ import pytest
 from conftest import assert_all_blocks_free, random_prompts
 
 from pagoda import SamplingParams
-from pagoda.engine.engine import RequestRejected
+from pagoda.engine.api import RequestRejected
 
 ARCH = "llama"
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -158,7 +158,7 @@ def test_the_scaled_object_has_what_keda_requires_and_scales_on_the_waiting_queu
 
 def exported_metric_names() -> set[str]:
     """What a replica and the router export, as Prometheus families (with their sample suffixes)."""
-    from pagoda.engine.engine import EngineStats
+    from pagoda.engine.api import EngineStats
     from pagoda.server.metrics import ServerMetrics
 
     texts = [ServerMetrics("m", EngineStats).render().decode(),

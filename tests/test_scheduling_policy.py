@@ -12,7 +12,7 @@ from server_fixtures import assert_openai_error, make_server_checkpoint, start_s
 from test_scheduler import assert_consistent, fake_sample, make_request
 
 from pagoda.config import SchedulerConfig
-from pagoda.engine.engine import RequestRejected
+from pagoda.engine.api import RequestRejected
 from pagoda.engine.kv_cache import KVCacheManager
 from pagoda.engine.request import FinishReason, Request
 from pagoda.engine.scheduler import Scheduler

@@ -25,15 +25,13 @@ from server_fixtures import make_server_checkpoint, start_server
 import pagoda.kernels
 from pagoda import SamplingParams
 from pagoda.config import SchedulerConfig, SpeculativeConfig
-from pagoda.engine.engine import EngineStats
+from pagoda.engine.api import EngineStats, RequestOutput, SpecDecodeStats
 from pagoda.engine.kv_cache import KVCacheManager, hash_block
-from pagoda.engine.output import RequestOutput
 from pagoda.engine.request import FinishReason, Request, RequestStatus
 from pagoda.engine.sampler import SampleRow, build_sampling_metadata
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.speculative import (
     Draft,
-    SpecDecodeStats,
     Speculator,
     accept_drafts,
     accepted_rows,

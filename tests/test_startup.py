@@ -61,6 +61,18 @@ def test_the_built_in_model_gets_the_pool_it_can_use_not_the_whole_budget(demo_l
         engine.config.dtype) < engine.config.cache.kv_cache_memory_bytes
 
 
+def test_the_engine_describes_itself_as_built(demo_llm):
+    engine = demo_llm.engine
+    description = engine.describe()
+    assert (description.model, description.dtype) == (str(DEMO_MODEL_DIR), "float32")
+    assert description.quantized_matmul is None
+    assert description.max_model_len == engine.max_model_len == 512
+    assert description.num_threads == torch.get_num_threads()
+    kv = description.kv_cache
+    assert (kv.num_blocks, kv.block_size, kv.num_bytes) == (4096, 16, engine.kv_pool_bytes)
+    assert kv.sizing_reason.startswith("max_num_seqs 128 x max_model_len 512") and kv.enable_prefix_caching
+
+
 def test_attention_never_reads_a_slot_it_has_not_written(make_llm, checkpoint):
     """The pool is not zero-filled: filled with NaN, it must give what a zeroed pool gives, with decodes of
     different lengths batched together (the shorter ones padded) and prefix-cache hits."""

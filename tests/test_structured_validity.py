@@ -16,8 +16,7 @@ from conftest import NEAR_TIE_RTOL, assert_all_blocks_free, random_prompts
 
 from pagoda import LLM, SamplingParams
 from pagoda.demo import DEMO_MODEL_DIR
-from pagoda.engine.engine import RequestRejected
-from pagoda.engine.output import RequestOutput
+from pagoda.engine.api import RequestOutput, RequestRejected
 from pagoda.model.tokenizer import encode_chat
 from pagoda.structured import StructuredOutputsParams
 from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask

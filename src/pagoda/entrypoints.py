@@ -14,8 +14,8 @@ from pagoda.config import (
     parse_dtype,
     speculative_config_from,
 )
+from pagoda.engine.api import RequestOutput
 from pagoda.engine.engine import LLMEngine
-from pagoda.engine.output import RequestOutput
 from pagoda.sampling import SamplingParams
 from pagoda.structured.limits import GRAMMAR_OPTIONS, GrammarLimits
 

@@ -57,14 +57,6 @@ def quantization_summary(config: EngineConfig, matmul: str | None = None) -> str
     return "none"
 
 
-def _quantized_matmul_name(engine: LLMEngine) -> str | None:
-    from pagoda.model.int4 import Int4Linear
-    from pagoda.model.quantization import Int8Linear
-
-    layers = (m for m in engine.model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
-    return next((layer.matmul_name for layer in layers), None)
-
-
 def human_count(count: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if count >= size:
@@ -82,7 +74,7 @@ def startup_summary(engine: LLMEngine, model_name: str, url: str | None = None) 
         ("model", model_name if model_name == config.model else f"{model_name} ({config.model})"),
         ("parameters", human_count(checkpoint_num_parameters(config.model))),
         ("dtype", str(config.dtype).removeprefix("torch.")),
-        ("quantization", quantization_summary(config, _quantized_matmul_name(engine))),
+        ("quantization", quantization_summary(config, engine.describe().quantized_matmul)),
         ("KV cache", f"{pool.num_blocks} blocks x {block_size} tokens = {pool.num_blocks * block_size} tokens, "
                      f"{engine.kv_pool_bytes / 2**20:.1f} MiB ({pool.reason}); pages touched as they fill"),
         ("max_model_len", str(engine.max_model_len)),

@@ -15,8 +15,8 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from pagoda.engine.engine import EngineStats, LLMEngine
-from pagoda.engine.output import RequestOutput
+from pagoda.engine.api import EngineDeadError, EngineDescription, EngineStats, RequestFailed, RequestOutput
+from pagoda.engine.engine import LLMEngine
 from pagoda.sampling import SamplingParams
 from pagoda.structured.interface import GrammarStateError
 
@@ -24,22 +24,6 @@ logger = logging.getLogger(__name__)
 
 # Consecutive failed steps after which the engine is declared dead (health turns 503).
 MAX_CONSECUTIVE_STEP_FAILURES = 3
-
-
-class EngineDeadError(RuntimeError):
-    pass
-
-
-class RequestFailed(RuntimeError):
-    """The engine failed while handling this request. `alone`: the fault was this request's own (it failed
-    and the others went on); else a failed step took every request in it. `by_constraint`: its output
-    constraint broke while generating (a grammar that passed admission then hit one of the grammar engine's
-    limits, or refused a token): the client's input is at fault, not the server (HTTP 400, not 500)."""
-
-    def __init__(self, message: str, alone: bool = False, by_constraint: bool = False) -> None:
-        super().__init__(message)
-        self.alone = alone
-        self.by_constraint = by_constraint
 
 
 @dataclass
@@ -55,6 +39,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self._engine = engine
         self._stats = engine.stats()  # replaced, never mutated, by the engine thread
+        self.description: EngineDescription = engine.describe()  # fixed for the engine's life
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # added by callers, removed by the engine thread

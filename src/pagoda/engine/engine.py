@@ -10,32 +10,34 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from pagoda.config import EngineConfig, ModelConfig
+from pagoda.engine.api import (
+    EngineDescription,
+    EngineStats,
+    KVCacheDescription,
+    KVEventSink,
+    RequestOutput,
+    RequestRejected,
+    SpecDecodeStats,
+)
 from pagoda.engine.draft_model import DraftModelProposer, load_draft_model
 from pagoda.engine.grammar_masks import StructuredOutputs
-from pagoda.engine.kv_cache import KVCacheManager, KVEventSink
+from pagoda.engine.kv_cache import KVCacheManager
 from pagoda.engine.kv_pool import kv_pool_size
-from pagoda.engine.output import IncrementalDetokenizer, RequestOutput, SequenceText, Tokenizer
+from pagoda.engine.output import IncrementalDetokenizer, SequenceText, Tokenizer
 from pagoda.engine.request import FinishReason, Request
 from pagoda.engine.runner import ModelRunner, PromptLogprobsChunk
 from pagoda.engine.scheduler import Scheduler
-from pagoda.engine.speculative import SpecDecodeStats, Speculator
+from pagoda.engine.speculative import Speculator
 from pagoda.engine.step_budget import StepCostModel
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model
+from pagoda.model.quantization import quantized_matmul_name
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.structured import InvalidConstraint
 from pagoda.structured.interface import GrammarMatcher, GrammarStateError
 
 logger = logging.getLogger(__name__)
-
-
-class RequestRejected(ValueError):
-    """The request can never run (too long for the context, bad token ids, ...): a 400, not a 500."""
-
-    def __init__(self, message: str, param: str = "prompt") -> None:
-        super().__init__(message)
-        self.param = param
 
 
 def _derive_seed(seed: int, sample_index: int) -> int:
@@ -75,23 +77,6 @@ class RequestGroup:
             queue_time=_queue_time(first),
             prompt_logprobs=[None, *first.prompt_logprobs] if first.needs_prompt_logprobs else None,
         )
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine's gauges and counters, for metrics."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0  # fraction of blocks in use by requests
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM counts in tokens)
-    prefix_cache_hits: int = 0  # of which served from the prefix cache
-    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is not configured
-    # vllm:iteration_tokens_total: steps by tokens computed (bucket upper bounds, counts with +Inf last, sum)
-    iteration_token_buckets: tuple[int, ...] = ()
-    iteration_token_counts: tuple[int, ...] = ()
-    iteration_tokens_sum: int = 0
 
 
 class LLMEngine:
@@ -295,6 +280,21 @@ class LLMEngine:
         if self.speculator is None:
             return None
         return self.scheduler.spec_decode.snapshot(self.speculator.config.num_speculative_tokens)
+
+    def describe(self) -> EngineDescription:
+        """What this engine is, as built (fixed for its life)."""
+        config = self.config
+        dtype = str(config.dtype).removeprefix("torch.")
+        return EngineDescription(
+            model=config.model, dtype=dtype, quantized_matmul=quantized_matmul_name(self.model),
+            max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
+            num_threads=torch.get_num_threads(),
+            kv_cache=KVCacheDescription(
+                num_blocks=self.kv_cache.num_blocks, block_size=self.kv_cache.block_size,
+                num_bytes=self.kv_pool_bytes, sizing_reason=self.kv_pool.reason,
+                enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=dtype,
+            ),
+        )
 
     def reset_prefix_cache(self) -> int:
         """Forgets the prefix cache's free blocks (blocks in use keep theirs); returns how many."""

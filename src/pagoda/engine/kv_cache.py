@@ -12,25 +12,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from pagoda.block_hash import hash_block
+from pagoda.engine.api import KVEventSink
 from pagoda.engine.request import Request
 
-__all__ = ["Block", "BlockPool", "KVCacheManager", "KVEventSink", "hash_block"]
-
-
-class KVEventSink(Protocol):
-    """Where the KV manager reports what its prefix cache holds (KV events: vLLM's BlockStored, BlockRemoved,
-    AllBlocksCleared). Chosen at construction; the transport (ZMQ, msgpack) is the server's. Called on the
-    engine thread, so an implementation only queues."""
-
-    def blocks_stored(self, block_hashes: Sequence[bytes], parent_hash: bytes | None, token_ids: Sequence[int],
-                      block_size: int) -> None: ...
-
-    def blocks_removed(self, block_hashes: Sequence[bytes]) -> None: ...
-
-    def all_blocks_cleared(self) -> None: ...
+__all__ = ["Block", "BlockPool", "KVCacheManager", "hash_block"]
 
 
 def _root(request: Request) -> str:

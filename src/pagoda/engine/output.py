@@ -1,11 +1,12 @@
-"""Turning sampled tokens into what users see: incremental text, stop strings, RequestOutput."""
+"""Turning sampled tokens into what users see: incremental text, stop strings, each sample's CompletionOutput."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagoda.engine.request import FinishReason, Request, RequestTimeline
+from pagoda.engine.api import CompletionOutput
+from pagoda.engine.request import Request
 
 
 class Tokenizer(Protocol):
@@ -30,11 +31,6 @@ class _IdsDecoder(Protocol):
     """A fast tokenizer's Rust backend (`tokenizers.Tokenizer`): decoding without transformers' wrapper."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
-
-
-def best_logprobs(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
-    """The k best (token id, logprob) pairs, best first; equal logprobs keep the dict's order."""
-    return sorted(logprobs.items(), key=lambda item: -item[1])[:k]
 
 
 class IncrementalDetokenizer:
@@ -76,31 +72,6 @@ class IncrementalDetokenizer:
         else:
             self.emitted_past_read += len(delta)
         return delta
-
-
-@dataclass
-class CompletionOutput:
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float | None = None
-    timeline: RequestTimeline | None = None  # once the sample has finished: its moments, for metrics
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool
-    num_cached_tokens: int = 0
-    queue_time: float | None = None  # seconds from arrival to first scheduling
-    # vLLM's shape: one entry per prompt token, None for the first (nothing precedes it)
-    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass
@@ -160,7 +131,4 @@ class SequenceText:
         )
 
 
-__all__ = [
-    "CompletionOutput", "FinishReason", "IncrementalDetokenizer", "RequestOutput", "SequenceText", "Tokenizer",
-    "best_logprobs",
-]
+__all__ = ["IncrementalDetokenizer", "SequenceText", "Tokenizer"]

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagoda.engine.api import RequestTimeline
 from pagoda.sampling import SamplingParams
 from pagoda.structured.interface import GrammarMatcher
 
@@ -136,46 +137,3 @@ class Request:
             return FinishReason.LENGTH
         return None
 
-
-def _between(start: float | None, end: float | None) -> float | None:
-    return None if start is None or end is None else end - start
-
-
-@dataclass(frozen=True)
-class RequestTimeline:
-    """One sample's moments (monotonic seconds) and sizes: what vLLM's per-request histograms observe.
-
-    queue: arrival to first scheduling; prefill: first scheduling to first token; decode: first token to
-    last token; inference: first scheduling to last token; time per output token: decode / (outputs - 1).
-    A moment that has not happened yet (or a request with one output token, for the last) gives None.
-    """
-
-    arrival: float
-    first_scheduled: float | None
-    first_token: float | None
-    last_token: float | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-
-    @property
-    def queue_time(self) -> float | None:
-        return _between(self.arrival, self.first_scheduled)
-
-    @property
-    def prefill_time(self) -> float | None:
-        return _between(self.first_scheduled, self.first_token)
-
-    @property
-    def decode_time(self) -> float | None:
-        return _between(self.first_token, self.last_token)
-
-    @property
-    def inference_time(self) -> float | None:
-        return _between(self.first_scheduled, self.last_token)
-
-    @property
-    def time_per_output_token(self) -> float | None:
-        decode = self.decode_time
-        if decode is None or self.num_output_tokens < 2:
-            return None
-        return decode / (self.num_output_tokens - 1)

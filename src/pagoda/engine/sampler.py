@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagoda.engine.output import best_logprobs
+from pagoda.engine.api import best_logprobs
 from pagoda.engine.request import Request
 from pagoda.sampling import GREEDY_EPS
 from pagoda.structured.bitmask import apply_bitmask

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagoda.config import SpeculativeConfig
+from pagoda.engine.api import SpecDecodeStats
 from pagoda.engine.request import Request
 from pagoda.structured.interface import GrammarStateError
 
@@ -141,16 +142,6 @@ def accepted_rows(drafts: Sequence[int], alternatives: Sequence[int], sampled: S
     if num_kept == 1 and sampled[0] in alternatives:
         return [0, 1 + len(drafts) + list(alternatives).index(sampled[0])]
     return list(range(num_kept))
-
-
-@dataclass(frozen=True)
-class SpecDecodeStats:
-    """Counters since start-up, with vLLM's meanings: a draft is one request's guesses in one step."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0  # drafts the target agreed with (the target's own token not counted)
-    accepted_per_position: tuple[int, ...] = ()  # [i]: drafts accepted at position i (0-based)
 
 
 @dataclass

@@ -159,6 +159,14 @@ def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKern
                 setattr(parent, name, fast(child, parent is model and name == "lm_head"))
 
 
+def quantized_matmul_name(model: nn.Module) -> str | None:
+    """What the model's quantized layers run (their `matmul_name`); None when no layer is quantized."""
+    from pagoda.model.int4 import Int4Linear  # int4 builds on this module
+
+    layers = (m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
+    return next((layer.matmul_name for layer in layers), None)
+
+
 def _layer_factory(quantization: str | None, kernels: CpuKernels | None, int4: Int4Options | None,
                    quantized_kernels: QuantizedKernels | None) -> Callable[[nn.Linear, bool], nn.Module]:
     """(linear, is the LM head) -> the layer that replaces it."""

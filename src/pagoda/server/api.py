@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import pagoda
 from pagoda.api_keys import ApiKeyGuard, ApiKeys
+from pagoda.engine.api import RequestRejected
 from pagoda.engine.async_engine import AsyncEngine
-from pagoda.engine.engine import RequestRejected
 from pagoda.engine.output import Tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import Admission, WaitingSlots

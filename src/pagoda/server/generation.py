@@ -14,8 +14,9 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from pagoda.engine.async_engine import AsyncEngine, RequestFailed
-from pagoda.engine.output import CompletionOutput, RequestOutput, Tokenizer, best_logprobs
+from pagoda.engine.api import CompletionOutput, RequestFailed, RequestOutput, best_logprobs
+from pagoda.engine.async_engine import AsyncEngine
+from pagoda.engine.output import Tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
 from pagoda.server.metrics import ServerMetrics

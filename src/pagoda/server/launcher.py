@@ -23,9 +23,9 @@ import uvicorn
 
 from pagoda.api_keys import ApiKeys
 from pagoda.config import EngineConfig
+from pagoda.engine.api import KVEventSink
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import LLMEngine
-from pagoda.engine.kv_cache import KVEventSink
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.model_dir import ModelLoadError
 from pagoda.sampling import SamplingParams

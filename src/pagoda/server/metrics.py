@@ -8,9 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from pagoda.engine.engine import EngineStats, LLMEngine
-from pagoda.engine.request import RequestTimeline
-from pagoda.engine.speculative import SpecDecodeStats
+from pagoda.engine.api import EngineStats, RequestTimeline, SpecDecodeStats
+from pagoda.engine.engine import LLMEngine
 from pagoda.server.activity import RecentActivity
 
 # vLLM's buckets, trimmed: CPU latencies run longer, so the top buckets go further.

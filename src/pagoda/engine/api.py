@@ -1,0 +1,185 @@
+"""The engine's outward API: every type the server, its metrics, the start-up summary and the router see.
+
+Plain data and protocols only, no torch: a caller reads what the engine produced (request outputs, stats,
+its description) and the errors it raises, never the engine's inside (its scheduler, KV manager or model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+# --- request outputs ---------------------------------------------------------------------------------
+
+
+def _between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else end - start
+
+
+@dataclass(frozen=True)
+class RequestTimeline:
+    """One sample's moments (monotonic seconds) and sizes: what vLLM's per-request histograms observe.
+
+    queue: arrival to first scheduling; prefill: first scheduling to first token; decode: first token to
+    last token; inference: first scheduling to last token; time per output token: decode / (outputs - 1).
+    A moment that has not happened yet (or a request with one output token, for the last) gives None.
+    """
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    last_token: float | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+    @property
+    def queue_time(self) -> float | None:
+        return _between(self.arrival, self.first_scheduled)
+
+    @property
+    def prefill_time(self) -> float | None:
+        return _between(self.first_scheduled, self.first_token)
+
+    @property
+    def decode_time(self) -> float | None:
+        return _between(self.first_token, self.last_token)
+
+    @property
+    def inference_time(self) -> float | None:
+        return _between(self.first_scheduled, self.last_token)
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        decode = self.decode_time
+        if decode is None or self.num_output_tokens < 2:
+            return None
+        return decode / (self.num_output_tokens - 1)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    timeline: RequestTimeline | None = None  # once the sample has finished: its moments, for metrics
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduling
+    # vLLM's shape: one entry per prompt token, None for the first (nothing precedes it)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def best_logprobs(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
+    """The k best (token id, logprob) pairs, best first; equal logprobs keep the dict's order."""
+    return sorted(logprobs.items(), key=lambda item: -item[1])[:k]
+
+
+# --- stats and description -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SpecDecodeStats:
+    """Counters since start-up, with vLLM's meanings: a draft is one request's guesses in one step."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0  # drafts the target agreed with (the target's own token not counted)
+    accepted_per_position: tuple[int, ...] = ()  # [i]: drafts accepted at position i (0-based)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's gauges and counters, for metrics."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of blocks in use by requests
+    num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM counts in tokens)
+    prefix_cache_hits: int = 0  # of which served from the prefix cache
+    spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is not configured
+    # vllm:iteration_tokens_total: steps by tokens computed (bucket upper bounds, counts with +Inf last, sum)
+    iteration_token_buckets: tuple[int, ...] = ()
+    iteration_token_counts: tuple[int, ...] = ()
+    iteration_tokens_sum: int = 0
+
+
+@dataclass(frozen=True)
+class KVCacheDescription:
+    """The KV pool as built: its size, why it has that size, and how its blocks are used."""
+
+    num_blocks: int
+    block_size: int
+    num_bytes: int  # target's and draft's KV together
+    sizing_reason: str  # why num_blocks (engine/kv_pool.py)
+    enable_prefix_caching: bool
+    dtype: str  # the KV's element type, vLLM's spelling ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class EngineDescription:
+    """What the engine is, once built: what the start-up summary and the metrics' info gauges report."""
+
+    model: str  # the checkpoint's path
+    dtype: str  # the model's compute type, vLLM's spelling
+    quantized_matmul: str | None  # what the model's quantized layers run (None: no quantized layer)
+    max_model_len: int  # after the clamp to the model's context and the KV pool
+    max_num_seqs: int
+    num_threads: int  # the threads each step's tensor work runs on
+    kv_cache: KVCacheDescription
+
+
+# --- what the engine reports to -------------------------------------------------------------------------
+
+
+class KVEventSink(Protocol):
+    """Where the KV manager reports what its prefix cache holds (KV events: vLLM's BlockStored, BlockRemoved,
+    AllBlocksCleared). Chosen at construction; the transport (ZMQ, msgpack) is the server's. Called on the
+    engine thread, so an implementation only queues."""
+
+    def blocks_stored(self, block_hashes: Sequence[bytes], parent_hash: bytes | None, token_ids: Sequence[int],
+                      block_size: int) -> None: ...
+
+    def blocks_removed(self, block_hashes: Sequence[bytes]) -> None: ...
+
+    def all_blocks_cleared(self) -> None: ...
+
+
+# --- errors ------------------------------------------------------------------------------------------------
+
+
+class RequestRejected(ValueError):
+    """The request can never run (too long for the context, bad token ids, ...): a 400, not a 500."""
+
+    def __init__(self, message: str, param: str = "prompt") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class RequestFailed(RuntimeError):
+    """The engine failed while handling this request. `alone`: the fault was this request's own (it failed
+    and the others went on); else a failed step took every request in it. `by_constraint`: its output
+    constraint broke while generating (a grammar that passed admission then hit one of the grammar engine's
+    limits, or refused a token): the client's input is at fault, not the server (HTTP 400, not 500)."""
+
+    def __init__(self, message: str, alone: bool = False, by_constraint: bool = False) -> None:
+        super().__init__(message)
+        self.alone = alone
+        self.by_constraint = by_constraint
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's loop has stopped: no request can run any more."""
