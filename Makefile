@@ -33,11 +33,13 @@ generate: $(KERNELS_STAMP)
 test: $(KERNELS_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 bench-models: $(STAMP)
 	$(PY) scripts/make_bench_models.py

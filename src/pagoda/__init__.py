@@ -1,8 +1,8 @@
 """pagoda: an LLM inference engine and OpenAI-compatible serving stack."""
 
 from pagoda.sampling import SamplingParams
+from pagoda.version import __version__
 
-__version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 
 

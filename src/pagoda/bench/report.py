@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pagoda
+from pagoda.version import __version__
 
 ROW_COLUMNS = ("endpoint", "load", "ok", "err", "req/s", "out tok/s", "total tok/s", "TTFT p50", "TTFT p99",
                "TPOT p50", "TPOT p99", "ITL p50", "E2E p50", "goodput")
@@ -150,7 +150,7 @@ def environment() -> dict:
     import httpx
 
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return {"pagoda": pagoda.__version__, "python": platform.python_version(), "httpx": httpx.__version__,
+    return {"pagoda": __version__, "python": platform.python_version(), "httpx": httpx.__version__,
             "platform": platform.platform(), "machine": platform.machine(), "cpu_count": os.cpu_count(),
             "loadavg_1_5_15": list(load) if load else None}
 

@@ -19,7 +19,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagoda
 from pagoda.api_keys import ApiKeyGuard, ApiKeys
 from pagoda.router.core import Router
 from pagoda.router.events import subscribe_forever
@@ -30,6 +29,7 @@ from pagoda.router.proxy import Forwarder, error_response
 from pagoda.router.tokens import PromptReader
 from pagoda.server.guards import BodySizeLimit, JsonDecoder, ServerLimits
 from pagoda.server.protocol import OpenAIError
+from pagoda.version import __version__
 
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 
@@ -63,7 +63,7 @@ def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncCl
             await client.aclose()
 
     docs: dict[str, Any] = {} if enable_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="pagoda router", version=pagoda.__version__, lifespan=lifespan, **docs)
+    app = FastAPI(title="pagoda router", version=__version__, lifespan=lifespan, **docs)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
     # outermost: a request without a key is not read
     app.add_middleware(ApiKeyGuard, keys=api_keys or ApiKeys(), error_response=error_response)
@@ -86,7 +86,7 @@ def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncCl
     @app.get("/version")
     async def version() -> dict[str, str]:
         """Answers whenever the process serves HTTP: the liveness probe's (/health is about the replicas)."""
-        return {"version": pagoda.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import pagoda
 from pagoda.api_keys import ApiKeyGuard, ApiKeys
 from pagoda.engine.api import RequestRejected
 from pagoda.engine.async_engine import AsyncEngine
@@ -47,6 +46,7 @@ from pagoda.server.protocol import (
 from pagoda.server.tokenizers import TokenizerPool
 from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
 from pagoda.server.web import mount_web_ui
+from pagoda.version import __version__
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -142,7 +142,7 @@ class _WireRoute(APIRoute):
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="pagoda", version=pagoda.__version__)
+    app = FastAPI(title="pagoda", version=__version__)
     app.router.route_class = _WireRoute
     app.state.pagoda = state
     _install_error_handlers(app)
@@ -158,7 +158,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": pagoda.__version__}
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:
