@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import platform
 import random
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from provenance import write_result
 
 
 def _int8_activations() -> str:
@@ -103,8 +103,7 @@ def summary(samples: list[float]) -> dict:
 
 
 def write_json(path: str, data: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(data, indent=2, default=str))
+    write_result(path, data)
     log(f"wrote {path}")
 
 

@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 
 from fuzz_grammar import fuzz_grammar
-from provenance import provenance
+from provenance import write_result
 from server_process import HOST, free_port, start_server, stop_server
 
 # Small enough that any generated request finishes quickly on the built-in model; tools for tool_choice auto.
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop_server(process, timeout=60)
         tracebacks = Path(log_dir, "server.log").read_text(errors="replace").count("Traceback") if process else 0
     result = {"strategy": args.strategy, "seconds": round(time.monotonic() - started, 1), **result,
-              "server_log_tracebacks": tracebacks, "argv": sys.argv, "provenance": provenance()}
+              "server_log_tracebacks": tracebacks, "argv": sys.argv}
     report(result, args.json)
     return 1 if result["failures"] else 0
 
@@ -122,7 +122,7 @@ def report(result: dict, json_path: Path | None) -> None:
     for problem in result["problems"][:20]:
         print("  ", json.dumps(problem)[:600])
     if json_path is not None:
-        json_path.write_text(json.dumps(result, indent=1) + "\n")
+        write_result(json_path, result, indent=1)
         print(f"wrote {json_path}")
 
 

@@ -10,14 +10,13 @@ Prints a table and writes JSON; the figure of merit is the ratio, measured in on
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from provenance import write_result
 
 
 def make_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -95,8 +94,7 @@ def main() -> None:
         "output_tokens_per_s_median": rows,
         "ratio_pagoda_over_transformers": ratio,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    write_result(args.out, result)
     print(f"wrote {args.out}")
 
 

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from provenance import write_result
 from server_process import HOST, free_port, start_server, stop_server
 
 
@@ -237,8 +238,7 @@ def main() -> None:
         "targets": targets,
         "targets_met": met,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report)
     print(f"wrote {args.out}")
 
 

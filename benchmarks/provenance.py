@@ -1,5 +1,6 @@
 """What a result was measured with: the source revision (and whether the tree had uncommitted changes) and the
-CPU (vendor, family, model, the instruction-set extensions pagoda's kernels care about).
+CPU (vendor, family, model, the instruction-set extensions pagoda's kernels care about). Every benchmark writes
+its results file through `write_result`, which records them under "provenance".
 
 Standard library only, so that scripts running in their own environment (fuzz.py, with schemathesis) can
 record it as well as those in pagoda's.
@@ -7,6 +8,7 @@ record it as well as those in pagoda's.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -54,3 +56,10 @@ def cpu_summary(cpuinfo: str | None = None) -> dict:
 
 def provenance() -> dict:
     return {**source_revision(), "cpu": cpu_summary()}
+
+
+def write_result(path: str | Path, result: dict, indent: int = 2) -> None:
+    """Writes `result` as JSON to `path` (its folder made if need be), with the provenance of the run."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**result, "provenance": provenance()}, indent=indent, default=str) + "\n")

@@ -14,13 +14,13 @@ as a draft model) must give fp32's answers token for token. Writes benchmarks/re
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from provenance import write_result
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagoda.demo import DEMO_MODEL_DIR, encode_prompts, transformers_greedy
@@ -169,10 +169,9 @@ def main() -> int:
             results[path]["agreement"] = agreement
 
     print_table(results, list(sets))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"model": str(args.model), "items_per_task": args.limit, "max_tokens": args.max_tokens,
               "threads": args.threads, "torch": torch.__version__, "paths": results}
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report)
     print(f"\nwrote {args.out}")
     fp32 = results.get("fp32", {}).get("agreement", {})
     speculation_changed = [path for path in paths if results[path].get("agreement", {}).get(

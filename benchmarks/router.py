@@ -25,6 +25,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from provenance import write_result
 from server_process import HOST, free_port, start_server, stop_server
 
 RESULTS = Path(__file__).resolve().parent / "results" / "router.json"
@@ -127,8 +128,7 @@ def main() -> int:
                 "host": {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
                          "loadavg_1_5_15": os.getloadavg()},
                 "replicas": 2, "threads_per_replica": 1, "results": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=1) + "\n")
+    write_result(args.out, document, indent=1)
     print(f"wrote {args.out}")
     return 0
 

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import httpx
-from provenance import provenance
+from provenance import write_result
 from server_process import HOST, free_port, start_server, stop_server
 from soak_requests import Level, ordinary_body, send_hostile, send_ordinary, warm_up
 
@@ -218,11 +218,10 @@ def main() -> int:
             exit_code = stop_server(process)
             tracebacks = Path(log_dir, "server.log").read_text(errors="replace").count("Traceback")
     result.update(command=" ".join(["pagoda", *command[3:]]), server_exit_code=exit_code,
-                  server_log_tracebacks=tracebacks, args={k: str(v) for k, v in vars(args).items()},
-                  provenance=provenance())
+                  server_log_tracebacks=tracebacks, args={k: str(v) for k, v in vars(args).items()})
     failures = verdict(result) + ([f"{tracebacks} tracebacks in the server log"] if tracebacks else [])
     result["failures"] = failures
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    write_result(args.json, result, indent=1)
     plot(result, args.json.with_suffix(".png"))
     print(f"\n{len(failures)} failures; wrote {args.json} and {args.json.with_suffix('.png')}")
     for failure in failures[:30]:
