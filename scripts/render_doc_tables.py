@@ -19,7 +19,7 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -47,12 +47,16 @@ class Table:
 
 def render(table: Table) -> list[str]:
     loaded = [json.loads((RESULTS / name).read_text()) for name in table.files]
-    lines = ["| " + " | ".join(column.heading for column in table.columns) + " |",
+    lines = [_row([column.heading for column in table.columns]),
              "|" + "|".join("---:" if column.numeric else "---" for column in table.columns) + "|"]
     for cells in table.rows(loaded):
         assert len(cells) == len(table.columns), cells
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append(_row(cells))
     return lines
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "|" + "|".join(f" {cell} " if cell else " " for cell in cells) + "|"
 
 
 # --- formats ---------------------------------------------------------------------------------------------------
@@ -156,6 +160,43 @@ def verify_step_columns() -> tuple[Column, ...]:
     return (Column("model"), *(Column(f"{requests} x (1 + {k})", numeric=True) for requests, k in shapes))
 
 
+def speculative_candidates_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
+    """Per (k, first-token candidates): acceptance at each draft position (accepted there / drafts), overall,
+    tokens a step, the measured speed-up and the one `pagoda calc` predicts from them."""
+    for row in loaded[0]["rows"]:
+        k = str(row["k"]) if row["workload"] == "bench" else f"{row['k']}, random prompts"
+        positions = ", ".join(f"{accepted / row['num_drafts']:.2f}" for accepted in row["accepted_per_position"])
+        predicted = f"{row['predicted']:.2f}x" if "predicted" in row else ""
+        yield (k, str(row["first_token_candidates"]), positions, f"{row['acceptance']:.2f}",
+               f"{row['mean_accepted_length']:.2f}", f"{row['speedup']:.2f}x", predicted)
+
+
+def prefix_cache_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
+    """Caching on against off: latencies, rates, wall time, and the prompt tokens the cache served."""
+    result = loaded[0]
+    on, off = result["caching_on"], result["caching_off"]
+    # the figure with a target: (the target's key in the file, how the table states it, whether it was met)
+    targets = {"ttft_p50_s": ("ttft_p50_on_over_off_at_most", "≤", "ttft"),
+               "total_tokens_per_s": ("total_throughput_on_over_off_at_least", "≥", "throughput")}
+
+    def compared(key: str, unit: str, digits: int, label: str) -> tuple[str, ...]:
+        ratio_text = f"{on[key] / off[key]:.2f}"
+        if key in targets:
+            bound, sign, met = targets[key]
+            verdict = "met" if result["targets_met"][met] else "missed"
+            ratio_text = f"**{ratio_text}** (target {sign} {result['targets'][bound]:g}: {verdict})"
+        return label, f"{on[key]:,.{digits}f}{unit}", f"{off[key]:,.{digits}f}{unit}", ratio_text
+
+    yield compared("ttft_p50_s", " s", 2, "TTFT p50")
+    yield compared("ttft_p90_s", " s", 2, "TTFT p90")
+    yield compared("e2e_p50_s", " s", 2, "E2E latency p50")
+    yield compared("total_tokens_per_s", "", 0, "total throughput (prompt + output tokens/s)")
+    yield compared("output_tokens_per_s", "", 1, "output tokens/s")
+    yield compared("duration_s", " s", 1, f"wall time for the {result['workload']['num_requests']} requests")
+    yield ("prompt tokens served from the cache", f"{on['cached_tokens']:,} of {on['prompt_tokens']:,}",
+           f"{off['cached_tokens']:,}", "")
+
+
 VS_LLAMA_BATCH1 = (Column("pagoda vs llama.cpp"), Column("time per output token"),
                    Column("decode speed", numeric=True), Column("TTFT (128 tokens)"))
 VS_LLAMA_STREAMS = (Column("pair"), Column("output tok/s"), Column("TTFT p50"), Column("ITL p99"))
@@ -186,6 +227,15 @@ TABLES: dict[str, Table] = {
         VS_LLAMA_STREAMS, vs_llama_cpp_streams_rows()),
     "stall-tradeoff": Table(("stall_tradeoff.json",), STALL, stall_tradeoff_rows),
     "stall-tradeoff-repeat": Table(("stall_tradeoff_repeat.json",), STALL, stall_tradeoff_rows),
+    "speculative-candidates-bench-1b-xeon": Table(
+        ("speculative-bench-1b-xeon.json",),
+        (Column("k"), Column("c"), Column("accepted at position 0, 1"), Column("acceptance"),
+         Column("tokens / step"), Column("speed-up"), Column("predicted")),
+        speculative_candidates_rows),
+    "prefix-cache": Table(("prefix_cache.json",),
+                          (Column(""), Column("caching on", numeric=True), Column("caching off", numeric=True),
+                           Column("on / off", numeric=True)),
+                          prefix_cache_rows),
     "verify-step": Table(("verify-step.json",), verify_step_columns(), verify_step_rows),
 }
 
@@ -228,16 +278,16 @@ def unsourced_tables(text: str, where: str) -> Iterator[str]:
             rendered = True
         elif line == END:
             rendered = False
-        if not line.startswith("|"):
+        if not line.lstrip().startswith("|"):  # a table may be indented, inside a list item
             index += 1
             continue
         start = index
-        while index < len(lines) and lines[index].startswith("|"):
+        while index < len(lines) and lines[index].lstrip().startswith("|"):
             index += 1
         body = lines[start + 2 : index]
         if rendered or not any(re.search(r"\d", row) for row in body):
             continue
-        before = lines[start - 1] if start else ""
+        before = lines[start - 1].strip() if start else ""
         source = SOURCE.match(before)
         if source is None:
             yield f"{where}:{start + 1}: a table of figures with no <!-- table/one-off/results/not measured --> line"
