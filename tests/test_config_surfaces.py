@@ -10,10 +10,9 @@ import pytest
 import torch
 
 from pagoda.cli import build_parser
-from pagoda.config import CacheConfig, EngineConfig, SchedulerConfig, SpeculativeConfig
+from pagoda.config import CacheConfig, EngineConfig, Int4Options, SchedulerConfig, SpeculativeConfig
 from pagoda.engine_args import engine_config_from
 from pagoda.entrypoints import ENGINE_OPTIONS, FIELD_NAMES, build_engine_config
-from pagoda.model.int4 import Int4Options
 from pagoda.structured.limits import GrammarLimits
 
 MODEL = "some/model-dir"
@@ -71,7 +70,7 @@ def test_defaults_agree_across_the_cli_build_engine_config_and_the_config_classe
 def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
     given = build_engine_config(MODEL, **OPTIONS)
     assert cli_config("serve", *FLAGS) == given
-    assert given.dtype == torch.bfloat16
+    assert given.dtype == "bfloat16"
     assert given.quantization_config == Int4Options(group_size=64, sym=True, lm_head=False, search=False)
     assert given.cache == CacheConfig(block_size=32, kv_cache_memory_bytes=3 << 20, num_blocks=100,
                                       enable_prefix_caching=False)
@@ -81,6 +80,18 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
     assert given.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
                                                          prompt_lookup_max=4, disable_by_batch_size=8)
     assert given.grammar == GrammarLimits(**{f.name: 2 * f.default for f in dataclasses.fields(GrammarLimits)})
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "BFloat16", torch.bfloat16])
+def test_a_dtype_is_held_by_its_name_whether_given_as_alias_name_or_torch_dtype(dtype):
+    assert build_engine_config(MODEL, dtype=dtype).dtype == "bfloat16"
+
+
+def test_an_unknown_dtype_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="unknown dtype 'float8'.*'bf16', 'bfloat16'"):
+        build_engine_config(MODEL, dtype="float8")
+    with pytest.raises(ValueError, match="EngineConfig.dtype must be one of"):
+        EngineConfig(model=MODEL, dtype="bf16")  # the config holds names only, never aliases
 
 
 def test_every_config_field_has_an_option():

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import pagoda.kernels
+from pagoda.config import Int4Options
 from pagoda.model.int4 import (
     Int4Linear,
-    Int4Options,
     pack_group_pairs,
     pack_int4,
     quantize_int4,

@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagoda.model.int4 import Int4Linear, Int4Options, quantize_int4
+from pagoda.config import Int4Options
+from pagoda.model.int4 import Int4Linear, quantize_int4
 from pagoda.sampling import SamplingParams
 from tests.conftest import random_prompts
 

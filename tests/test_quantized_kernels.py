@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import pagoda.kernels
-from pagoda.model.int4 import Int4Linear, Int4Options, quantize_int4
+from pagoda.config import Int4Options
+from pagoda.model.int4 import Int4Linear, quantize_int4
 from pagoda.model.quantization import INT8_MATMUL_MAX_ROWS, Int8Linear
 from pagoda.sampling import SamplingParams
 from tests.conftest import random_prompts

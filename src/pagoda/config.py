@@ -8,33 +8,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar
 
-import torch
-
-from pagoda.model.int4 import Int4Options
+from pagoda.int4_format import DEFAULT_GROUP_SIZE, GROUP_SIZES
 from pagoda.structured.limits import GrammarLimits
 
 GiB = 1 << 30
 
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-}
+# The dtypes a model runs in, by the name config holds (torch's and vLLM's), with each element's size in bytes.
+# Config names dtypes and never holds torch's objects: the model side maps a name to one (model/loader.py).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
-    if isinstance(name, torch.dtype):
-        return name
-    try:
-        return DTYPES[name.lower()]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(set(DTYPES))}") from None
+def dtype_name(dtype: object) -> str:
+    """The name config holds for a dtype given by name, alias or torch.dtype (whose str() is "torch.<name>")."""
+    name = str(dtype).removeprefix("torch.").lower()
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted([*DTYPE_BYTES, *DTYPE_ALIASES])}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -63,9 +56,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        element_size = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element_size
+    def kv_bytes_per_token(self, dtype: object) -> int:
+        """dtype: as `dtype_name` takes it."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype_name(dtype)]
 
 
 def _require_positive(config: object, *names: str) -> None:
@@ -187,7 +180,7 @@ class SpeculativeConfig:
                 f"speculative_config: quantization must be \"int8\", \"int4\" or absent, got {self.quantization!r}"
             )
         if self.dtype is not None:
-            parse_dtype(self.dtype)
+            object.__setattr__(self, "dtype", dtype_name(self.dtype))
         if self.first_token_candidates is not None:
             _require_positive(self, "first_token_candidates")
 
@@ -242,9 +235,36 @@ def speculative_config_from(value: SpeculativeConfig | Mapping[str, Any] | None)
 
 
 @dataclass(frozen=True)
+class Int4Options:
+    """How pagoda quantizes a checkpoint to int4 at load (`--quantization int4`; model/int4.py)."""
+
+    group_size: int = DEFAULT_GROUP_SIZE
+    sym: bool = False  # symmetric: no offset (zero point 8); asymmetric fits each group's [min, max]
+    lm_head: bool = True  # quantize the LM head too (the embedding is a gather and stays as loaded)
+    search: bool = True  # search each group's clipping range for the least squared error (not just min/max)
+
+    KEYS: ClassVar[tuple[str, ...]] = ("group_size", "sym", "lm_head", "search")
+
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
+        for key in ("sym", "lm_head", "search"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"int4 {key} must be true or false, got {getattr(self, key)!r}")
+
+    @classmethod
+    def from_dict(cls, options: dict[str, object] | None) -> Int4Options:
+        options = dict(options or {})
+        unknown = sorted(set(options) - set(cls.KEYS))
+        if unknown:
+            raise ValueError(f"unknown int4 option(s) {unknown}; known: {list(cls.KEYS)}")
+        return cls(**options)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: torch.dtype = torch.float32
+    dtype: str = "float32"  # a DTYPE_BYTES name: LLM(...) and the CLI pass what they are given through dtype_name
     device: str = "cpu"
     seed: int = 0
     quantization: str | None = None  # None, "int8" (per output channel) or "int4" (group-wise), weight-only
@@ -256,6 +276,8 @@ class EngineConfig:
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # what one output constraint may cost
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.quantization_config is not None and self.quantization != "int4":
             raise ValueError("quantization_config applies to --quantization int4 only")
 

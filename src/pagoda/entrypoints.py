@@ -10,8 +10,8 @@ from pagoda.config import (
     CacheConfig,
     EngineConfig,
     SchedulerConfig,
+    dtype_name,
     int4_options_from,
-    parse_dtype,
     speculative_config_from,
 )
 from pagoda.engine.api import RequestOutput
@@ -42,7 +42,7 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
     if unknown:
         raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
     if "dtype" in options:
-        options["dtype"] = parse_dtype(options["dtype"])
+        options["dtype"] = dtype_name(options["dtype"])
     if "speculative_config" in options:  # vLLM's JSON object (a dict), or a SpeculativeConfig
         options["speculative_config"] = speculative_config_from(options["speculative_config"])
     if "quantization_config" in options:  # a JSON object of int4 options, or Int4Options

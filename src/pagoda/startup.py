@@ -38,7 +38,7 @@ def quantization_summary(config: EngineConfig, matmul: str | None = None) -> str
     quantized layers run (their `matmul_name`)."""
     from pathlib import Path
 
-    from pagoda.model.int4 import Int4Options
+    from pagoda.config import Int4Options
     from pagoda.model.prequantized import read_prequantized_format
     from pagoda.model_dir import read_json
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from pagoda.model.int4_format import bytes_per_weight
+from pagoda.int4_format import bytes_per_weight
 
 GB = 10**9
 GiB = 2**30

@@ -1,6 +1,6 @@
 """What the calculator needs to know about a model and a GPU, and how to read a model's HF config.json.
 
-No torch here (pagoda.config imports it): `pagoda calc` must start in a blink.
+No torch here: `pagoda calc` must start in a blink.
 """
 
 from __future__ import annotations

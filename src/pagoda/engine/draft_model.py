@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from pagoda.config import ModelConfig, SpeculativeConfig, parse_dtype
+from pagoda.config import ModelConfig, SpeculativeConfig
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.request import Request
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample_draft
@@ -36,7 +36,7 @@ from pagoda.engine.scheduler import ScheduledRequest
 from pagoda.engine.speculative import Draft, draft_room
 from pagoda.model.attention import QueryLayout, build_metadata
 from pagoda.model.llama import LlamaModel
-from pagoda.model.loader import load_model, load_model_config
+from pagoda.model.loader import TORCH_DTYPES, load_model, load_model_config
 from pagoda.model.tokenizer import has_tokenizer, load_tokenizer
 from pagoda.model_dir import ModelLoadError
 from pagoda.sampling import GREEDY_EPS
@@ -74,18 +74,19 @@ def check_draft_tokenizer(draft_tokenizer: Any | None, target_tokenizer: Any, pa
 
 
 def load_draft_model(
-    spec: SpeculativeConfig, target: ModelConfig, target_tokenizer: Any, dtype: torch.dtype, device: str,
+    spec: SpeculativeConfig, target: ModelConfig, target_tokenizer: Any, dtype: str, device: str,
     use_kernels: bool,
 ) -> tuple[LlamaModel, ModelConfig]:
     """The draft model of a "draft_model" config, through the target's own loader, validated against it.
-    dtype: the target's, unless the config names the draft's own."""
+    dtype: the target's (a config dtype name), unless the config names the draft's own."""
     assert spec.model is not None  # SpeculativeConfig requires it for this method
     draft_config = load_model_config(spec.model)  # a bad directory fails here, naming the file
     check_draft_config(draft_config, target, spec.model)
     check_draft_tokenizer(_optional_tokenizer(spec.model), target_tokenizer, spec.model)
-    draft_dtype = parse_dtype(spec.dtype) if spec.dtype is not None else dtype
+    draft_dtype = spec.dtype if spec.dtype is not None else dtype
     model, config = load_model(
-        spec.model, dtype=draft_dtype, device=device, quantization=spec.quantization, use_kernels=use_kernels
+        spec.model, dtype=TORCH_DTYPES[draft_dtype], device=device, quantization=spec.quantization,
+        use_kernels=use_kernels,
     )
     logger.info("draft model %s: %d layers, %s, quantization %s", spec.model, config.num_layers,
                 draft_dtype, spec.quantization)

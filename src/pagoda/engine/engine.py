@@ -30,7 +30,7 @@ from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.speculative import Speculator
 from pagoda.engine.step_budget import StepCostModel
 from pagoda.model.llama import LlamaModel
-from pagoda.model.loader import load_model
+from pagoda.model.loader import TORCH_DTYPES, load_model
 from pagoda.model.quantization import quantized_matmul_name
 from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
@@ -88,7 +88,7 @@ class LLMEngine:
         self.tokenizer: Tokenizer = load_tokenizer(config.model)
         model_max_len = config.scheduler.max_model_len
         model, model_config = load_model(
-            config.model, dtype=config.dtype, device=config.device, quantization=config.quantization,
+            config.model, dtype=TORCH_DTYPES[config.dtype], device=config.device, quantization=config.quantization,
             use_kernels=config.use_kernels, quantization_config=config.quantization_config,
         )
         self.model: LlamaModel = model
@@ -284,15 +284,14 @@ class LLMEngine:
     def describe(self) -> EngineDescription:
         """What this engine is, as built (fixed for its life)."""
         config = self.config
-        dtype = str(config.dtype).removeprefix("torch.")
         return EngineDescription(
-            model=config.model, dtype=dtype, quantized_matmul=quantized_matmul_name(self.model),
+            model=config.model, dtype=config.dtype, quantized_matmul=quantized_matmul_name(self.model),
             max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
             num_threads=torch.get_num_threads(),
             kv_cache=KVCacheDescription(
                 num_blocks=self.kv_cache.num_blocks, block_size=self.kv_cache.block_size,
                 num_bytes=self.kv_pool_bytes, sizing_reason=self.kv_pool.reason,
-                enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=dtype,
+                enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=config.dtype,
             ),
         )
 

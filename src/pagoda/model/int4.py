@@ -1,7 +1,7 @@
 """4-bit weight-only linear layers (W4A16): pagoda's own group-wise quantizer and the layer that runs the codes.
 
 Storage is half a byte per weight in torch's CPU int4 layout (`pack_int4`), plus one
-bf16 (scale, offset) pair per group of input columns (`int4_format`, `pack_group_pairs`): W = (q - 8) * scale +
+bf16 (scale, offset) pair per group of input columns (`pagoda.int4_format`, `pack_group_pairs`): W = (q - 8) * scale +
 offset, q in 0..15.
 Every source of 4-bit weights (this module's quantizer, GPTQ and AWQ checkpoints) arrives as `Int4Weights` and is
 converted once, so there is one runtime form and one set of numerics.
@@ -33,14 +33,13 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.model.int4_format import DEFAULT_GROUP_SIZE, GROUP_SIZES
+from pagoda.config import Int4Options
 from pagoda.model.int4_weights import Int4Weights
 from pagoda.model.quantization import tiled_matmul
 
@@ -54,33 +53,6 @@ BLOCK_ROWS = 32  # pagoda's kernel reads output rows interleaved in blocks of th
 # Without pagoda's kernel: up to this many rows torch's int4 matmul beats dequantized tiles into a GEMM (it
 # re-reads the nibbles per few rows; 0.8x the tiles' time at 64 rows, 1.05x at 128, bench-1b gate/up, Zen 3).
 MATMUL_MAX_ROWS = 64
-
-
-@dataclass(frozen=True)
-class Int4Options:
-    """How pagoda quantizes a checkpoint to int4 at load (`--quantization int4`)."""
-
-    group_size: int = DEFAULT_GROUP_SIZE
-    sym: bool = False  # symmetric: no offset (zero point 8); asymmetric fits each group's [min, max]
-    lm_head: bool = True  # quantize the LM head too (the embedding is a gather and stays as loaded)
-    search: bool = True  # search each group's clipping range for the least squared error (not just min/max)
-
-    KEYS: ClassVar[tuple[str, ...]] = ("group_size", "sym", "lm_head", "search")
-
-    def __post_init__(self) -> None:
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
-        for key in ("sym", "lm_head", "search"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"int4 {key} must be true or false, got {getattr(self, key)!r}")
-
-    @classmethod
-    def from_dict(cls, options: dict[str, object] | None) -> Int4Options:
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(cls.KEYS))
-        if unknown:
-            raise ValueError(f"unknown int4 option(s) {unknown}; known: {list(cls.KEYS)}")
-        return cls(**options)  # type: ignore[arg-type]
 
 
 # --- quantizer ---------------------------------------------------------------------------------------------

@@ -15,12 +15,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagoda.config import ModelConfig
+from pagoda.config import DTYPE_BYTES, Int4Options, ModelConfig
 from pagoda.model_dir import ModelLoadError, read_json
 
 if TYPE_CHECKING:
-    from pagoda.model.int4 import Int4Options
     from pagoda.model.llama import LlamaModel
+
+# The torch dtype of each dtype name config holds (its names are torch's own).
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",

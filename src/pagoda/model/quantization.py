@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
+    from pagoda.config import Int4Options
     from pagoda.model.backends import CpuKernels, QuantizedKernels
-    from pagoda.model.int4 import Int4Options
 
 QUANTIZATIONS = (None, "int8", "int4")
 # Up to this many rows the GEMV kernels beat torch, weights streamed from memory: fp32 1.6-1.8x at 32-64
@@ -173,7 +173,8 @@ def _layer_factory(quantization: str | None, kernels: CpuKernels | None, int4: I
     if quantization == "int8":
         return lambda linear, _: Int8Linear(linear, kernels, quantized_kernels)
     if quantization == "int4":
-        from pagoda.model.int4 import Int4Linear, Int4Options, quantize_int4
+        from pagoda.config import Int4Options
+        from pagoda.model.int4 import Int4Linear, quantize_int4
 
         options = int4 or Int4Options()
 

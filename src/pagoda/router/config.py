@@ -1,6 +1,6 @@
 """The router's settings: every default once, here. `pagoda route` passes only the flags that were given.
 
-Kept out of pagoda.config, which imports torch: the router knows no engine.
+Kept out of pagoda.config, the engine's: the router knows no engine.
 """
 
 from __future__ import annotations

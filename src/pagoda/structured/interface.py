@@ -16,11 +16,12 @@ row when bit (t % 32) of word (t // 32) is set. `vocab_size` is the backend's, w
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING, Protocol
 
 from pagoda.structured.params import CacheKey, StructuredOutputsParams
+
+if TYPE_CHECKING:  # bitmasks are tensors, but requests hold matchers in the torch-free engine core
+    import torch
 
 
 class GrammarStateError(RuntimeError):
