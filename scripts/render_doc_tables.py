@@ -9,7 +9,8 @@ Every other table in docs/ that has a digit in its body says, in a comment on th
 figures come from, and `--check` holds it to that:
 
     <!-- one-off: COMMAND -->             measured once, kept in no file; COMMAND measures it again
-    <!-- results: FILE.json[, ...] -->    read off those files (under benchmarks/results/, which must exist)
+    <!-- results: FILE.json[, ...] -->    read off those files (under benchmarks/results/): each figure with
+                                          decimals must be one of theirs, as is or scaled (SCALES), rounded
     <!-- not measured -->                 settings, limits, definitions: no measurement in it
 """
 
@@ -27,7 +28,7 @@ REPOSITORY = Path(__file__).resolve().parent.parent
 DOCS = REPOSITORY / "docs"
 RESULTS = REPOSITORY / "benchmarks" / "results"
 
-BEGIN = re.compile(r"^<!-- table (?P<name>[\w-]+) -->$")
+BEGIN = re.compile(r"^(?P<indent>\s*)<!-- table (?P<name>[\w-]+) -->$")  # indented inside a list item
 END = "<!-- /table -->"
 SOURCE = re.compile(r"^<!-- (?P<kind>one-off|results|not measured)(?::\s*(?P<detail>.+?))? -->$")
 
@@ -197,6 +198,23 @@ def prefix_cache_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
            f"{off['cached_tokens']:,}", "")
 
 
+def decode_targets_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
+    """Per config: decode tokens per CPU-second through torch and through the kernels, at batch 1 and 32, and
+    the kernels' over torch's."""
+    results = loaded[0]["results"]
+    for config in dict.fromkeys(r["config"] for r in results):
+        rate = {(r["path"], r["batch"]): r["decode_tokens_per_s"] for r in results if r["config"] == config}
+        kernels = next(path for path, _ in rate if path != "torch")
+        activations = {"float32": "fp32", "bfloat16": "bf16"}
+        dtype = next(r["dtype"] for r in results if r["config"] == config)
+        label = f"{config} ({activations[dtype]} activations)" if config.startswith("int") else config
+        cells = []
+        for batch in (1, 32):
+            torch_rate, kernel_rate = rate["torch", batch], rate[kernels, batch]
+            cells += [f"{torch_rate:.1f}", f"{kernel_rate:.1f} ({ratio(kernel_rate / torch_rate)})"]
+        yield label, *cells
+
+
 VS_LLAMA_BATCH1 = (Column("pagoda vs llama.cpp"), Column("time per output token"),
                    Column("decode speed", numeric=True), Column("TTFT (128 tokens)"))
 VS_LLAMA_STREAMS = (Column("pair"), Column("output tok/s"), Column("TTFT p50"), Column("ITL p99"))
@@ -236,6 +254,11 @@ TABLES: dict[str, Table] = {
                           (Column(""), Column("caching on", numeric=True), Column("caching off", numeric=True),
                            Column("on / off", numeric=True)),
                           prefix_cache_rows),
+    "decode-targets-avx2": Table(
+        ("decode-targets-avx2-cpu-time.json",),
+        (Column("config"), Column("torch, batch 1", numeric=True), Column("avx2, batch 1", numeric=True),
+         Column("torch, batch 32", numeric=True), Column("avx2, batch 32", numeric=True)),
+        decode_targets_rows),
     "verify-step": Table(("verify-step.json",), verify_step_columns(), verify_step_rows),
 }
 
@@ -253,7 +276,7 @@ def rewrite(text: str, problems: list[str], where: str) -> str:
         match = BEGIN.match(line)
         if not match:
             continue
-        end = next((i for i in range(index, len(lines)) if lines[i] == END), None)
+        end = next((i for i in range(index, len(lines)) if lines[i].strip() == END), None)
         if end is None:
             problems.append(f"{where}:{index}: {line} has no {END}")
             continue
@@ -262,7 +285,7 @@ def rewrite(text: str, problems: list[str], where: str) -> str:
             problems.append(f"{where}:{index}: no table named {match['name']!r} in scripts/render_doc_tables.py")
             out.extend(lines[index:end])
         else:
-            out.extend(render(table))
+            out.extend(match["indent"] + rendered for rendered in render(table))
         index = end
     return "\n".join(out)
 
@@ -276,7 +299,7 @@ def unsourced_tables(text: str, where: str) -> Iterator[str]:
         line = lines[index]
         if BEGIN.match(line):
             rendered = True
-        elif line == END:
+        elif line.strip() == END:
             rendered = False
         if not line.lstrip().startswith("|"):  # a table may be indented, inside a list item
             index += 1
@@ -292,11 +315,46 @@ def unsourced_tables(text: str, where: str) -> Iterator[str]:
         if source is None:
             yield f"{where}:{start + 1}: a table of figures with no <!-- table/one-off/results/not measured --> line"
         elif source["kind"] == "results":
-            for name in (source["detail"] or "").split(","):
-                if not (RESULTS / name.strip()).is_file():
-                    yield f"{where}:{start + 1}: benchmarks/results/{name.strip()} does not exist"
+            names = [name.strip() for name in (source["detail"] or "").split(",")]
+            missing = [name for name in names if not (RESULTS / name).is_file()]
+            for name in missing:
+                yield f"{where}:{start + 1}: benchmarks/results/{name} does not exist"
+            if not missing:
+                values = [value for name in names for value in _numbers(json.loads((RESULTS / name).read_text()))]
+                unbacked = [figure for row in body for figure in _decimal_figures(row) if not _backed(figure, values)]
+                if unbacked:
+                    yield (f"{where}:{start + 1}: figures in no results file it names ({', '.join(names)}): "
+                           f"{', '.join(unbacked[:10])}")
         elif source["kind"] == "one-off" and not source["detail"]:
             yield f"{where}:{start + 1}: a one-off table must give the command that measures it"
+
+
+# How a file may hold a table's figure: as is, a fraction shown as a percentage, seconds shown in ms, bytes/s in GB/s.
+SCALES = (1.0, 100.0, 1000.0, 1e-9)
+
+
+def _numbers(value: object) -> Iterator[float]:
+    if isinstance(value, dict):
+        for item in value.values():
+            yield from _numbers(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from _numbers(item)
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield float(value)
+
+
+def _decimal_figures(row: str) -> list[str]:
+    """The figures with decimals in a table row's cells after the first (the first names the row)."""
+    cells = row.strip().strip("|").split("|")[1:]
+    return [figure for cell in cells for figure in re.findall(r"\d[\d,]*\.\d+", cell)]
+
+
+def _backed(figure: str, values: list[float]) -> bool:
+    """Whether some value, at some scale of SCALES, rounds to `figure` at the decimals it shows."""
+    shown = float(figure.replace(",", ""))
+    half_step = 0.5 * 10 ** -len(figure.split(".")[1]) + 1e-9
+    return any(abs(value * scale - shown) <= half_step for value in values for scale in SCALES)
 
 
 def _documents(docs: Path) -> Iterator[tuple[Path, str, str, list[str]]]:
