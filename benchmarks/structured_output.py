@@ -38,11 +38,11 @@ from common import (
 
 from pagoda import SamplingParams
 from pagoda.model.loader import load_model_config
-from pagoda.model.tokenizer import load_tokenizer
 from pagoda.structured import StructuredOutputsParams
 from pagoda.structured.bitmask import allocate_bitmask
 from pagoda.structured.llguidance_backend import LLGuidanceBackend
 from pagoda.testing.schema_suite import ALL_CASES
+from pagoda.text.tokenizer import load_tokenizer
 
 RECORDS = StructuredOutputsParams(
     json={

@@ -18,7 +18,7 @@ from pagoda import LLM, SamplingParams
 from pagoda.chat import PROMPT
 from pagoda.demo import DEMO_MODEL_DIR
 from pagoda.engine_args import add_engine_args, json_object
-from pagoda.model.tokenizer import encode_chat
+from pagoda.text.tokenizer import encode_chat
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pagoda import SamplingParams
 from pagoda.engine.output import IncrementalDetokenizer, SequenceText
 from pagoda.engine.request import Request, RequestStatus
-from pagoda.model.tokenizer import load_tokenizer
+from pagoda.text.tokenizer import load_tokenizer
 
 VOCAB_SIZE = 512
 MULTI_BYTE = "中文日本語한국어🙂🚀👍🏽naïveΕλληνικάПривет→€—café"

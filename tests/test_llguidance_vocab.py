@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from pagoda.demo import DEMO_MODEL_DIR
-from pagoda.model.tokenizer import load_tokenizer
 from pagoda.structured import StructuredOutputsParams
 from pagoda.structured.bitmask import bitmask_width
 from pagoda.structured.llguidance_backend import LLGuidanceBackend
+from pagoda.text.tokenizer import load_tokenizer
 
 
 def _backend() -> tuple[object, LLGuidanceBackend]:

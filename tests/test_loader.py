@@ -141,7 +141,7 @@ def test_missing_tokenizer(model_dir):
 
 def test_render_chat_hands_template_variables_to_the_template():
     from pagoda.demo import DEMO_MODEL_DIR
-    from pagoda.model.tokenizer import load_tokenizer, render_chat
+    from pagoda.text.tokenizer import load_tokenizer, render_chat
 
     tokenizer = load_tokenizer(DEMO_MODEL_DIR)
     tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}"

@@ -7,7 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from pagoda.sampling import InvalidParam, SamplingParams
-from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagoda.wire import ChatCompletionRequest, CompletionRequest
 
 CHAT = [{"role": "user", "content": "hi"}]
 

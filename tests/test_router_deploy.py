@@ -22,7 +22,7 @@ from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
 from pagoda.router.tokens import LoadOnlyReader
 from pagoda.server.api import ServerState, build_app
-from pagoda.server.kv_events import KVEventsConfig
+from pagoda.wire.kv_events import KVEventsConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 KUBERNETES_VERSION = "1.30.0"

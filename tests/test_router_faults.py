@@ -21,10 +21,11 @@ from pagoda.router.app import build_router_app
 from pagoda.router.cli import REPLICA_API_KEY_ENV_VAR, replica_api_key
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import NoReplicaAvailable, Router
-from pagoda.router.faults import ERROR_SCOPE_HEADER, Outcome, classify_answer
+from pagoda.router.faults import Outcome, classify_answer
 from pagoda.router.policies import RoutedPrompt
 from pagoda.router.poller import poll_replica
 from pagoda.router.tokens import LoadOnlyReader
+from pagoda.wire import ERROR_SCOPE_HEADER
 
 pytestmark = pytest.mark.timeout(60)
 

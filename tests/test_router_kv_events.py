@@ -24,10 +24,10 @@ from pagoda.router.core import Router
 from pagoda.router.events import EventStream
 from pagoda.router.policies import RoutedPrompt
 from pagoda.sampling import SamplingParams
-from pagoda.server.kv_events import (
+from pagoda.server.kv_events import ZmqKVEventPublisher
+from pagoda.wire.kv_events import (
     END_OF_REPLAY,
     KVEventsConfig,
-    ZmqKVEventPublisher,
     all_blocks_cleared,
     block_removed,
     block_stored,

@@ -31,7 +31,7 @@ from server_fixtures import (
     wait_until,
 )
 
-from pagoda.router.faults import ERROR_SCOPE_HEADER
+from pagoda.wire import ERROR_SCOPE_HEADER
 
 pytestmark = pytest.mark.timeout(300)
 

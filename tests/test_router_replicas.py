@@ -30,9 +30,9 @@ from server_fixtures import (
     wait_until,
 )
 
-from pagoda.model.tokenizer import load_tokenizer, render_chat
 from pagoda.router.tokens import TokenizingReader
-from pagoda.server.tokenizers import TokenizerPool
+from pagoda.text.pool import TokenizerPool
+from pagoda.text.tokenizer import load_tokenizer, render_chat
 
 pytestmark = pytest.mark.timeout(300)
 

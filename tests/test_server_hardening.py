@@ -26,7 +26,7 @@ from server_fixtures import LOOPBACK, assert_openai_error, launch_server, make_s
 
 from pagoda.server.admission import Admission
 from pagoda.server.api import LoadedModel, ServerState, build_app
-from pagoda.server.protocol import OpenAIError
+from pagoda.wire import OpenAIError
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -478,7 +478,7 @@ def test_every_limit_is_a_serve_flag_with_its_default_in_one_place():
     import dataclasses
 
     from pagoda.cli import SERVER_LIMITS, build_parser
-    from pagoda.server.guards import ServerLimits
+    from pagoda.wire.guards import ServerLimits
 
     assert set(SERVER_LIMITS) == {f.name for f in dataclasses.fields(ServerLimits)}
     defaults = build_parser().parse_args(["serve"])

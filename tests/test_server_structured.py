@@ -19,8 +19,8 @@ import pytest
 from pydantic import BaseModel, Field, ValidationError
 from server_fixtures import assert_openai_error, start_server
 
-from pagoda.server.protocol import ChatCompletionRequest
 from pagoda.structured import InvalidConstraint, StructuredOutputsParams
+from pagoda.wire import ChatCompletionRequest
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,8 +18,8 @@ from pagoda.demo import DEMO_MODEL_DIR
 from pagoda.engine.kv_pool import kv_pool_size
 from pagoda.engine_args import model_to_load, served_model_name
 from pagoda.kernels import available_targets
-from pagoda.model.tokenizer import encode_chat
 from pagoda.startup import native_kernels_status, startup_summary
+from pagoda.text.tokenizer import encode_chat
 
 KIB = 1 << 10
 

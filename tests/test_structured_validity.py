@@ -17,11 +17,11 @@ from conftest import NEAR_TIE_RTOL, assert_all_blocks_free, random_prompts
 from pagoda import LLM, SamplingParams
 from pagoda.demo import DEMO_MODEL_DIR
 from pagoda.engine.api import RequestOutput, RequestRejected
-from pagoda.model.tokenizer import encode_chat
 from pagoda.structured import StructuredOutputsParams
 from pagoda.structured.bitmask import allocate_bitmask, apply_bitmask
 from pagoda.structured.llguidance_backend import LLGuidanceBackend
 from pagoda.testing.schema_suite import ALL_CASES, FORMATS, SCHEMAS, Case, InvalidOutput, SchemaCase, case
+from pagoda.text.tokenizer import encode_chat
 
 ARCH = "llama"
 SAMPLES_PER_CASE = 16  # seeds per case and model: 45 cases x 16 = 720 requests, one generate call

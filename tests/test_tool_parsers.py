@@ -7,7 +7,8 @@ import json
 import jsonschema
 import pytest
 
-from pagoda.server.tools import HermesParser, Llama3JsonParser, forced_calls, forced_constraint
+from pagoda.server.tools import HermesParser, Llama3JsonParser
+from pagoda.wire.tool_calls import forced_calls, forced_constraint
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}

@@ -73,8 +73,8 @@ class EngineBackend:
         self._turn_ids = itertools.count()
 
     def answer(self, messages: list[Message], settings: AnswerSettings) -> Generator[Delta, None, None]:
-        from pagoda.model.tokenizer import encode_chat
         from pagoda.sampling import SamplingParams
+        from pagoda.text.tokenizer import encode_chat
 
         request_id = f"chat-{next(self._turn_ids)}"
         try:

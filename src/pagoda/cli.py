@@ -29,8 +29,8 @@ def _positive_int(text: str) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from pagoda.api_keys import ApiKeys
-    from pagoda.server.guards import ServerLimits
     from pagoda.server.launcher import exit_now, serve
+    from pagoda.wire.guards import ServerLimits
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("pagoda serve: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
@@ -73,21 +73,21 @@ def kv_events_config(values: dict | None):
     """--kv-events-config (vLLM's KVEventsConfig as JSON), or None when not given."""
     if values is None:
         return None
-    from pagoda.server.kv_events import KVEventsConfig
+    from pagoda.wire.kv_events import KVEventsConfig
 
     return KVEventsConfig.from_dict(values)
 
 
-# The `serve` flags that bound one request (pagoda.server.guards.ServerLimits' fields, defaults there).
+# The `serve` flags that bound one request (pagoda.wire.guards.ServerLimits' fields, defaults there).
 SERVER_LIMITS = ("max_request_body_bytes", "max_chars_per_token", "max_sequences_per_request", "max_stop_strings",
                  "max_stop_string_chars", "max_logit_bias", "request_timeout", "request_read_timeout")
 
 
 def run_generate(args: argparse.Namespace) -> int:
     from pagoda.engine.engine import LLMEngine
-    from pagoda.model.tokenizer import ChatTemplateError, encode_chat
     from pagoda.model_dir import ModelLoadError
     from pagoda.sampling import SamplingParams
+    from pagoda.text.tokenizer import ChatTemplateError, encode_chat
 
     args.model = model_to_load(args.model, "generate")
     try:

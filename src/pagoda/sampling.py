@@ -58,7 +58,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         """Each parameter's range, checked here only: the server builds SamplingParams from every request,
-        and on top keeps only OpenAI's own caps (server/protocol/)."""
+        and on top keeps only OpenAI's own caps (wire/)."""
 
         def check(ok: bool, name: str, requirement: str) -> None:
             if not ok:

@@ -20,14 +20,14 @@ __all__ = ["DEMO_MODEL_DIR", "encode_prompts", "render_prompt", "transformers_gr
 
 def render_prompt(tokenizer: Any, item: Item) -> str:
     """The chat-formatted prompt text, ending where the assistant's answer begins."""
-    from pagoda.model.tokenizer import render_chat  # here: it imports torch, which `pagoda.demo` does not need
+    from pagoda.text.tokenizer import render_chat  # here: it imports torch, which `pagoda.demo` does not need
 
     return render_chat(tokenizer, item.messages(), tools=list(item.tools) or None)
 
 
 def encode_prompts(tokenizer: Any, items: list[Item]) -> list[list[int]]:
     """Chat-formatted prompt token ids: what every path (pagoda's and transformers') is given."""
-    from pagoda.model.tokenizer import encode_chat
+    from pagoda.text.tokenizer import encode_chat
 
     return [encode_chat(tokenizer, item.messages(), tools=list(item.tools) or None) for item in items]
 

@@ -37,10 +37,10 @@ from pagoda.engine.speculative import Draft, draft_room
 from pagoda.model.attention import QueryLayout, build_metadata
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import TORCH_DTYPES, load_model, load_model_config
-from pagoda.model.tokenizer import has_tokenizer, load_tokenizer
 from pagoda.model_dir import ModelLoadError
 from pagoda.sampling import GREEDY_EPS
 from pagoda.structured.interface import GrammarMatcher, GrammarStateError
+from pagoda.text.tokenizer import has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
 

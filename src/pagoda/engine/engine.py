@@ -32,10 +32,10 @@ from pagoda.engine.step_budget import StepCostModel
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import TORCH_DTYPES, load_model
 from pagoda.model.quantization import quantized_matmul_name
-from pagoda.model.tokenizer import load_tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.structured import InvalidConstraint
 from pagoda.structured.interface import GrammarMatcher, GrammarStateError
+from pagoda.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -27,9 +27,9 @@ from pagoda.router.policies import RoutedPrompt
 from pagoda.router.poller import poll_forever
 from pagoda.router.proxy import Forwarder, error_response
 from pagoda.router.tokens import PromptReader
-from pagoda.server.guards import BodySizeLimit, JsonDecoder, ServerLimits
-from pagoda.server.protocol import OpenAIError
 from pagoda.version import __version__
+from pagoda.wire import OpenAIError
+from pagoda.wire.guards import BodySizeLimit, JsonDecoder, ServerLimits
 
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 

@@ -132,7 +132,7 @@ class EnginePlan:
 
 def plan_engines(serve_parser: argparse.ArgumentParser, args: argparse.Namespace) -> EnginePlan:
     """Raises ValueError for a configuration that cannot be split (before anything starts)."""
-    from pagoda.server.kv_events import KVEventsConfig
+    from pagoda.wire.kv_events import KVEventsConfig
 
     size = args.data_parallel_size
     threads = split_threads(args.threads or os.cpu_count() or 1, size)

@@ -1,4 +1,4 @@
-"""The router's side of KV events (vLLM's format, see pagoda.server.kv_events): one ZMQ SUB socket per replica
+"""The router's side of KV events (vLLM's format, see pagoda.wire.kv_events): one ZMQ SUB socket per replica
 that publishes them. What they say is what the replica's index holds: blocks stored, blocks removed, all
 cleared. Such a replica's index is exact, so the router neither guesses from its own decisions nor expires.
 
@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from pagoda.router.core import Router
 from pagoda.router.replica import Replica
-from pagoda.server.kv_events import decode_batch
+from pagoda.wire.kv_events import decode_batch
 
 logger = logging.getLogger("pagoda.route")
 

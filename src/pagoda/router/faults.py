@@ -13,9 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 
-# A replica marks a 5xx that is one request's own fault with this header (value REQUEST_SCOPE).
-ERROR_SCOPE_HEADER = "x-pagoda-error-scope"
-REQUEST_SCOPE = "request"
+from pagoda.wire import ERROR_SCOPE_HEADER, REQUEST_SCOPE
 
 
 class Outcome(enum.Enum):

@@ -16,7 +16,7 @@ from pagoda.router.app import build_router_app
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
 from pagoda.router.tokens import LoadOnlyReader, PromptReader, TokenizingReader
-from pagoda.server.tokenizers import TokenizerPool
+from pagoda.text.pool import TokenizerPool
 
 logger = logging.getLogger("pagoda.route")
 
@@ -25,7 +25,7 @@ def prompt_reader(tokenizer_dir: str | None) -> PromptReader:
     """Tokenizing with the model's own tokenizer and chat template (the server's code), or load-only routing."""
     if tokenizer_dir is None:
         return LoadOnlyReader()
-    from pagoda.model.tokenizer import load_tokenizer, render_chat  # the model code: loaded only here
+    from pagoda.text.tokenizer import load_tokenizer, render_chat  # the model code: loaded only here
 
     return TokenizingReader(TokenizerPool(load_tokenizer(tokenizer_dir)), render_chat)
 

@@ -22,10 +22,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from pagoda.router.core import Decision, Lease, NoReplicaAvailable, Router
-from pagoda.router.faults import ERROR_SCOPE_HEADER, Outcome, classify_answer
+from pagoda.router.faults import Outcome, classify_answer
 from pagoda.router.policies import RoutedPrompt
 from pagoda.router.replica import Replica
-from pagoda.server.protocol import OpenAIError
+from pagoda.wire import ERROR_SCOPE_HEADER, OpenAIError
 
 logger = logging.getLogger("pagoda.route")
 

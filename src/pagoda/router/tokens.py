@@ -13,8 +13,8 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from pagoda.router.policies import RoutedPrompt
-from pagoda.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagoda.server.tokenizers import TokenizerPool
+from pagoda.text.pool import TokenizerPool
+from pagoda.wire import ChatCompletionRequest, CompletionRequest
 
 RenderChat = Callable[..., str]  # (tokenizer, messages, add_generation_prompt, tools) -> text
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagoda.server.protocol import OpenAIError
+from pagoda.wire import OpenAIError
 
 
 class Admission:

@@ -28,11 +28,14 @@ from pagoda.engine.output import Tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import Admission, WaitingSlots
 from pagoda.server.generation import Generation, TokenTexts
-from pagoda.server.guards import BodySizeLimit, JsonDecoder, ServerLimits, error_response
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.openapi import install_openapi
 from pagoda.server.prompts import check_prompt_chars, conversation_of, echo_texts, encode_prompts, render_chat_prompt
-from pagoda.server.protocol import (
+from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
+from pagoda.server.web import mount_web_ui
+from pagoda.text.pool import TokenizerPool
+from pagoda.version import __version__
+from pagoda.wire import (
     WIRE_LIMITS,
     ChatCompletionRequest,
     CompletionRequest,
@@ -43,10 +46,7 @@ from pagoda.server.protocol import (
     now,
     random_id,
 )
-from pagoda.server.tokenizers import TokenizerPool
-from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
-from pagoda.server.web import mount_web_ui
-from pagoda.version import __version__
+from pagoda.wire.guards import BodySizeLimit, JsonDecoder, ServerLimits, error_response
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")

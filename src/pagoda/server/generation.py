@@ -20,15 +20,11 @@ from pagoda.engine.output import Tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
 from pagoda.server.metrics import ServerMetrics
-from pagoda.server.protocol import Kind, OpenAIError, now, usage
-from pagoda.server.tools import ToolCall, ToolCallReader
+from pagoda.server.tools import ToolCallReader
+from pagoda.wire import ERROR_SCOPE_HEADER, REQUEST_SCOPE, Kind, OpenAIError, now, usage
+from pagoda.wire.tool_calls import ToolCall
 
 logger = logging.getLogger(__name__)
-
-# On a 5xx that is one request's own fault (it failed alone in the engine; the server and the other requests
-# are fine): "request". A streamed response, already 200, carries it as the error event's "scope".
-ERROR_SCOPE_HEADER = "X-Pagoda-Error-Scope"
-
 
 @dataclass
 class ChoiceProgress:
@@ -163,7 +159,7 @@ class Generation:
         """The client learns that it failed, the id to quote and whether it failed alone; the log has the
         details under that id."""
         alone = isinstance(error, RequestFailed) and error.alone
-        headers = {ERROR_SCOPE_HEADER: "request"} if alone else None
+        headers = {ERROR_SCOPE_HEADER: REQUEST_SCOPE} if alone else None
         if isinstance(error, RequestFailed) and error.by_constraint:  # the engine logged it, in one line
             logger.info("request %s: %s", self.response_id, error)
             constraint = self.params.structured_outputs

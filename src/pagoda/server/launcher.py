@@ -26,18 +26,19 @@ from pagoda.config import EngineConfig
 from pagoda.engine.api import KVEventSink
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import LLMEngine
-from pagoda.model.tokenizer import load_tokenizer
 from pagoda.model_dir import ModelLoadError
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import Admission
 from pagoda.server.api import LoadedModel, ServerState, build_app
-from pagoda.server.guards import ServerLimits
-from pagoda.server.kv_events import KVEventsConfig, make_publisher
+from pagoda.server.kv_events import make_publisher
 from pagoda.server.memory import IdleReclaimer, freeze_startup_objects, limit_malloc_arenas
 from pagoda.server.metrics import ServerMetrics, cache_config_info
 from pagoda.server.read_deadline import read_deadline_protocol
-from pagoda.server.tokenizers import TokenizerPool
 from pagoda.startup import startup_summary
+from pagoda.text.pool import TokenizerPool
+from pagoda.text.tokenizer import load_tokenizer
+from pagoda.wire.guards import ServerLimits
+from pagoda.wire.kv_events import KVEventsConfig
 
 logger = logging.getLogger("pagoda.serve")
 

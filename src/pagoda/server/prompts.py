@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pagoda.model.tokenizer import ChatTemplateError, render_chat
-from pagoda.server.protocol import ChatMessage, OpenAIError
+from pagoda.text.tokenizer import ChatTemplateError, render_chat
+from pagoda.wire import ChatMessage, OpenAIError
 
 if TYPE_CHECKING:
     from pagoda.server.api import LoadedModel, ServerState

@@ -20,7 +20,7 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from pagoda.server.protocol import OpenAIError
+from pagoda.wire import OpenAIError
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from typing import Annotated, Any
 
 from pydantic import field_validator, model_validator
 
-from pagoda.server.protocol.chat import few_messages
-from pagoda.server.protocol.messages import AnyMessage
-from pagoda.server.protocol.wire import FAIL_FAST, TokenIds, WireModel, too_long, wire_limits
+from pagoda.wire.base import FAIL_FAST, TokenIds, WireModel, too_long, wire_limits
+from pagoda.wire.chat import few_messages
+from pagoda.wire.messages import AnyMessage
 
 
 class TokenizeRequest(WireModel):

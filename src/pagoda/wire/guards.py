@@ -18,7 +18,7 @@ from fastapi import HTTPException
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagoda.server.protocol import OpenAIError, first_invalid_text
+from pagoda.wire import OpenAIError, first_invalid_text
 
 # Bodies up to this size are decoded by the C parser, which holds the GIL throughout (up to ~0.1 s for
 # 256 KiB of nested lists on a busy 2-core machine). Larger ones use the pure-Python scanner on a worker

@@ -7,13 +7,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from pagoda.model.tokenizer import RENDERER_ARGUMENTS
 from pagoda.sampling import InvalidParam
-from pagoda.server.protocol.messages import AnyMessage
-from pagoda.server.protocol.sampling import SamplingRequest
-from pagoda.server.protocol.wire import MAX_TOOLS, WireModel, too_long, wire_limits
-from pagoda.server.tools import forced_constraint
 from pagoda.structured import InvalidConstraint, StructuredOutputsParams
+from pagoda.text.tokenizer import RENDERER_ARGUMENTS
+from pagoda.wire.base import MAX_TOOLS, WireModel, too_long, wire_limits
+from pagoda.wire.messages import AnyMessage
+from pagoda.wire.sampling import SamplingRequest
+from pagoda.wire.tool_calls import forced_constraint
 
 
 class FunctionDefinition(WireModel):

@@ -29,6 +29,13 @@ class OpenAIError(Exception):
                           "param": self.param, "code": self.status}}
 
 
+# A 5xx that is one request's own fault (it failed alone in the engine; the server and the other requests are
+# fine) carries this header with the value REQUEST_SCOPE; a streamed response, already 200, carries it as its
+# error event's "scope". Routers read it: such an answer says nothing about the replica (router/faults.py).
+ERROR_SCOPE_HEADER = "x-pagoda-error-scope"
+REQUEST_SCOPE = "request"
+
+
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

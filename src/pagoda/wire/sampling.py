@@ -23,8 +23,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from pagoda.sampling import InvalidParam, SamplingParams
-from pagoda.server.protocol.wire import TokenIds, WireModel, located, too_long, wire_limits
 from pagoda.structured import CONSTRAINT_KINDS, InvalidConstraint, StructuredOutputsParams
+from pagoda.wire.base import TokenIds, WireModel, located, too_long, wire_limits
 
 
 class StreamOptions(WireModel):

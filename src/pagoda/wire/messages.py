@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Discriminator, Tag, model_validator
 
-from pagoda.server.protocol.wire import WireModel
+from pagoda.wire.base import WireModel
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 

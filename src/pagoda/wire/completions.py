@@ -6,8 +6,8 @@ from typing import Any
 
 from pydantic import field_validator, model_validator
 
-from pagoda.server.protocol.sampling import SamplingRequest
-from pagoda.server.protocol.wire import Prompt, too_long, wire_limits
+from pagoda.wire.base import Prompt, too_long, wire_limits
+from pagoda.wire.sampling import SamplingRequest
 
 
 class CompletionRequest(SamplingRequest):
