@@ -126,7 +126,8 @@ def test_a_config_json_reads_like_its_preset(tmp_path):
     from_file, from_dir = resolve_model(str(path)), resolve_model(str(path.parent))
     preset = resolve_model("llama-3-70b")
     assert from_file.num_params == from_dir.num_params == preset.num_params
-    assert (from_file.num_layers, from_file.num_kv_heads, from_file.head_dim) == (80, 8, 128)
+    arch = from_file.architecture
+    assert arch is not None and (arch.num_layers, arch.num_kv_heads, arch.head_dim) == (80, 8, 128)
 
 
 def test_multimodal_configs_are_read_from_text_config(tmp_path):

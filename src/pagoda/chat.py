@@ -286,7 +286,7 @@ class TerminalChat:
 # --------------------------------------------------------------------------------------------------
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     chat = commands.add_parser("chat", help="a conversation in the terminal (in-process, or --url a server)")
     add_engine_args(chat)
     chat.add_argument("--url", default=None,

@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_bench_command(commands: argparse._SubParsersAction) -> None:
+def add_bench_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """`pagoda bench`, or where the bench extra is not installed, a `bench` that says how to install it."""
     try:
         from pagoda.bench.cli import add_parser

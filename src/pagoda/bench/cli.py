@@ -10,6 +10,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pagoda.bench.client import APIS, Endpoint, RequestOptions
 from pagoda.bench.load import ARRIVALS, LoadSpec
@@ -17,6 +18,9 @@ from pagoda.bench.metrics import parse_slo
 from pagoda.bench.session import BenchConfig, bench_endpoint
 from pagoda.bench.sweep import doubling_levels, parse_levels
 from pagoda.bench.workloads import KINDS, LENGTH_DISTRIBUTIONS, WorkloadSpec
+
+if TYPE_CHECKING:
+    from pagoda.bench.tokens import ClientTokenizer
 
 DESCRIPTION = (
     "Load-test any OpenAI-compatible server (completions or chat, streamed): closed loop (fixed concurrency) "
@@ -96,7 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--no-progress", action="store_true")
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("bench", help="load-test an OpenAI-compatible server", description=DESCRIPTION,
                                    epilog=EXAMPLE)
     add_arguments(parser)
@@ -147,7 +151,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
     )
 
 
-def tokenizer_from(args: argparse.Namespace):
+def tokenizer_from(args: argparse.Namespace) -> ClientTokenizer | None:
     from pagoda.bench.tokens import ClientTokenizer
 
     path = args.tokenizer
@@ -156,7 +160,8 @@ def tokenizer_from(args: argparse.Namespace):
     return ClientTokenizer(path) if path else None
 
 
-async def run_all(endpoints: list[Endpoint], config: BenchConfig, tokenizer) -> list[dict]:
+async def run_all(endpoints: list[Endpoint], config: BenchConfig,
+                  tokenizer: ClientTokenizer | None) -> list[dict[str, Any]]:
     from pagoda.bench.report import print_level
 
     return [await bench_endpoint(endpoint, config, tokenizer, on_level=lambda e, p: print_level(e.name, p))

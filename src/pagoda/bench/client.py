@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
+from pagoda.bench.load import Sender
 from pagoda.bench.records import RequestRecord
-from pagoda.bench.workloads import Conversation
+from pagoda.bench.workloads import Conversation, is_messages
 
 APIS = ("completions", "chat")
 
@@ -30,7 +32,8 @@ class Endpoint:
     api_key: str | None = None
 
     @classmethod
-    def parse(cls, text: str, **kwargs) -> Endpoint:
+    def parse(cls, text: str, api: str = "completions", model: str | None = None,
+              api_key: str | None = None) -> Endpoint:
         """`[NAME=]URL`, with or without a trailing `/v1` (or a full `/v1/completions` path)."""
         name, _, url = text.partition("=") if "=" in text.split("://")[0] else ("", "", text)
         parts = urlsplit(url if "://" in url else f"http://{url}")
@@ -38,14 +41,14 @@ class Endpoint:
         for suffix in ("/chat/completions", "/completions", "/v1"):
             path = path.removesuffix(suffix)
         root = urlunsplit((parts.scheme, parts.netloc, path, "", "")).rstrip("/")
-        return cls(root=root, name=name or parts.netloc, **kwargs)
+        return cls(root=root, api=api, model=model, name=name or parts.netloc, api_key=api_key)
 
     @property
     def url(self) -> str:
         return f"{self.root}/v1/{'chat/completions' if self.api == 'chat' else 'completions'}"
 
     @property
-    def headers(self) -> dict:
+    def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
 
@@ -53,41 +56,40 @@ class Endpoint:
 class RequestOptions:
     temperature: float = 0.0
     ignore_eos: bool = False
-    extra_body: dict = field(default_factory=dict)
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
 
 def request_body(endpoint: Endpoint, conversation: Conversation, turn_index: int, earlier_outputs: list[str],
-                 options: RequestOptions) -> dict:
+                 options: RequestOptions) -> dict[str, Any]:
     """The JSON body of a conversation's turn, with the earlier turns and the server's answers before it."""
     turns = conversation.turns
     turn = turns[turn_index]
-    body: dict = {"model": endpoint.model, "max_tokens": turn.max_tokens, "temperature": options.temperature,
-                  "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {"model": endpoint.model, "max_tokens": turn.max_tokens,
+                            "temperature": options.temperature, "stream": True,
+                            "stream_options": {"include_usage": True}}
     if options.ignore_eos:
         body["ignore_eos"] = True  # a vLLM extension: sent only when asked, a strict server may refuse it
     if endpoint.api == "completions":
-        if _is_messages(turn.prompt):
+        if is_messages(turn.prompt):
             raise ValueError("chat messages need --api chat")
         if turn_index == 0:
             body["prompt"] = turn.prompt
+        elif not isinstance(turn.prompt, str):
+            raise ValueError("a later turn of a completions conversation needs a text prompt")
         else:
             history = "".join(f"{t.prompt}{out}" for t, out in zip(turns[:turn_index], earlier_outputs))
             body["prompt"] = history + turn.prompt
     else:
-        messages: list[dict] = []
+        messages: list[dict[str, Any]] = []
         for earlier, output in zip(turns[:turn_index], earlier_outputs):
             messages += [{"role": "user", "content": earlier.prompt}, {"role": "assistant", "content": output}]
-        messages += turn.prompt if _is_messages(turn.prompt) else [{"role": "user", "content": turn.prompt}]
+        messages += turn.prompt if is_messages(turn.prompt) else [{"role": "user", "content": turn.prompt}]
         body["messages"] = messages
     body.update(options.extra_body)
     return body
 
 
-def _is_messages(prompt) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
-
-
-def parse_event(line: str) -> dict | str | None:
+def parse_event(line: str) -> dict[str, Any] | str | None:
     """One SSE line: a JSON payload, "[DONE]", or None (blank lines, comments, other fields)."""
     if not line.startswith("data:"):
         return None
@@ -97,7 +99,7 @@ def parse_event(line: str) -> dict | str | None:
     return json.loads(data) if data else None
 
 
-def chunk_content(payload: dict) -> str:
+def chunk_content(payload: dict[str, Any]) -> str:
     """The text a streamed chunk adds: choices[0].text (completions) or choices[0].delta.content (chat)."""
     choices = payload.get("choices") or []
     if not choices:
@@ -122,7 +124,8 @@ def error_type(error: BaseException) -> str:
     return type(error).__name__
 
 
-async def send(http: httpx.AsyncClient, endpoint: Endpoint, body: dict, record: RequestRecord, origin: float) -> str:
+async def send(http: httpx.AsyncClient, endpoint: Endpoint, body: dict[str, Any], record: RequestRecord,
+               origin: float) -> str:
     """Streams one request, filling `record` (sent, chunk times, end, usage, error); returns the output text."""
     pieces: list[str] = []
     started = time.monotonic()
@@ -153,7 +156,7 @@ async def _read_stream(response: httpx.Response, record: RequestRecord, pieces: 
         event = parse_event(line)
         if event is None:
             continue
-        if event == "[DONE]":
+        if isinstance(event, str):  # "[DONE]"
             return True
         if "error" in event:
             error = event["error"]
@@ -184,7 +187,7 @@ def make_http_client(timeout_s: float) -> httpx.AsyncClient:
     )
 
 
-def make_sender(http: httpx.AsyncClient, endpoint: Endpoint, options: RequestOptions):
+def make_sender(http: httpx.AsyncClient, endpoint: Endpoint, options: RequestOptions) -> Sender:
     """The load generator's sender: builds a turn's body, streams it, returns (record, output text)."""
 
     async def sender(conversation: Conversation, turn_index: int, earlier_outputs: list[str],

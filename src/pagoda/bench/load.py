@@ -17,6 +17,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.bench.records import RequestRecord
 from pagoda.bench.workloads import Conversation
@@ -26,6 +27,7 @@ LOOP_LAG_INTERVAL_S = 0.01
 
 # sender(conversation, turn index, earlier outputs, origin) -> (filled record, output text)
 Sender = Callable[[Conversation, int, list[str], float], Awaitable[tuple[RequestRecord, str]]]
+OnDone = Callable[[RequestRecord], None] | None
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,10 @@ class LoadSpec:
     @property
     def level(self) -> float:
         """The knob a sweep turns: concurrency, or request rate."""
-        return float(self.concurrency) if self.closed else float(self.rate)
+        if self.concurrency is not None:
+            return float(self.concurrency)
+        assert self.rate is not None  # __post_init__: exactly one of the two is given
+        return self.rate
 
     def label(self) -> str:
         if self.closed:
@@ -64,7 +69,7 @@ class LoadSpec:
         shape = f" gamma k={self.burstiness:g}" if self.arrival == "gamma" else f" {self.arrival}"
         return f"rate {self.rate:g}/s{shape}{cap}"
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"mode": "closed" if self.closed else "open", "concurrency": self.concurrency,
                 "rate": None if self.rate is None or math.isinf(self.rate) else self.rate,
                 "arrival": None if self.closed else self.arrival, "burstiness": self.burstiness,
@@ -101,15 +106,16 @@ class LoadResult:
     dispatch_lags: list[float] = field(default_factory=list)
     loop_lags: list[float] = field(default_factory=list)
     cpu_fraction: float | None = None
-    warmup: dict = field(default_factory=dict)
+    warmup: dict[str, Any] = field(default_factory=dict)
 
 
 class LoopLagMonitor:
     """Sleeps `interval` again and again and records how much later than asked it woke up."""
 
     def __init__(self, interval: float = LOOP_LAG_INTERVAL_S) -> None:
-        self.interval, self.lags = interval, []
-        self._task: asyncio.Task | None = None
+        self.interval = interval
+        self.lags: list[float] = []
+        self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
         while True:
@@ -121,8 +127,9 @@ class LoopLagMonitor:
         self._task = asyncio.get_running_loop().create_task(self._run())
         return self
 
-    def __exit__(self, *exc) -> None:
-        self._task.cancel()
+    def __exit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
 
 
 async def run_load(sender: Sender, conversations: Sequence[Conversation], spec: LoadSpec, *, seed: int = 0,
@@ -142,9 +149,10 @@ async def run_load(sender: Sender, conversations: Sequence[Conversation], spec: 
     dispatch_lags: list[float] = []
     cpu_start, origin = time.process_time(), time.monotonic()
     with LoopLagMonitor() as monitor:
-        if spec.closed:
+        if spec.concurrency is not None:
             await _closed(sender, conversations, spec.concurrency, origin, records, outputs, on_done)
         else:
+            assert spec.rate is not None  # LoadSpec: exactly one of concurrency and rate
             offsets = arrival_offsets(len(conversations), spec.rate, spec.arrival, spec.burstiness,
                                       random.Random(seed))
             await _open(sender, conversations, offsets, spec.max_concurrency, origin, records, outputs,
@@ -158,7 +166,8 @@ async def run_load(sender: Sender, conversations: Sequence[Conversation], spec: 
 
 
 async def _conversation(sender: Sender, conversation: Conversation, origin: float, scheduled: float | None,
-                        slots: asyncio.Semaphore | None, records: list, outputs: dict, on_done) -> None:
+                        slots: asyncio.Semaphore | None, records: list[RequestRecord], outputs: dict[str, str],
+                        on_done: OnDone) -> None:
     earlier: list[str] = []
     for turn_index in range(len(conversation.turns)):
         if slots is None:
@@ -178,7 +187,7 @@ async def _conversation(sender: Sender, conversation: Conversation, origin: floa
 
 
 async def _closed(sender: Sender, conversations: Sequence[Conversation], concurrency: int, origin: float,
-                  records: list, outputs: dict, on_done) -> None:
+                  records: list[RequestRecord], outputs: dict[str, str], on_done: OnDone) -> None:
     pending = iter(conversations)
 
     async def worker() -> None:
@@ -189,10 +198,10 @@ async def _closed(sender: Sender, conversations: Sequence[Conversation], concurr
 
 
 async def _open(sender: Sender, conversations: Sequence[Conversation], offsets: list[float],
-                max_concurrency: int | None, origin: float, records: list, outputs: dict,
-                dispatch_lags: list[float], on_done) -> None:
+                max_concurrency: int | None, origin: float, records: list[RequestRecord], outputs: dict[str, str],
+                dispatch_lags: list[float], on_done: OnDone) -> None:
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    tasks = []
+    tasks: list[asyncio.Task[None]] = []
     for conversation, offset in zip(conversations, offsets):
         delay = origin + offset - time.monotonic()
         if delay > 0:

@@ -15,6 +15,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from pagoda.bench.records import RequestRecord
 
@@ -45,7 +46,7 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * fraction
 
 
-def distribution(values: Iterable[float | None]) -> dict:
+def distribution(values: Iterable[float | None]) -> dict[str, Any]:
     """count, mean, p50, p90, p95, p99, min, max of the values that are not None (all None when empty)."""
     data = sorted(v for v in values if v is not None)
     keys = ["mean", *(f"p{q}" for q in PERCENTILES), "min", "max"]
@@ -103,19 +104,21 @@ def meets_slo(record: RequestRecord, slo: dict[str, float]) -> bool:
     if not record.ok:
         return False
     values = request_values(record)
-    return all(values[name] is None or values[name] <= bound for name, bound in slo.items())
+    return all((value := values[name]) is None or value <= bound for name, bound in slo.items())
 
 
 # --- the summary of one run --------------------------------------------------------------------------------
 
 
-def token_checks(records: Sequence[RequestRecord]) -> dict:
+def token_checks(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """Server usage cross-checked with the client's own counts."""
     ok = [r for r in records if r.ok]
     with_expected = [r for r in ok if r.expected_prompt_tokens is not None and r.prompt_tokens is not None]
-    with_client = [r for r in ok if r.client_output_tokens is not None and r.output_tokens is not None]
-    server_out = sum(r.output_tokens for r in with_client)
-    client_out = sum(r.client_output_tokens for r in with_client)
+    # (server's count, client's count) of each answer that has both
+    with_client = [(r.output_tokens, r.client_output_tokens) for r in ok
+                   if r.output_tokens is not None and r.client_output_tokens is not None]
+    server_out = sum(server for server, _ in with_client)
+    client_out = sum(client for _, client in with_client)
     return {
         "usage_missing": sum(1 for r in ok if r.output_tokens is None or r.prompt_tokens is None),
         "prompt_checked": len(with_expected),
@@ -127,7 +130,8 @@ def token_checks(records: Sequence[RequestRecord]) -> dict:
     }
 
 
-def summarize(records: Sequence[RequestRecord], duration: float | None = None, slo: dict | None = None) -> dict:
+def summarize(records: Sequence[RequestRecord], duration: float | None = None,
+              slo: dict[str, float] | None = None) -> dict[str, Any]:
     """Everything the report shows about one run. Latencies are in seconds, throughputs per second."""
     duration = measured_duration(records) if duration is None else duration
     ok = [r for r in records if r.ok]
@@ -179,7 +183,7 @@ def client_verdict(
     relative: float = 0.0,
     itl_p50: float | None = None,
     mean_interarrival: float | None = None,
-) -> dict:
+) -> dict[str, Any]:
     """Did the client fall behind? Its numbers are then the client's delay as much as the server's.
 
     dispatch lag: how late open-loop requests went out against their schedule. loop lag: how late the event

@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 PERCENTILE_STYLES = (("p50", "-"), ("p90", "--"), ("p99", ":"))
 
 
-def _points(endpoint: dict) -> list[dict]:
+def _points(endpoint: dict[str, Any]) -> list[dict[str, Any]]:
     return [p for p in endpoint["levels"] if p["level"] is not None]
 
 
@@ -23,7 +27,7 @@ def can_plot() -> bool:
     return importlib.util.find_spec("matplotlib") is not None
 
 
-def plot_benchmark(endpoints: list[dict], path: str | Path, title: str = "") -> Path:
+def plot_benchmark(endpoints: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -96,7 +100,8 @@ def plot_benchmark(endpoints: list[dict], path: str | Path, title: str = "") -> 
     return path
 
 
-def _plot_goodput(ax, x: list[float], summaries: list[dict], capacity: dict | None, color: str, name: str) -> None:
+def _plot_goodput(ax: Axes, x: list[float], summaries: list[dict[str, Any]], capacity: dict[str, Any] | None,
+                  color: str, name: str) -> None:
     goodputs = [_f((s.get("goodput") or {}).get("requests_per_s")) for s in summaries]
     ax.plot(x, goodputs, "^-.", color=color, label=f"{name} goodput")
     if capacity and capacity["level"] is not None:

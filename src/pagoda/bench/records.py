@@ -8,6 +8,7 @@ its own request.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -54,11 +55,11 @@ class RequestRecord:
         under a concurrency cap)."""
         return None if self.scheduled is None else self.sent - self.scheduled
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         record = asdict(self)
         record["chunk_times"] = [round(t, 6) for t in self.chunk_times]
         return record
 
     @classmethod
-    def from_dict(cls, data: dict) -> RequestRecord:
+    def from_dict(cls, data: dict[str, Any]) -> RequestRecord:
         return cls(**{key: value for key, value in data.items() if key in cls.__dataclass_fields__})

@@ -27,7 +27,7 @@ def _num(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}"
 
 
-def level_row(endpoint_name: str, point: dict) -> list[str]:
+def level_row(endpoint_name: str, point: dict[str, Any]) -> list[str]:
     s = point["summary"]
     goodput = s.get("goodput")
     good = "-" if not goodput else f"{_num(goodput['requests_per_s'])}/s ({goodput['fraction']:.0%})"
@@ -45,13 +45,13 @@ def format_table(header: tuple[str, ...] | list[str], rows: list[list[str]]) -> 
     return "\n".join(lines)
 
 
-def results_table(endpoints: list[dict]) -> str:
+def results_table(endpoints: list[dict[str, Any]]) -> str:
     rows = [level_row(e["name"], point) for e in endpoints for point in e["levels"]]
     legend = "times in ms except E2E (s); '!' = the client fell behind at that level (see warnings)"
     return format_table(ROW_COLUMNS, rows) + "\n" + legend
 
 
-def detail_table(point: dict) -> str:
+def detail_table(point: dict[str, Any]) -> str:
     """mean / p50 / p90 / p95 / p99 of TTFT, TPOT, ITL and E2E (ms) of one level."""
     s = point["summary"]
     rows = [[name.upper(), str(s[name]["count"]), *(_ms(s[name][stat]) for stat in STATS)]
@@ -79,7 +79,7 @@ def spec_table(endpoints: list[dict[str, Any]]) -> str | None:
     return format_table(SPEC_COLUMNS, rows) + "\n" + legend
 
 
-def warnings_of(endpoint: dict, point: dict) -> list[str]:
+def warnings_of(endpoint: dict[str, Any], point: dict[str, Any]) -> list[str]:
     """What a reader must know before trusting a level's numbers."""
     s, client, where = point["summary"], point["client"], f"{endpoint['name']} {point['label']}"
     notes = []
@@ -115,7 +115,7 @@ def warnings_of(endpoint: dict, point: dict) -> list[str]:
     return notes
 
 
-def capacity_line(endpoint: dict) -> str:
+def capacity_line(endpoint: dict[str, Any]) -> str:
     """`capacity at SLO ...: 4 req/s` (the sweep's highest level where enough requests met the SLO)."""
     capacity = endpoint["slo_capacity"]
     bounds = ", ".join(f"{name} <= {_ms(value)} ms" for name, value in capacity["slo_s"].items())
@@ -126,7 +126,7 @@ def capacity_line(endpoint: dict) -> str:
             f"(goodput there {_num(capacity['goodput_requests_per_s'])} req/s)")
 
 
-def render(endpoints: list[dict]) -> str:
+def render(endpoints: list[dict[str, Any]]) -> str:
     parts = [results_table(endpoints)]
     single = [(e, p) for e in endpoints for p in e["levels"]]
     if len(single) == 1:
@@ -145,7 +145,7 @@ def render(endpoints: list[dict]) -> str:
     return "\n\n".join(parts) + "\n"
 
 
-def environment() -> dict:
+def environment() -> dict[str, Any]:
     """Where the client ran (the server may be elsewhere)."""
     import httpx
 
@@ -155,21 +155,21 @@ def environment() -> dict:
             "loadavg_1_5_15": list(load) if load else None}
 
 
-def document(command: str, config: dict, endpoints: list[dict], note: str | None, started: str,
-             environment_before: dict) -> dict:
+def document(command: str, config: dict[str, Any], endpoints: list[dict[str, Any]], note: str | None, started: str,
+             environment_before: dict[str, Any]) -> dict[str, Any]:
     after = environment()
     return {"pagoda_bench": 1, "command": command, "started": started, "note": note, "config": config,
             "environment": {**environment_before, "loadavg_after": after["loadavg_1_5_15"]},
             "endpoints": endpoints}
 
 
-def write_json(path: str | Path, doc: dict) -> None:
+def write_json(path: str | Path, doc: dict[str, Any]) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(_finite(doc), indent=1, allow_nan=False) + "\n", encoding="utf-8")
 
 
-def _finite(value):
+def _finite(value: object) -> object:
     """JSON has no inf or nan: they become null."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
@@ -180,7 +180,7 @@ def _finite(value):
     return value
 
 
-def print_level(endpoint_name: str, point: dict) -> None:
+def print_level(endpoint_name: str, point: dict[str, Any]) -> None:
     """One line per finished level, as the run goes (stderr: stdout gets the final table)."""
     s = point["summary"]
     behind = " (CLIENT FELL BEHIND)" if point["client"]["behind"] else ""

@@ -11,6 +11,7 @@ import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 import httpx
 
@@ -21,9 +22,19 @@ from pagoda.bench.records import RequestRecord
 from pagoda.bench.spec_decode import spec_decode_window
 from pagoda.bench.sweep import saturation_reason, slo_capacity
 from pagoda.bench.tokens import ClientTokenizer, ServerTokenizer
-from pagoda.bench.workloads import Conversation, WorkloadSpec, build_workload
+from pagoda.bench.workloads import Conversation, WorkloadSpec, build_workload, is_messages
 
 WARMUP_SEED_OFFSET = 1_000_003
+
+
+class Progress(Protocol):
+    """A level's progress bar (tqdm's)."""
+
+    def __enter__(self) -> Progress: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def update(self, n: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -34,7 +45,7 @@ class BenchConfig:
     waves: int = 0  # closed loop: at least this many requests per worker (num_requests >= waves x concurrency)
     warmup: int = 2
     seed: int = 0
-    slo: dict = field(default_factory=dict)
+    slo: dict[str, float] = field(default_factory=dict)
     slo_min_fraction: float = 0.9  # the capacity at the SLO: the highest level where this share met it
     options: RequestOptions = field(default_factory=RequestOptions)
     timeout_s: float = 600.0
@@ -50,9 +61,11 @@ class BenchConfig:
 
     def requests_at(self, load: LoadSpec) -> int:
         """Measured requests of one level."""
-        return max(self.num_requests, self.waves * load.concurrency) if load.closed else self.num_requests
+        if load.concurrency is None:
+            return self.num_requests
+        return max(self.num_requests, self.waves * load.concurrency)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "workload": self.workload.to_dict(), "levels": [load.to_dict() for load in self.loads],
             "num_requests": self.num_requests, "waves": self.waves, "warmup": self.warmup, "seed": self.seed,
@@ -65,9 +78,9 @@ class BenchConfig:
         }
 
 
-async def discover(http: httpx.AsyncClient, endpoint: Endpoint) -> tuple[Endpoint, dict]:
+async def discover(http: httpx.AsyncClient, endpoint: Endpoint) -> tuple[Endpoint, dict[str, Any]]:
     """Fills in the model name from /v1/models when not given; reads /version when the server has one."""
-    info: dict = {"url": endpoint.url, "api": endpoint.api}
+    info: dict[str, Any] = {"url": endpoint.url, "api": endpoint.api}
     try:
         response = await http.get(f"{endpoint.root}/v1/models", headers=endpoint.headers)
         models = [m["id"] for m in response.json().get("data", [])] if response.status_code == 200 else []
@@ -91,13 +104,14 @@ async def fill_prompt_counts(conversations: list[Conversation], server: ServerTo
     exactly itself (text and chat messages); token-id prompts are exact already."""
     for conversation in conversations:
         turn = conversation.turns[0]
-        if isinstance(turn.prompt, list) and turn.prompt and isinstance(turn.prompt[0], int):
-            continue
-        if api == "chat":
-            messages = turn.prompt if isinstance(turn.prompt, list) else [{"role": "user", "content": turn.prompt}]
-            turn.expected_prompt_tokens = await server.count(messages)
+        query: str | list[dict[str, Any]]
+        if isinstance(turn.prompt, str):
+            query = [{"role": "user", "content": turn.prompt}] if api == "chat" else turn.prompt
+        elif is_messages(turn.prompt):
+            query = turn.prompt
         else:
-            turn.expected_prompt_tokens = await server.count(turn.prompt)
+            continue  # token ids
+        turn.expected_prompt_tokens = await server.count(query)
 
 
 async def reset_prefix_cache(http: httpx.AsyncClient, endpoint: Endpoint) -> bool:
@@ -119,11 +133,11 @@ def count_outputs(result: LoadResult, tokenizer: ClientTokenizer | None) -> None
             record.client_output_tokens = tokenizer.count(text)
 
 
-def level_result(load: LoadSpec, seed: int, result: LoadResult, config: BenchConfig) -> dict:
+def level_result(load: LoadSpec, seed: int, result: LoadResult, config: BenchConfig) -> dict[str, Any]:
     summary = summarize(result.records, slo=config.slo or None)
     verdict = client_verdict(result.dispatch_lags, result.loop_lags, result.cpu_fraction, config.lag_tolerance_s,
                              relative=config.lag_relative, itl_p50=summary["itl"]["p50"],
-                             mean_interarrival=None if load.closed or math.isinf(load.rate) else 1.0 / load.rate)
+                             mean_interarrival=None if load.rate is None or math.isinf(load.rate) else 1.0 / load.rate)
     return {
         "label": load.label(), "level": load.level if not math.isinf(load.level) else None, "load": load.to_dict(),
         "seed": seed, "wall_s": result.wall_s, "warmup": result.warmup,
@@ -149,14 +163,14 @@ async def run_measured(http: httpx.AsyncClient, endpoint: Endpoint, sender: Send
 
 
 async def bench_endpoint(endpoint: Endpoint, config: BenchConfig, tokenizer: ClientTokenizer | None,
-                         on_level: Callable[[Endpoint, dict], None] | None = None) -> dict:
+                         on_level: Callable[[Endpoint, dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Runs every level of `config` against one endpoint (stopping at saturation when asked)."""
     async with make_http_client(config.timeout_s) as http:
         endpoint, info = await discover(http, endpoint)
         server = ServerTokenizer(http, endpoint.root, endpoint.model, endpoint.headers)
         info["tokenize"] = await server.probe() if config.use_server_tokenize else False
         sender = make_sender(http, endpoint, config.options)
-        levels: list[dict] = []
+        levels: list[dict[str, Any]] = []
         stop_reason = None
         for index, load in enumerate(config.loads):
             seed, num_requests = config.seed + index, config.requests_at(load)
@@ -187,9 +201,10 @@ async def bench_endpoint(endpoint: Endpoint, config: BenchConfig, tokenizer: Cli
             "slo_capacity": slo_capacity(levels, config.slo_min_fraction)}
 
 
-def _progress(config: BenchConfig, total: int, description: str):
-    from tqdm import tqdm
+def _progress(config: BenchConfig, total: int, description: str) -> Progress:
+    from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs)
 
     # leave=False: the level's table row replaces the bar; disable=None: no bar when stderr is not a terminal
-    return tqdm(total=total, desc=description, unit="req", leave=False, file=sys.stderr,
-                disable=None if config.progress else True, dynamic_ncols=True)
+    bar: Progress = tqdm(total=total, desc=description, unit="req", leave=False, file=sys.stderr,
+                         disable=None if config.progress else True, dynamic_ncols=True)
+    return bar

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 
 def parse_levels(text: str | None, integer: bool) -> list[float]:
@@ -32,7 +33,8 @@ def doubling_levels(start: float, maximum: float) -> list[float]:
     return levels
 
 
-def saturation_reason(points: list[dict], min_gain: float, max_error_fraction: float, patience: int = 2) -> str | None:
+def saturation_reason(points: list[dict[str, Any]], min_gain: float, max_error_fraction: float,
+                      patience: int = 2) -> str | None:
     """Why the sweep should stop after its latest level, or None to go on.
 
     Each point is {"level", "summary", "client"}. It stops when the client fell behind (higher levels would
@@ -61,7 +63,7 @@ def saturation_reason(points: list[dict], min_gain: float, max_error_fraction: f
     return None
 
 
-def slo_capacity(points: list[dict], min_fraction: float) -> dict | None:
+def slo_capacity(points: list[dict[str, Any]], min_fraction: float) -> dict[str, Any] | None:
     """The highest load level at which at least `min_fraction` of the requests met the SLO, counting only
     levels below the first one that missed it (a noisy pass above a failure is no capacity). None when no
     SLO was given; level None when even the lowest level missed it.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -56,7 +57,7 @@ class ClientTokenizer:
 class ServerTokenizer:
     """vLLM-style `POST /tokenize` on the server's root: {"prompt"} or {"messages"} -> {"count", "tokens"}."""
 
-    def __init__(self, http: httpx.AsyncClient, root_url: str, model: str | None, headers: dict) -> None:
+    def __init__(self, http: httpx.AsyncClient, root_url: str, model: str | None, headers: dict[str, str]) -> None:
         self.http, self.url, self.model, self.headers = http, f"{root_url}/tokenize", model, headers
         self.available: bool | None = None  # unknown until probed
 
@@ -69,11 +70,11 @@ class ServerTokenizer:
             self.available = False
         return self.available
 
-    async def count(self, prompt: str | list[dict]) -> int | None:
+    async def count(self, prompt: str | list[dict[str, Any]]) -> int | None:
         """Tokens the server makes of a text prompt (with its special tokens) or of chat messages (templated)."""
         if not self.available:
             return None
-        body = {"model": self.model}
+        body: dict[str, Any] = {"model": self.model}
         body.update({"messages": prompt, "add_generation_prompt": True} if isinstance(prompt, list)
                     else {"prompt": prompt})
         try:

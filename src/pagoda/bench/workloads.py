@@ -21,13 +21,19 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeGuard
 
 from pagoda.bench.tokens import ClientTokenizer
 
 KINDS = ("random", "shared-prefix", "multi-turn", "jsonl")
 LENGTH_DISTRIBUTIONS = ("fixed", "uniform", "normal")
 
-Prompt = list[int] | str | list[dict]
+Prompt = list[int] | str | list[dict[str, Any]]
+
+
+def is_messages(prompt: Prompt) -> TypeGuard[list[dict[str, Any]]]:
+    """Chat messages, rather than text or token ids."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
 
 
 @dataclass
@@ -69,7 +75,7 @@ class WorkloadSpec:
         if self.kind == "jsonl" and not self.path:
             raise ValueError("the jsonl workload needs a file (--dataset)")
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
@@ -127,6 +133,8 @@ def _multi_turn(spec: WorkloadSpec, inputs: list[int], outputs: list[int], token
 
 
 def _jsonl(spec: WorkloadSpec, num_requests: int, tokenizer: ClientTokenizer | None, api: str) -> list[Conversation]:
+    if spec.path is None:
+        raise ValueError("a jsonl workload needs a path")
     entries = []
     for number, line in enumerate(Path(spec.path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
@@ -141,7 +149,8 @@ def _jsonl(spec: WorkloadSpec, num_requests: int, tokenizer: ClientTokenizer | N
     return [Conversation(i, [entries[i % len(entries)]]) for i in range(num_requests)]
 
 
-def _jsonl_turn(entry: dict, spec: WorkloadSpec, tokenizer: ClientTokenizer | None, api: str, where: str) -> Turn:
+def _jsonl_turn(entry: dict[str, Any], spec: WorkloadSpec, tokenizer: ClientTokenizer | None, api: str,
+                where: str) -> Turn:
     max_tokens = int(entry.get("max_tokens", entry.get("output_len", spec.output_len)))
     if "prompt_token_ids" in entry:
         ids = [int(t) for t in entry["prompt_token_ids"]]

@@ -46,7 +46,7 @@ class CalcInputs:
     def validate(self) -> None:
         f.dtype_bytes(self.dtype)
         f.dtype_bytes(self.cache_dtype)
-        at_least_one = {
+        at_least_one: dict[str, float | None] = {
             "num_gpus": self.num_gpus,
             "seq_len": self.seq_len,
             "batch": self.batch,
@@ -55,7 +55,7 @@ class CalcInputs:
             "spec_k": self.spec_k,
             "token_budget": self.token_budget,
         }
-        non_negative = {
+        non_negative: dict[str, float | None] = {
             "prefix_len": self.prefix_len,
             "running_decodes": self.running_decodes,
             "spec_draft_cost": self.spec_draft_cost,
@@ -119,16 +119,14 @@ def derive(inputs: CalcInputs) -> Deployment:
     kv_total = kv_per_gpu = None
     attention_flops = 0.0
     wire_bytes = 0.0
-    if model.has_architecture:
-        kv_total = f.kv_bytes_per_token(
-            model.num_layers, model.num_kv_heads, model.head_dim, inputs.cache_dtype
-        )
-        heads_per_gpu = f.kv_heads_per_gpu(model.num_kv_heads, tp)
-        kv_per_gpu = f.kv_bytes_per_token(model.num_layers, heads_per_gpu, model.head_dim, inputs.cache_dtype)
-        attention_flops = f.decode_flops_per_token(0, model.num_layers, model.q_dim, inputs.seq_len)
+    if (arch := model.architecture) is not None:
+        kv_total = f.kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, inputs.cache_dtype)
+        heads_per_gpu = f.kv_heads_per_gpu(arch.num_kv_heads, tp)
+        kv_per_gpu = f.kv_bytes_per_token(arch.num_layers, heads_per_gpu, arch.head_dim, inputs.cache_dtype)
+        attention_flops = f.decode_flops_per_token(0, arch.num_layers, arch.q_dim, inputs.seq_len)
         # Activations stay 16-bit when weights are quantized; fp32 models move fp32 activations.
         activation_bytes = max(2.0, f.dtype_bytes(inputs.dtype))
-        payload = f.tp_allreduce_bytes_per_token(model.num_layers, model.hidden_size, activation_bytes)
+        payload = f.tp_allreduce_bytes_per_token(arch.num_layers, arch.hidden_size, activation_bytes)
         wire_bytes = f.ring_allreduce_wire_bytes(payload, tp)
     weights = f.weight_bytes(model.num_params, inputs.dtype)
     return Deployment(

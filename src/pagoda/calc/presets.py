@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from pagoda.calc.shapes import (
     GpuSpec,
@@ -31,7 +32,8 @@ GPU_PRESETS: dict[str, GpuSpec] = {
 THIS_MACHINE = ("this-machine", "this", "local", "measured")
 
 
-def _llama(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int, **extra) -> dict:
+def _llama(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp: int,
+           **extra: Any) -> dict[str, Any]:
     """An HF config.json for the Llama family, so presets and files share one parameter count."""
     config = {
         "vocab_size": vocab,
@@ -45,7 +47,7 @@ def _llama(vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, mlp:
     return config | extra
 
 
-MODEL_CONFIGS: dict[str, dict] = {
+MODEL_CONFIGS: dict[str, dict[str, Any]] = {
     "llama-3-8b": _llama(128256, 4096, 32, 32, 8, 14336),
     "llama-3-70b": _llama(128256, 8192, 80, 64, 8, 28672),
     "llama-3.1-405b": _llama(128256, 16384, 126, 128, 8, 53248),

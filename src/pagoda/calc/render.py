@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 Value = float | int | str | bool | None
 
@@ -65,7 +67,7 @@ def _sig(x: float, digits: int = 4) -> str:
     return f"{x:,.{decimals}f}"
 
 
-def _scaled(x: float, unit: str, steps: list[tuple[float, str]]) -> str:
+def _scaled(x: float, unit: str, steps: Sequence[tuple[float, str]]) -> str:
     for scale, prefix in steps:
         if abs(x) >= scale:
             return f"{_sig(x / scale)} {prefix}{unit}"
@@ -156,8 +158,8 @@ def render_text(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def to_dict(report: Report) -> dict:
-    out: dict = {"fits": report.fits, "warnings": report.warnings}
+def to_dict(report: Report) -> dict[str, Any]:
+    out: dict[str, Any] = {"fits": report.fits, "warnings": report.warnings}
     for part in report.parts:
         if isinstance(part, Section):
             out[part.key] = {row.key: row.value for row in part.rows}

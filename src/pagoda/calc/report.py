@@ -24,14 +24,11 @@ def _setup(d: Deployment) -> Section:
         "num_params",
         "parameters",
         model.num_params,
-        note="counted from the config" if model.has_architecture else "as given",
+        note="counted from the config" if model.architecture is not None else "as given",
     )
-    if model.has_architecture:
-        arch = (
-            f"{model.num_layers} layers, hidden {model.hidden_size}, {model.num_heads} q / "
-            f"{model.num_kv_heads} kv heads x {model.head_dim}"
-        )
-        s.add("architecture", "architecture", arch)
+    if (arch := model.architecture) is not None:
+        s.add("architecture", "architecture", f"{arch.num_layers} layers, hidden {arch.hidden_size}, "
+                                              f"{arch.num_heads} q / {arch.num_kv_heads} kv heads x {arch.head_dim}")
     s.add("gpu", "GPU", gpu.name, note=gpu.source)
     s.add("peak_flop_per_s", "peak compute (dense)", gpu.peak_flops, "flop/s")
     s.add("bandwidth_bytes_per_s", "memory bandwidth", gpu.bandwidth, "B/s")
@@ -153,8 +150,8 @@ def _decode_table(d: Deployment) -> Table:
 def _prefill(d: Deployment) -> Section:
     inputs, model = d.inputs, d.inputs.model
     prompt = inputs.prompt_len
-    if model.has_architecture:
-        flops = f.prefill_flops(model.matmul_params, model.num_layers, model.q_dim, prompt)
+    if (arch := model.architecture) is not None:
+        flops = f.prefill_flops(model.matmul_params, arch.num_layers, arch.q_dim, prompt)
     else:
         flops = f.prefill_flops(model.matmul_params, 0, 0, prompt)
     achieved = inputs.achieved_flops * inputs.num_gpus
@@ -202,21 +199,20 @@ def _throughput(d: Deployment) -> tuple[float, str]:
     return point.batch / point.step_s, f"decode ceiling at batch {point.batch}"
 
 
-def _cost(d: Deployment) -> Section:
+def _cost(d: Deployment, price_per_gpu_hour: float) -> Section:
     inputs = d.inputs
     tokens_per_s, source = _throughput(d)
-    price = inputs.price_per_hour * inputs.num_gpus
+    price = price_per_gpu_hour * inputs.num_gpus
     s = Section("cost", "Cost")
-    s.add("price_per_gpu_hour", "$ per GPU-hour", inputs.price_per_hour, "$")
+    s.add("price_per_gpu_hour", "$ per GPU-hour", price_per_gpu_hour, "$")
     s.add("price_per_hour", f"$ per hour ({inputs.num_gpus} GPUs)", price, "$")
     s.add("tokens_per_s", "throughput (tok/s)", tokens_per_s, note=source)
     s.add("dollars_per_million_tokens", "$ per M tokens", f.cost_per_million_tokens(price, tokens_per_s), "$")
     return s
 
 
-def _utilization(d: Deployment) -> Section:
+def _utilization(d: Deployment, tokens_per_s: float) -> Section:
     inputs, gpu = d.inputs, d.inputs.gpu
-    tokens_per_s = inputs.tokens_per_s
     point = decode_point(d, inputs.batch)
     ceiling = point.batch / point.step_s
     steps_per_s = tokens_per_s / inputs.batch
@@ -236,9 +232,9 @@ def _utilization(d: Deployment) -> Section:
     return s
 
 
-def _speculative(d: Deployment) -> Section:
+def _speculative(d: Deployment, alpha: float) -> Section:
     inputs = d.inputs
-    alpha, k, cost = inputs.spec_alpha, inputs.spec_k, inputs.spec_draft_cost
+    k, cost = inputs.spec_k, inputs.spec_draft_cost
     speedup = f.spec_speedup(alpha, k, cost)
     per_user = 1 / decode_point(d, inputs.batch).step_s
     s = Section("speculative", f"Speculative decoding (alpha {alpha:g}, k {k}, draft cost {cost:g})")
@@ -256,9 +252,9 @@ def _speculative(d: Deployment) -> Section:
     return s
 
 
-def _prefix_cache(d: Deployment) -> Section:
+def _prefix_cache(d: Deployment, prefix: int) -> Section:
     inputs = d.inputs
-    prompt, prefix, block = inputs.prompt_len, inputs.prefix_len, inputs.block_size
+    prompt, block = inputs.prompt_len, inputs.block_size
     reused = f.prefix_reusable_tokens(prompt, prefix, block)
     s = Section("prefix_cache", f"Prefix cache ({prompt:,} tok prompt, {prefix:,} shared, blocks of {block})")
     s.add("reusable_tokens", "reusable tokens", reused, note="whole blocks; the last token is recomputed")
@@ -268,9 +264,9 @@ def _prefix_cache(d: Deployment) -> Section:
     return s
 
 
-def _chunked_prefill(d: Deployment) -> Section:
+def _chunked_prefill(d: Deployment, budget: int) -> Section:
     inputs = d.inputs
-    budget, decodes, prompt = inputs.token_budget, inputs.running_decodes, inputs.prompt_len
+    decodes, prompt = inputs.running_decodes, inputs.prompt_len
     s = Section("chunked_prefill", f"Chunked prefill (budget {budget:,}, {decodes} running decodes)")
     s.add("chunk_tokens", "prompt tokens per step", max(0, budget - decodes), note="budget - decodes")
     s.add(
@@ -296,7 +292,7 @@ def _warnings(d: Deployment) -> list[str]:
             f"batch {inputs.batch} at {inputs.seq_len:,} tokens does not fit: at most {d.max_sequences} "
             "sequences; figures below assume it did"
         )
-    if not inputs.model.has_architecture:
+    if not inputs.model.architecture is not None:
         warnings.append(
             "parameter count only: KV cache, attention and TP figures need a preset or config.json"
         )
@@ -314,17 +310,17 @@ def build_report(inputs: CalcInputs) -> Report:
         _decode_table(d),
         _prefill(d),
     ]
-    if inputs.num_gpus > 1 and inputs.model.has_architecture:
+    if inputs.num_gpus > 1 and inputs.model.architecture is not None:
         parts.append(_tensor_parallel(d))
     if inputs.price_per_hour is not None:
-        parts.append(_cost(d))
+        parts.append(_cost(d, inputs.price_per_hour))
     if inputs.tokens_per_s is not None:
-        parts.append(_utilization(d))
+        parts.append(_utilization(d, inputs.tokens_per_s))
     if inputs.spec_alpha is not None:
-        parts.append(_speculative(d))
+        parts.append(_speculative(d, inputs.spec_alpha))
     if inputs.prefix_len is not None:
-        parts.append(_prefix_cache(d))
+        parts.append(_prefix_cache(d, inputs.prefix_len))
     if inputs.token_budget is not None:
-        parts.append(_chunked_prefill(d))
+        parts.append(_chunked_prefill(d, inputs.token_budget))
     fits = d.weights_fit and decode_point(d, inputs.batch).fits is not False
     return Report(parts=parts, warnings=_warnings(d), fits=fits)

@@ -9,6 +9,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -36,27 +37,29 @@ class GpuSpec:
 
 
 @dataclass(frozen=True)
+class Architecture:
+    """The shapes that KV-cache, attention and all-reduce figures need."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+
+@dataclass(frozen=True)
 class ModelShape:
-    """A dense decoder. Architecture fields are None when only a parameter count was given."""
+    """A dense decoder. `architecture` is None when only a parameter count was given."""
 
     name: str
     num_params: float
     # Weights that are multiplied for every token: all but an untied input embedding (a row lookup).
     matmul_params: float
-    num_layers: int | None = None
-    hidden_size: int | None = None
-    num_heads: int | None = None
-    num_kv_heads: int | None = None
-    head_dim: int | None = None
-
-    @property
-    def has_architecture(self) -> bool:
-        return self.num_layers is not None
-
-    @property
-    def q_dim(self) -> int:
-        assert self.num_heads is not None and self.head_dim is not None
-        return self.num_heads * self.head_dim
+    architecture: Architecture | None = None
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -76,14 +79,14 @@ def params_only(text: str, num_params: float) -> ModelShape:
     )
 
 
-def _require(config: dict, *keys: str) -> int:
+def _require(config: dict[str, Any], *keys: str) -> int:
     for key in keys:
         if config.get(key) is not None:
             return int(config[key])
     raise ValueError(f"config.json lacks {' / '.join(keys)}; is this a decoder-only HF config?")
 
 
-def shape_from_hf_config(config: dict, name: str) -> ModelShape:
+def shape_from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
     """Count a Llama-family model's parameters from its config: embeddings, attention, gated MLP, norms."""
     if (config.get("num_local_experts") or config.get("num_experts") or 0) > 1:
         # Expert counts, shared experts and routing differ per family; wrong figures are worse than none.
@@ -113,11 +116,8 @@ def shape_from_hf_config(config: dict, name: str) -> ModelShape:
         name=name,
         num_params=float(total),
         matmul_params=float(matmul),
-        num_layers=layers,
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+        architecture=Architecture(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
+                                  head_dim=head_dim),
     )
 
 
