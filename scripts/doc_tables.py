@@ -244,6 +244,27 @@ def speculative_rows(labels: dict[tuple[str, str], str],
     return rows
 
 
+def structured_output_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
+    """A decode step with and without a grammar at each batch size, and the TTFT a cached grammar adds."""
+    result = loaded[0]
+    step_bound = f"≤ +{result['targets']['decode_overhead_at_most']:.0%}"
+    for row in result["decode"]:
+        yield (f"decode step, batch {row['batch']}", f"{row['unconstrained_step_s'] * 1000:.1f} ms",
+               f"{row['constrained_step_s'] * 1000:.1f} ms ({row['overhead']:+.1%})".replace("-", "−"), step_bound)
+    ttft = result["ttft"]
+    yield (f"TTFT with a cached grammar, median of {len(ttft['cases'])} constraints",
+           f"{ttft['median_unconstrained_s'] * 1000:.1f} ms", f"+{ttft['median_added_s'] * 1000:.2f} ms",
+           f"≤ +{result['targets']['ttft_added_ms_at_most']:g} ms")
+
+
+def router_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
+    """Per policy: the replicas' prefix hit rate, TTFT, throughput (and over round robin's), requests per replica."""
+    for row in loaded[0]["results"]:
+        served = " / ".join(f"{count:.0f}" for count in row["served_per_replica"])
+        yield (row["policy"], f"{row['hit_rate']:.2f}", f"{row['ttft_p50_s']:.1f} s", f"{row['ttft_p99_s']:.1f} s",
+               f"{row['total_throughput']:.1f}", f"{row['throughput_vs_round_robin']:.2f}", served)
+
+
 SPECULATIVE = (Column("workload"), Column("method"), Column("k"), Column("speed-up"), Column("acceptance"),
                Column("tokens / step"))
 
@@ -304,5 +325,13 @@ TABLES: dict[str, Table] = {
         ("a", "copy"): "`copy` prompts", ("a", "json"): "`json` prompts", ("a", "reverse"): "`reverse`",
         ("c", "random"): "random prompts, sampled"},
         batch_labels={"copy": "batch {sizes}, `copy`", "random": "batch {sizes}, random"})),
+    "structured-output": Table(("structured_output.json",),
+                               (Column("what"), Column("unconstrained", numeric=True),
+                                Column("constrained", numeric=True), Column("target")),
+                               structured_output_rows),
+    "router": Table(("router.json",),
+                    (Column("policy"), Column("prefix hit rate"), Column("TTFT p50"), Column("TTFT p99"),
+                     Column("total tok/s"), Column("vs round_robin"), Column("served")),
+                    router_rows),
     "verify-step": Table(("verify-step.json",), verify_step_columns(), verify_step_rows),
 }
