@@ -265,6 +265,16 @@ def router_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
                f"{row['total_throughput']:.1f}", f"{row['throughput_vs_round_robin']:.2f}", served)
 
 
+def bench_sweep_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
+    """One `pagoda bench` sweep's levels: requests, output rate, TTFT, TPOT and E2E percentiles."""
+    for point in loaded[0]["endpoints"][0]["levels"]:
+        summary = point["summary"]
+        ttft, tpot = summary["ttft"], summary["tpot"]
+        yield (f"{point['level']:g}", str(summary["num_requests"]), f"{summary['output_throughput']:.1f}",
+               f"{two_places(ttft['p50'])} / {two_places(ttft['p99'])}",
+               f"{tpot['p50'] * 1000:.0f} / {tpot['p99'] * 1000:.0f}", f"{summary['e2e']['p50']:.1f}")
+
+
 SPECULATIVE = (Column("workload"), Column("method"), Column("k"), Column("speed-up"), Column("acceptance"),
                Column("tokens / step"))
 
@@ -333,5 +343,10 @@ TABLES: dict[str, Table] = {
                     (Column("policy"), Column("prefix hit rate"), Column("TTFT p50"), Column("TTFT p99"),
                      Column("total tok/s"), Column("vs round_robin"), Column("served")),
                     router_rows),
+    "bench-sweep-125m": Table(("sweep-bench-125m.json",),
+                              (Column("concurrency", numeric=True), Column("requests", numeric=True),
+                               Column("output tok/s", numeric=True), Column("TTFT p50 / p99 (s)", numeric=True),
+                               Column("TPOT p50 / p99 (ms)", numeric=True), Column("E2E p50 (s)", numeric=True)),
+                              bench_sweep_rows),
     "verify-step": Table(("verify-step.json",), verify_step_columns(), verify_step_rows),
 }
