@@ -5,46 +5,12 @@ reads (under benchmarks/results/) and, per column, a heading and a format. A tab
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import fields
 
-REPOSITORY = Path(__file__).resolve().parent.parent
-RESULTS = REPOSITORY / "benchmarks" / "results"
-
-
-@dataclass(frozen=True)
-class Column:
-    heading: str
-    numeric: bool = False  # right-aligned
-
-
-@dataclass(frozen=True)
-class Table:
-    files: tuple[str, ...]  # under benchmarks/results/
-    columns: tuple[Column, ...]
-    rows: Callable[[list[dict]], Iterator[tuple[str, ...]]]  # the loaded files -> the body's cells
-
-
-# --- formats ---------------------------------------------------------------------------------------------------
-
-
-def seconds(value: float) -> str:
-    """0.53, 2.1, 12.7: two decimals below a second, one above."""
-    return f"{value:.2f}" if value < 1 else f"{value:.1f}"
-
-
-def two_places(value: float) -> str:
-    """1.71, 22.8: two decimals below 10, one above."""
-    return f"{value:.2f}" if value < 10 else f"{value:.1f}"
-
-
-def ratio(value: float) -> str:
-    return f"{value:.2f}×"
-
-
-# --- the tables ------------------------------------------------------------------------------------------------
+from doc_table_format import REPOSITORY, RESULTS, Column, Table, joined, per_second, ratio, seconds, two_places
 
 LOGIT_STEPS = ("prefill", "decode, batch 1")
 
@@ -203,11 +169,6 @@ def quality_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
              if "agreement" in paths[path] else "" for path in QUALITY_PATHS))
 
 
-def _joined(values: list[str]) -> str:
-    """"a / b" for a value per k or batch size; one value when they agree."""
-    return values[0] if len(set(values)) == 1 else " / ".join(values)
-
-
 def speculative_rows(labels: dict[tuple[str, str], str],
                      batch_labels: dict[str, str] | None = None) -> Callable[[list[dict]], Iterator[tuple[str, ...]]]:
     """One row per workload at batch 1 (sections a-c of benchmarks/speculative.py), its k side by side: speed-up,
@@ -223,10 +184,10 @@ def speculative_rows(labels: dict[tuple[str, str], str],
         return f"ngram {NGRAM['prompt_lookup_min']}-{NGRAM['prompt_lookup_max']}"
 
     def summarized(rows: list[dict], name: str) -> tuple[str, ...]:
-        return (name, method(rows[0]), _joined([str(row["k"]) for row in rows]),
-                _joined([f"{row['speedup']:.2f}x" for row in rows]),
-                _joined([f"{row['acceptance']:.2f}" for row in rows]),
-                _joined([f"{row['mean_accepted_length']:.2f}" for row in rows]))
+        return (name, method(rows[0]), joined([str(row["k"]) for row in rows]),
+                joined([f"{row['speedup']:.2f}x" for row in rows]),
+                joined([f"{row['acceptance']:.2f}" for row in rows]),
+                joined([f"{row['mean_accepted_length']:.2f}" for row in rows]))
 
     def rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
         results = loaded[0]["rows"]
@@ -273,6 +234,57 @@ def bench_sweep_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
         yield (f"{point['level']:g}", str(summary["num_requests"]), f"{summary['output_throughput']:.1f}",
                f"{two_places(ttft['p50'])} / {two_places(ttft['p99'])}",
                f"{tpot['p50'] * 1000:.0f} / {tpot['p99'] * 1000:.0f}", f"{summary['e2e']['p50']:.1f}")
+
+
+# A decode step whose read ran at least this fast ran on a fast host: the shared host's streaming read is bimodal
+# (~34 GB/s at times, ~55 at others), and batch-1 decode follows it.
+FAST_HOST_READ = 45e9
+
+
+def roofline_rows(loaded: list[dict]) -> Iterator[tuple[str, ...]]:
+    """Per workload and model, each config's fraction of its floor and rate (in bold for the workload's first model,
+    the headline); batch-1 decode of the first decode model also split into its steps on a fast host and on a
+    slow one."""
+    document = loaded[0]
+    settings, results = document["config"], document["results"]
+    configs = settings["configs"].split(",")
+    labels = {"decode": f"decode, batch 1, {settings['prompt_len']} → +{settings['decode_tokens']}",
+              "prefill": f"prefill, {settings['prefill_tokens']:,} tokens",
+              "offline": f"offline {settings['offline_prompts']} × {settings['prompt_len']} → "
+                         f"{settings['offline_tokens']}"}
+    units = {"decode": "tok/s", "prefill": "tok/s", "offline": "out tok/s"}
+    headline = {}
+    for result in results:
+        headline.setdefault(result["kind"], result["model"])
+    for kind, model in dict.fromkeys((r["kind"], r["model"]) for r in results):
+        row = {r["config"]: r for r in results if (r["kind"], r["model"]) == (kind, model)}
+        cells = []
+        for index, config in enumerate(configs):
+            fraction = f"{row[config]['fraction']:.2f}"
+            rate = per_second(row[config]["tokens_per_s"]) + (f" {units[kind]}" if index == 0 else "")
+            cells.append(f"{f'**{fraction}**' if headline[kind] == model else fraction} ({rate})")
+        targets = {config: row[config]["target"] for config in configs if row[config]["target"]}
+        if len(set(targets.values())) > 1:
+            first = configs[0]
+            target = f"{first} ≥ {targets[first]:g}, others ≥ {min(targets.values()):g}"
+        else:
+            target = f"≥ {next(iter(targets.values())):g}" if targets else ""
+        yield labels[kind], model, *cells, target
+        if kind == "decode" and model == headline[kind]:
+            for host, fast in (("fast", True), ("slow", False)):
+                split = []
+                for index, config in enumerate(configs):
+                    steps = [(fraction, seconds) for run in row[config]["runs"]
+                             for read, fraction, seconds in zip(run["step_read_bytes_per_s"], run["step_fraction"],
+                                                                run["decode_step_s"])
+                             if (read >= FAST_HOST_READ) == fast]
+                    total = sum(len(run["decode_step_s"]) for run in row[config]["runs"])
+                    fraction = statistics.median(fraction for fraction, _ in steps)
+                    rate = 1 / statistics.median(seconds for _, seconds in steps)
+                    counted = f"{len(steps)} of {total} steps" if index == 0 else str(len(steps))
+                    unit = " tok/s" if index == 0 else ""
+                    split.append(f"{fraction:.2f} ({rate:.1f}{unit}; {counted})")
+                yield f"— its steps on a {host} host", model, *split, ""
 
 
 SPECULATIVE = (Column("workload"), Column("method"), Column("k"), Column("speed-up"), Column("acceptance"),
@@ -348,5 +360,9 @@ TABLES: dict[str, Table] = {
                                Column("output tok/s", numeric=True), Column("TTFT p50 / p99 (s)", numeric=True),
                                Column("TPOT p50 / p99 (ms)", numeric=True), Column("E2E p50 (s)", numeric=True)),
                               bench_sweep_rows),
+    "roofline": Table(("roofline.json",),
+                      (Column("workload"), Column("model"), Column("fp32", numeric=True), Column("bf16", numeric=True),
+                       Column("int8", numeric=True), Column("target")),
+                      roofline_rows),
     "verify-step": Table(("verify-step.json",), verify_step_columns(), verify_step_rows),
 }

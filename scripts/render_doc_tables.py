@@ -23,7 +23,8 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from doc_tables import REPOSITORY, RESULTS, TABLES, Table
+from doc_table_format import REPOSITORY, RESULTS, Table
+from doc_tables import TABLES
 
 DOCS = REPOSITORY / "docs"
 
@@ -116,11 +117,16 @@ def unsourced_tables(text: str, where: str) -> Iterator[str]:
 SCALES = (1.0, 100.0, 1000.0, 1e-9)
 
 
+SERIES = 16  # a list longer than this is a series of raw samples (per step, per request), not a summary
+
+
 def _numbers(value: object) -> Iterator[float]:
+    """The numbers in a results file, less its series: a table shows summaries, and thousands of samples would
+    let almost any figure pass for one of them."""
     if isinstance(value, dict):
         for item in value.values():
             yield from _numbers(item)
-    elif isinstance(value, list):
+    elif isinstance(value, list) and len(value) <= SERIES:
         for item in value:
             yield from _numbers(item)
     elif isinstance(value, (int, float)) and not isinstance(value, bool):
