@@ -11,12 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from test_fast_paths import KERNELS_APPLY, TARGETS, built_kernels
+from test_fast_paths import TARGETS, built_kernels, needs_kernels
 
 from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
-pytestmark = pytest.mark.skipif(not KERNELS_APPLY, reason="this CPU has neither AVX2 + FMA nor AVX-512: no kernels")
+pytestmark = needs_kernels
 DTYPES = [torch.float32, torch.bfloat16]
 
 
