@@ -6,7 +6,7 @@ steps are measured four ways, one after the other on the same running batch:
   plain         engine.step() wall clock, nothing attached: the reference step time (decode steps run
                 through the native decode stack where it applies, as in the engine)
   module        the same with the native stack off: every layer through the modules, as profiled next
-  instrumented  timers around LLMEngine.step's parts (schedule / runner.execute / scheduler.update /
+  instrumented  timers around LLMEngine.step's parts (schedule / runner.execute_model / scheduler.update /
                 outputs), inside execute (build_metadata, model forward, LM head, sampling metadata,
                 sample), forward hooks on every linear (qkv, o, gate_up, down) and timers around the
                 attention backend; inside the forward: linears vs attention vs the rest (norms, rotary,
@@ -119,9 +119,9 @@ def instrument(engine) -> StepTimers:
     """Timers around step's parts and inside the runner, hooks on every linear, timers on attention."""
     timers = StepTimers()
     timers.wrap(engine.scheduler, "schedule", "schedule")
-    timers.wrap(engine.runner, "execute", "execute")
+    timers.wrap(engine.runner, "execute_model", "execute")
     timers.wrap(engine.scheduler, "update", "update")
-    timers.wrap(engine, "_make_outputs", "outputs")
+    timers.wrap(engine.output_processor, "process_outputs", "outputs")
     timers.hook(engine.model, "forward")
     timers.wrap(engine.model, "compute_logits", "lm_head")
     for function in ("build_metadata", "sample", "build_sampling_metadata"):

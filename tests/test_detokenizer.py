@@ -8,8 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagoda import SamplingParams
-from pagoda.engine.output import IncrementalDetokenizer, SequenceText
-from pagoda.engine.request import Request, RequestStatus
+from pagoda.engine.output import IncrementalDetokenizer
+from pagoda.engine.output_processor import SequenceText
+from pagoda.engine.request import Request
 from pagoda.text.tokenizer import load_tokenizer
 
 VOCAB_SIZE = 512
@@ -74,10 +75,9 @@ def feed(sequence: SequenceText, ids: list[int]) -> tuple[str | None, int | None
     shown = []
     for index, token_id in enumerate(ids):
         sequence.request.append_token(token_id)
-        stop = sequence.add_token(token_id)
-        if stop is not None:
-            sequence.request.status = RequestStatus.FINISHED
-            return stop, index, shown
+        if sequence.add_tokens([token_id], None):
+            assert isinstance(sequence.stop_reason, str) and sequence.finished
+            return sequence.stop_reason, index, shown
         shown.append(sequence.visible_text())
     return None, None, shown
 

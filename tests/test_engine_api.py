@@ -210,7 +210,7 @@ def test_n_samples_after_the_first_wait_for_its_first_token_then_queue_first_in_
 
 
 def test_a_request_that_fails_is_aborted_reported_once_and_the_others_carry_on(model_dir, make_llm, monkeypatch):
-    from pagoda.engine.output import SequenceText
+    from pagoda.engine.output_processor import SequenceText
 
     engine = make_llm(model_dir, num_kv_blocks=64, block_size=4).engine
     add_token = SequenceText.add_token
@@ -263,7 +263,7 @@ def test_async_engine_public_api(model_dir, make_llm):
 
 
 def test_offline_generate_raises_when_a_request_fails_and_leaves_nothing_running(model_dir, make_llm, monkeypatch):
-    from pagoda.engine.output import SequenceText
+    from pagoda.engine.output_processor import SequenceText
 
     llm = make_llm(model_dir, num_kv_blocks=64, block_size=4)
     add_token = SequenceText.add_token

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from pagoda.config import SchedulerConfig
 from pagoda.engine.kv_cache import KVCacheManager
 from pagoda.engine.request import FinishReason, Request, RequestStatus
+from pagoda.engine.runner_output import ModelRunnerOutput
 from pagoda.engine.scheduler import Scheduler, SchedulerOutput
 from pagoda.sampling import SamplingParams
 
@@ -36,9 +37,9 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int = 8, first_to
     )
 
 
-def fake_sample(output: SchedulerOutput, token: int = FAKE_TOKEN) -> dict[str, list[int]]:
+def fake_sample(output: SchedulerOutput, token: int = FAKE_TOKEN) -> ModelRunnerOutput:
     """A token for every request whose step reaches its last known token, as the runner would sample."""
-    return {item.request.request_id: [token] for item in output.scheduled if item.samples}
+    return ModelRunnerOutput({item.request.request_id: [token] for item in output.scheduled if item.samples})
 
 
 def step(scheduler: Scheduler) -> SchedulerOutput:
@@ -161,7 +162,7 @@ def test_running_request_is_its_own_victim_when_alone():
     step(scheduler)
     output = scheduler.schedule()  # token 9 needs a 3rd block; the pool has 2
     assert output.preempted == [request] and output.scheduled == []
-    scheduler.finish(request, FinishReason.ABORT)
+    scheduler.finish_requests([request], FinishReason.ABORT)
     assert_consistent(scheduler)
     assert scheduler.kv_cache.num_free_blocks == 2
 
@@ -204,9 +205,9 @@ def test_finish_frees_running_and_waiting_requests():
     scheduler.add_request(waiting)
     step(scheduler)
     assert running.block_ids and not waiting.block_ids
-    scheduler.finish(running, FinishReason.ABORT)
-    scheduler.finish(waiting, FinishReason.ABORT)
-    scheduler.finish(waiting, FinishReason.ABORT)  # twice is harmless
+    scheduler.finish_requests([running], FinishReason.ABORT)
+    scheduler.finish_requests([waiting], FinishReason.ABORT)
+    scheduler.finish_requests([waiting], FinishReason.ABORT)  # twice is harmless
     assert not scheduler.has_unfinished_requests()
     assert running.finish_reason == waiting.finish_reason == FinishReason.ABORT
     assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
@@ -275,7 +276,7 @@ def test_random_workloads_keep_the_pool_consistent(ops, num_blocks, max_num_seqs
         elif op[0] == "step":
             do_step(op[1])
         elif requests:
-            scheduler.finish(requests[op[1] % len(requests)], FinishReason.ABORT)
+            scheduler.finish_requests([requests[op[1] % len(requests)]], FinishReason.ABORT)
         assert_consistent(scheduler)
 
     # Everything left runs to completion, in bounded time, and gives every block back.

@@ -76,7 +76,7 @@ def overloaded_run(aging_s: float, steps: int = 120) -> tuple[list[str], dict[st
         order += [item.request.request_id for item in output.scheduled if item.request.request_id not in order]
         scheduler.update(output, fake_sample(output))
     for item in [*scheduler.running, *scheduler.waiting]:  # stop the endless stream
-        scheduler.finish(item, FinishReason.ABORT)
+        scheduler.finish_requests([item], FinishReason.ABORT)
     return order, arrivals
 
 

@@ -44,10 +44,10 @@ WRAPPER = r"""
 import os, sys, time
 
 from pagoda.cli import main
-from pagoda.engine import output
+from pagoda.engine import output_processor
 
 HOLD, HOLD_TOKEN = os.environ["PAGODA_TEST_HOLD"], int(os.environ["PAGODA_TEST_HOLD_TOKEN"])
-add_token = output.SequenceText.add_token
+add_token = output_processor.SequenceText.add_token
 
 
 def add_token_with_hold(self, token_id):
@@ -57,7 +57,7 @@ def add_token_with_hold(self, token_id):
     return add_token(self, token_id)
 
 
-output.SequenceText.add_token = add_token_with_hold
+output_processor.SequenceText.add_token = add_token_with_hold
 sys.exit(main(sys.argv[1:]))
 """
 

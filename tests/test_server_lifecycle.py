@@ -33,7 +33,7 @@ import os, sys, time
 
 import pagoda.server.launcher as launcher
 from pagoda.cli import main
-from pagoda.engine import output
+from pagoda.engine import output_processor
 
 LOAD_GATE, HOLD = os.environ["PAGODA_TEST_LOAD_GATE"], os.environ["PAGODA_TEST_HOLD"]
 FAULT_TOKEN, HOLD_TOKEN = int(os.environ["PAGODA_TEST_FAULT_TOKEN"]), int(os.environ["PAGODA_TEST_HOLD_TOKEN"])
@@ -48,7 +48,7 @@ class GatedEngine(launcher.LLMEngine):
 
 
 launcher.LLMEngine = GatedEngine
-add_token = output.SequenceText.add_token
+add_token = output_processor.SequenceText.add_token
 
 
 def add_token_with_hooks(self, token_id):
@@ -61,7 +61,7 @@ def add_token_with_hooks(self, token_id):
     return add_token(self, token_id)
 
 
-output.SequenceText.add_token = add_token_with_hooks
+output_processor.SequenceText.add_token = add_token_with_hooks
 sys.exit(main(sys.argv[1:]))
 """
 

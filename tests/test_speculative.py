@@ -28,6 +28,7 @@ from pagoda.config import SchedulerConfig, SpeculativeConfig
 from pagoda.engine.api import EngineStats, RequestOutput, SpecDecodeStats
 from pagoda.engine.kv_cache import KVCacheManager, hash_block
 from pagoda.engine.request import FinishReason, Request, RequestStatus
+from pagoda.engine.runner_output import ModelRunnerOutput
 from pagoda.engine.sampler import SampleRow, build_sampling_metadata
 from pagoda.engine.scheduler import Scheduler
 from pagoda.engine.speculative import (
@@ -527,7 +528,8 @@ def decoding(scheduler: Scheduler, request: Request, first_token: int = 1) -> Re
     """Admits a request, computes its prompt and samples its first token: its next step is a decode."""
     scheduler.add_request(request)
     output = scheduler.schedule()
-    scheduler.update(output, {item.request.request_id: [first_token] for item in output.scheduled if item.samples})
+    sampled = {item.request.request_id: [first_token] for item in output.scheduled if item.samples}
+    scheduler.update(output, ModelRunnerOutput(sampled))
     assert request.num_computed_tokens == request.num_tokens - 1
     return request
 
@@ -560,9 +562,9 @@ def test_update_keeps_the_accepted_run_and_rolls_back_the_rest_across_blocks():
     free_before = kv.num_free_blocks
     output = schedule_with(scheduler, {"a": [2, 3, 4, 5, 6, 7, 8, 9]})  # slots 7..15: two more blocks
     assert output.scheduled[0].num_tokens == 9 and kv.num_free_blocks == free_before - 2
-    # The target agrees with the first two drafts, then differs: 3 tokens kept.
-    advanced = scheduler.update(output, {"a": [2, 3, 40, 5, 6, 7, 8, 9, 10]})
-    assert advanced == [(request, 3)]
+    # The target agreed with the first two drafts, then differed: the runner gives the 3 tokens kept.
+    [advanced] = scheduler.update(output, ModelRunnerOutput({"a": [2, 3, 40]}))
+    assert advanced.request is request and advanced.new_token_ids == [2, 3, 40]
     assert request.output_token_ids == [1, 2, 3, 40] and request.num_computed_tokens == 10
     assert len(request.block_ids) == 3 and kv.num_free_blocks == free_before - 1  # 11 tokens: 3 blocks
     kv.check_invariants()
@@ -575,14 +577,15 @@ def test_a_stop_inside_the_accepted_run_ends_the_request_there():
     scheduler = make_scheduler()
     request = decoding(scheduler, make_request("a", [5, 6, 7], stop_token_ids=[3]))
     output = schedule_with(scheduler, {"a": [2, 3, 4]})
-    assert scheduler.update(output, {"a": [2, 3, 4, 5]}) == [(request, 2)]
+    [advanced] = scheduler.update(output, ModelRunnerOutput({"a": [2, 3, 4, 5]}))  # all accepted, and the bonus
+    assert advanced.request is request and advanced.new_token_ids == [2, 3]  # cut at the stop, before appending
     assert request.output_token_ids == [1, 2, 3] and request.finish_reason == FinishReason.STOP
     assert request.stop_reason == 3 and scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
 
     request = decoding(scheduler, make_request("b", [5, 6, 7], max_tokens=3))
     output = schedule_with(scheduler, {"b": [8, 9, 10]})
     assert output.scheduled[0].draft_token_ids == [8, 9, 10]  # the scheduler checks room only through drafts given
-    scheduler.update(output, {"b": [8, 9, 10, 11]})
+    scheduler.update(output, ModelRunnerOutput({"b": [8, 9, 10, 11]}))
     assert request.output_token_ids == [1, 8, 9] and request.finish_reason == FinishReason.LENGTH
 
 

@@ -35,10 +35,10 @@ from test_speculative import (
 import pagoda.kernels
 from pagoda import SamplingParams
 from pagoda.config import SpeculativeConfig
+from pagoda.engine import runner as runner_module
 from pagoda.engine.draft_model import DraftMismatch
 from pagoda.engine.request import Request
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample
-from pagoda.engine.scheduler import ScheduledRequest
 from pagoda.engine.speculative import Draft
 from pagoda.server.metrics import ServerMetrics
 from pagoda.structured import StructuredOutputsParams
@@ -90,14 +90,15 @@ def assert_accepts_everything(llm) -> None:
 def spy_kept_alternatives(monkeypatch) -> list[bool]:
     """Per speculating step from now on: did it keep an alternative (rather than the chain's run)?"""
     kept_alternatives: list[bool] = []
-    kept_rows = ScheduledRequest.kept_rows
+    accepted_rows = runner_module.accepted_rows
 
-    def spy(self, sampled):
-        rows = kept_rows(self, sampled)
-        kept_alternatives.append(len(rows) == 2 and rows[1] > len(self.draft_token_ids))
+    def spy(drafts, alternatives, sampled):
+        rows = accepted_rows(drafts, alternatives, sampled)
+        if drafts:
+            kept_alternatives.append(len(rows) == 2 and rows[1] > len(drafts))
         return rows
 
-    monkeypatch.setattr(ScheduledRequest, "kept_rows", spy)
+    monkeypatch.setattr(runner_module, "accepted_rows", spy)
     return kept_alternatives
 
 

@@ -143,7 +143,7 @@ def test_decodes_over_the_target_still_leave_prefill_as_much_time_as_they_take()
 def test_without_decodes_prefill_takes_the_whole_budget():
     scheduler = make_scheduler(max_step_ms=100, budget=512)
     start_decoding(scheduler, 1)  # the model has learnt the costs...
-    scheduler.finish(scheduler.running[0], FinishReason.ABORT)  # ...and nothing decodes any more
+    scheduler.finish_requests([scheduler.running[0]], FinishReason.ABORT)  # ...and nothing decodes any more
     add_long_prompts(scheduler, 2)
     assert split(run_step(scheduler)) == (0, 512)
 

@@ -1,12 +1,8 @@
-"""Turning sampled tokens into what users see: incremental text, stop strings, each sample's CompletionOutput."""
+"""The incremental text a sample's tokens decode to, and the Tokenizer protocol it reads."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
-
-from pagoda.engine.api import CompletionOutput
-from pagoda.engine.request import Request
 
 
 class Tokenizer(Protocol):
@@ -74,61 +70,4 @@ class IncrementalDetokenizer:
         return delta
 
 
-@dataclass
-class SequenceText:
-    """The text side of one Request: detokenizer, stop strings, and what may be shown so far."""
-
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    # Stop strings may straddle tokens: this many trailing characters are held back until it is
-    # clear they do not begin a stop string.
-    holdback: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        stops = self.request.params.stop
-        self.holdback = max((len(s) for s in stops), default=1) - 1
-
-    def add_token(self, token_id: int) -> str | None:
-        """Appends the token's text; returns the stop string if one now appears in the text."""
-        if token_id in self.request.eos_token_ids and not self.request.params.ignore_eos:
-            return None  # eos ends the request but is not text (vLLM: excluded from output text)
-        previous_length = len(self.text)
-        self.text += self.detokenizer.add(token_id)
-        stops = self.request.params.stop
-        if not stops or len(self.text) == previous_length:
-            return None
-        search_from = max(0, previous_length - self.holdback)
-        found = [(self.text.find(s, search_from), s) for s in stops]
-        found = [(index, s) for index, s in found if index >= 0]
-        if not found:
-            return None
-        index, stop = min(found)
-        self.text = self.text[:index]
-        return stop
-
-    def visible_text(self) -> str:
-        if self.request.is_finished or self.holdback == 0:
-            return self.text
-        return self.text[: max(0, len(self.text) - self.holdback)]
-
-    def completion(self) -> CompletionOutput:
-        request = self.request
-        logprobs = list(request.output_logprobs) if request.params.logprobs is not None else None
-        finish = request.finish_reason.value if request.finish_reason is not None else None
-        cumulative = None
-        if logprobs is not None:
-            cumulative = sum(lp[t] for lp, t in zip(logprobs, request.output_token_ids))
-        return CompletionOutput(
-            index=request.sample_index,
-            text=self.visible_text(),
-            token_ids=list(request.output_token_ids),
-            finish_reason=finish,
-            stop_reason=request.stop_reason,
-            logprobs=logprobs,
-            cumulative_logprob=cumulative,
-            timeline=request.timeline() if request.is_finished else None,
-        )
-
-
-__all__ = ["IncrementalDetokenizer", "SequenceText", "Tokenizer"]
+__all__ = ["IncrementalDetokenizer", "Tokenizer"]

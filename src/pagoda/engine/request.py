@@ -48,7 +48,6 @@ class Request:
     grammar: GrammarMatcher | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
     # prompt_logprobs[i]: logprobs of prompt token i + 1 (the first prompt token has none)
     prompt_logprobs: list[dict[int, float]] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -113,12 +112,6 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-
-    def truncate_output(self, num_tokens: int) -> None:
-        """Keeps the first `num_tokens` output tokens: a stop found inside a speculative step's run of
-        tokens ends the output there, as it would have one token at a time."""
-        del self.output_token_ids[num_tokens:]
-        del self.all_token_ids[self.num_prompt_tokens + num_tokens :]
 
     def check_stop(self) -> FinishReason | None:
         """Why the last token ends the request (None if it does not); a stop token becomes the stop_reason.

@@ -1,4 +1,8 @@
-"""ModelRunner: SchedulerOutput -> flat batch tensors -> model forward -> sampled tokens.
+"""ModelRunner: SchedulerOutput -> flat batch tensors -> model forward -> sampled tokens -> accepted tokens.
+
+`execute_model` is the engine's one call into it (an executor over several ranks can take it over). Which
+of a speculating request's drafts are kept is decided here, once (`accepted_rows`): the output carries
+each request's accepted drafts and the target's token after them, which the scheduler only appends.
 
 Owns the paged KV cache tensors. Logits are computed only for rows that sample: the last token of a
 prefill chunk that reaches the end of the prompt, every decode, and a speculating request's last known
@@ -23,30 +27,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from pagoda.engine.grammar_masks import GrammarMasks, StructuredOutputs
+from pagoda.engine.runner_output import ModelRunnerOutput, PromptLogprobsChunk
 from pagoda.engine.sampler import Proposal, SamplerOutput, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pagoda.engine.speculative import accepted_rows
 from pagoda.model.attention import QueryLayout, slot_of
 from pagoda.model.llama import LlamaModel
-
-# A chunk of one request's prompt logprobs: (index of the first prompt position covered, logprobs of the
-# prompt tokens that follow each covered position).
-PromptLogprobsChunk = tuple[int, list[dict[int, float]]]
-
-
-@dataclass
-class ModelRunnerOutput:
-    # request id -> the token sampled at each position: one, or 1 + len(drafts) for a speculating request
-    sampled: dict[str, list[int]]
-    logprobs: dict[str, list[dict[int, float]]]  # request id -> per position {chosen id: lp, top ids: lp}, when asked
-    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # by request id
-    # request id -> why it failed this step (its sampled tokens are placeholders): the engine fails it alone
-    failures: dict[str, Exception] = field(default_factory=dict)
 
 
 class DraftModel(Protocol):
@@ -86,7 +77,8 @@ class ModelRunner:
         self.windows = set(config.sliding_windows) or {None}
 
     @torch.inference_mode()
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """One step: the forward over the scheduled tokens, sampling, and the acceptance of drafts."""
         scheduled = scheduler_output.scheduled
         input_ids = [token_id for item in scheduled for token_id in item.input_token_ids()]
         rows = self._sample_rows(scheduled)
@@ -98,7 +90,7 @@ class ModelRunner:
         if not rows:
             if self.draft is not None:
                 self.draft.follow(scheduled, {})
-            return ModelRunnerOutput({}, {}, prompt_logprobs)
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden[torch.tensor(_sampling_indices(scheduled), device=self.device)])
         failures: dict[str, Exception] = {}
         bitmask = None
@@ -109,32 +101,30 @@ class ModelRunner:
             failures.update((constrained_ids[index], error) for index, error in grammar_masks.failures.items())
         result = _sample_isolating(logits, rows, bitmask, failures)
         sampled: dict[str, list[int]] = {}
-        logprobs: dict[str, list[dict[int, float]]] = {}
+        sampled_logprobs: dict[str, list[dict[int, float]]] = {}
         for row, token_id, row_logprobs in zip(rows, result.token_ids, result.logprobs):
             request_id = row.request.request_id
             sampled.setdefault(request_id, []).append(token_id)
             if row_logprobs is not None:
-                logprobs.setdefault(request_id, []).append(row_logprobs)
-        # Which rows each speculating request keeps, where something here needs it (the scheduler decides alone).
-        kept_rows = {item.request.request_id: item.kept_rows(sampled[item.request.request_id]) for item in scheduled
-                     if item.draft_token_ids and (self.draft is not None or item.alternative_token_ids)}
+                sampled_logprobs.setdefault(request_id, []).append(row_logprobs)
+        output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs, failures=failures)
         for item in scheduled:
+            request_id = item.request.request_id
+            if request_id not in sampled or request_id in failures:
+                continue
+            kept_rows = accepted_rows(item.draft_token_ids, item.alternative_token_ids, sampled[request_id])
+            output.sampled_token_ids[request_id] = [sampled[request_id][row] for row in kept_rows]
+            if request_id in sampled_logprobs:
+                output.logprobs[request_id] = [sampled_logprobs[request_id][row] for row in kept_rows]
             if item.alternative_token_ids:
-                self._keep_branch(item, kept_rows[item.request.request_id], logprobs)
-        if self.draft is not None:  # a request without drafts keeps its one token
-            kept = {request_id: [tokens[row] for row in kept_rows[request_id]] if request_id in kept_rows else tokens
-                    for request_id, tokens in sampled.items()}
-            self.draft.follow(scheduled, kept)
-        return ModelRunnerOutput(sampled, logprobs, prompt_logprobs, failures)
+                self._keep_branch(item, kept_rows)
+        if self.draft is not None:
+            self.draft.follow(scheduled, output.sampled_token_ids)
+        return output
 
-    def _keep_branch(
-        self, item: ScheduledRequest, rows: list[int], logprobs: dict[str, list[dict[int, float]]]
-    ) -> None:
+    def _keep_branch(self, item: ScheduledRequest, rows: list[int]) -> None:
         """Where an alternative is kept, its K/V moves from its branch's slot to its position's slot (over the
-        rejected first draft's), and the request's logprobs follow its kept rows."""
-        request_logprobs = logprobs.get(item.request.request_id)
-        if request_logprobs is not None:
-            logprobs[item.request.request_id] = [request_logprobs[row] for row in rows]
+        rejected first draft's)."""
         if len(rows) < 2 or rows[1] == 1:
             return  # the chain's own run
         request, first = item.request, item.request.num_computed_tokens

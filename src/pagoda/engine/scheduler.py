@@ -14,15 +14,17 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.kv_cache import KVCacheManager
 from pagoda.engine.queues import make_waiting_queue
 from pagoda.engine.request import FinishReason, Request, RequestStatus
-from pagoda.engine.speculative import Draft, DraftSource, SpecDecodeCounters, accepted_rows
+from pagoda.engine.runner_output import ModelRunnerOutput
+from pagoda.engine.speculative import Draft, DraftSource, SpecDecodeCounters
 from pagoda.engine.step_budget import LinearStepCost, StepCostModel, prefill_token_cap
+from pagoda.structured.interface import GrammarStateError
 
 # vLLM's buckets for vllm:iteration_tokens_total (tokens computed per engine step).
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -60,14 +62,6 @@ class ScheduledRequest:
         known = self.request.all_token_ids[start : start + self.num_known_tokens]
         return known + self.draft_token_ids + self.alternative_token_ids
 
-    def kept_rows(self, sampled: Sequence[int]) -> list[int]:
-        """Which of the step's sampled rows (one per `num_samples`) give the tokens it keeps, in order."""
-        return accepted_rows(self.draft_token_ids, self.alternative_token_ids, sampled)
-
-    def kept(self, sampled: Sequence[int]) -> list[int]:
-        """The tokens the step keeps, given the token sampled at each row."""
-        return [sampled[row] for row in self.kept_rows(sampled)]
-
 
 @dataclass
 class SchedulerOutput:
@@ -81,6 +75,17 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one request got from a step (vLLM's name): the tokens appended, ending at the one that finished
+    it, with their logprobs when asked; or, with `error`, why the step failed it (nothing was appended)."""
+
+    request: Request
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -260,60 +265,77 @@ class Scheduler:
 
     # --- update ------------------------------------------------------------------------------------
 
-    def update(self, output: SchedulerOutput, sampled: Mapping[str, Sequence[int]]) -> list[tuple[Request, int]]:
-        """Advances computed counts, appends sampled tokens, finishes requests that stop.
+    def update(self, output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Counts what the step computed, appends each request's new tokens (the runner's accepted + bonus)
+        up to the one that finishes it, rolls back the KV of rejected drafts and finishes requests that stop.
 
-        sampled: by request id, for each request that samples, the token sampled at each of its rows
-        (`ScheduledRequest.num_samples`; one without drafts). Returns the
-        requests that got new tokens this step (finished ones included), each with how many.
+        Returns what each request that sampled (or failed) this step got, finished ones included.
         """
-        advanced = []
+        outputs = []
         now = time.monotonic()
         for item in output.scheduled:
             request = item.request
-            token_ids = sampled.get(request.request_id)
+            error = runner_output.failures.get(request.request_id)
+            if error is not None:
+                outputs.append(EngineCoreOutput(request, error=error))
+                continue
+            token_ids = runner_output.sampled_token_ids.get(request.request_id)
             if token_ids is None:  # a prefill chunk that did not reach the end of the prompt
                 request.num_computed_tokens += item.num_tokens
                 self.kv_cache.cache_full_blocks(request)
                 continue
-            kept = item.kept(token_ids)
             if item.draft_token_ids:
-                self.spec_decode.record(len(item.draft_token_ids), len(kept) - 1)
-            reason, num_new = self._append(request, kept)
+                self.spec_decode.record(len(item.draft_token_ids), len(token_ids) - 1)
+            try:
+                reason, num_new = self._append(request, token_ids)
+            except Exception as error:  # its grammar broke: that request's fault alone
+                outputs.append(EngineCoreOutput(request, error=error))
+                continue
             request.record_new_tokens(now)
             # Every token but the newest now has its KV (a kept draft's was computed this step, after only
             # kept tokens); a rejected draft's KV does not count, and blocks are cached only below this.
             request.num_computed_tokens = request.num_tokens - 1
             self.kv_cache.cache_full_blocks(request)
             if reason is not None:
-                self.finish(request, reason)
+                self.finish_requests([request], reason)
             elif item.draft_token_ids:
                 self.kv_cache.rollback(request, request.num_tokens)
-            advanced.append((request, num_new))
-        return advanced
+            logprobs = runner_output.logprobs.get(request.request_id)
+            new_logprobs = None if logprobs is None else logprobs[:num_new]
+            outputs.append(EngineCoreOutput(request, list(token_ids[:num_new]), new_logprobs))
+        return outputs
 
     @staticmethod
-    def _append(request: Request, token_ids: list[int]) -> tuple[FinishReason | None, int]:
-        """Appends tokens one by one until one ends the request: (why it ended or None, tokens appended)."""
+    def _append(request: Request, token_ids: Sequence[int]) -> tuple[FinishReason | None, int]:
+        """Appends tokens one by one until one ends the request: (why it ended or None, tokens appended).
+        Each token that does not end the request by itself advances its grammar, whose end ends it too."""
         for count, token_id in enumerate(token_ids, 1):
             request.append_token(token_id)
             reason = request.check_stop()
+            if reason is None and request.grammar is not None:
+                # The mask allowed the token: a refusal is the grammar engine's fault.
+                if not request.grammar.accept_tokens([token_id]):
+                    raise GrammarStateError(f"the grammar refused token {token_id} that its own mask allowed")
+                if request.grammar.is_terminated():
+                    reason = FinishReason.STOP
             if reason is not None:
                 return reason, count
         return None, len(token_ids)
 
-    def finish(self, request: Request, reason: FinishReason) -> None:
-        """Ends a request (stop, length, abort), wherever it is, and frees its blocks."""
-        if request.is_finished:
-            return
-        if request.status == RequestStatus.RUNNING:
-            self.running.remove(request)
-        elif request in self.waiting:
-            self.waiting.remove(request)
-        request.status = RequestStatus.FINISHED
-        request.finish_reason = reason
-        self.kv_cache.free(request)
-        self.requests.pop(request.request_id, None)
+    def finish_requests(self, requests: Iterable[Request], reason: FinishReason) -> None:
+        """Ends requests (stop, length, abort) wherever they are, and frees their blocks: the one way a
+        request ends, by the scheduler's own stop checks or early, from outside (an abort, a stop string)."""
+        for request in requests:
+            if request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            elif request in self.waiting:
+                self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            self.kv_cache.free(request)
+            self.requests.pop(request.request_id, None)
 
     # --- metrics -----------------------------------------------------------------------------------
 

@@ -1,0 +1,111 @@
+"""Building an engine's parts: the model and tokenizer, the draft model, the KV pool, and what runs on them.
+
+Construction happens once, here; LLMEngine then only steps them. The pool's size and the clamp of
+max_model_len to it are decided here, so that every part is built with the same, final values.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from pagoda.config import EngineConfig, ModelConfig
+from pagoda.engine.api import KVEventSink
+from pagoda.engine.draft_model import DraftModelProposer, load_draft_model
+from pagoda.engine.grammar_masks import StructuredOutputs
+from pagoda.engine.kv_cache import KVCacheManager
+from pagoda.engine.kv_pool import KVPoolSize, kv_pool_size
+from pagoda.engine.output import Tokenizer
+from pagoda.engine.runner import ModelRunner
+from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.speculative import Speculator
+from pagoda.engine.step_budget import StepCostModel
+from pagoda.model.llama import LlamaModel
+from pagoda.model.loader import TORCH_DTYPES, load_model
+from pagoda.text.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig  # as given, but with max_model_len clamped to the model and the KV pool
+    tokenizer: Tokenizer
+    model: LlamaModel
+    model_config: ModelConfig
+    kv_pool: KVPoolSize
+    kv_pool_bytes: int  # target's and draft's KV together
+    kv_cache: KVCacheManager
+    eos_token_ids: tuple[int, ...]
+    structured: StructuredOutputs
+    draft_proposer: DraftModelProposer | None
+    speculator: Speculator | None
+    scheduler: Scheduler
+    runner: ModelRunner
+
+
+def build_engine_parts(
+    config: EngineConfig, step_cost: StepCostModel | None = None, kv_events: KVEventSink | None = None
+) -> EngineParts:
+    """step_cost: how the scheduler predicts a step's time (default: LinearStepCost, learnt online).
+    kv_events: where the KV cache reports blocks stored and removed (default: nowhere)."""
+    torch.manual_seed(config.seed)
+    tokenizer: Tokenizer = load_tokenizer(config.model)
+    model, model_config = load_model(
+        config.model, dtype=TORCH_DTYPES[config.dtype], device=config.device, quantization=config.quantization,
+        use_kernels=config.use_kernels, quantization_config=config.quantization_config,
+    )
+    speculative = config.speculative_config
+    draft = None
+    if speculative is not None and speculative.method == "draft_model":
+        draft, _ = load_draft_model(speculative, model_config, tokenizer, config.dtype, config.device,
+                                    config.use_kernels)
+    # A draft model's KV mirrors the target's slot for slot: the pool's bytes pay for both.
+    bytes_per_token = model_config.kv_bytes_per_token(config.dtype) + (
+        0 if draft is None else draft.config.kv_bytes_per_token(draft.dtype)
+    )
+    wanted_len = min(config.scheduler.max_model_len, model_config.max_position_embeddings)
+    kv_pool = kv_pool_size(config.cache, config.scheduler.max_num_seqs, wanted_len, bytes_per_token)
+    num_blocks, block_size = kv_pool.num_blocks, config.cache.block_size
+    kv_pool_bytes = num_blocks * block_size * bytes_per_token
+    max_model_len = _fit_max_model_len(wanted_len, num_blocks * block_size)
+    config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
+    kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, kv_events)
+    eos_token_ids = _eos_token_ids(model_config, tokenizer)
+    structured = StructuredOutputs(tokenizer, model_config.vocab_size, eos_token_ids, config.grammar)
+    draft_proposer = None if draft is None or speculative is None else DraftModelProposer(
+        draft, speculative, num_blocks, block_size, config.scheduler.max_num_seqs, max_model_len, structured,
+        config.device,
+    )
+    speculator = None if speculative is None else Speculator(speculative, draft_proposer)
+    logger.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB; %s), max_model_len %d",
+        num_blocks, block_size, kv_pool_bytes / 2**20, kv_pool.reason, max_model_len,
+    )
+    return EngineParts(
+        config=config, tokenizer=tokenizer, model=model, model_config=model_config, kv_pool=kv_pool,
+        kv_pool_bytes=kv_pool_bytes, kv_cache=kv_cache, eos_token_ids=eos_token_ids, structured=structured,
+        draft_proposer=draft_proposer, speculator=speculator,
+        scheduler=Scheduler(config.scheduler, kv_cache, speculator, step_cost),
+        runner=ModelRunner(model, num_blocks, block_size, config.device, structured, draft_proposer),
+    )
+
+
+def _fit_max_model_len(wanted: int, pool_tokens: int) -> int:
+    """One full-length sequence must fit in the pool, or preemption could livelock."""
+    if pool_tokens >= wanted:
+        return wanted
+    if pool_tokens < 16:
+        raise ValueError(f"KV cache holds only {pool_tokens} tokens; give it more memory or blocks")
+    logger.warning("max_model_len clamped from %d to %d: the KV pool holds %d tokens", wanted, pool_tokens,
+                   pool_tokens)
+    return pool_tokens
+
+
+def _eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    ids = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))
