@@ -109,7 +109,7 @@ class _FollowRows:
 
     def proposes(self, k: int) -> bool:
         """Does its newest token's draft open the next step's proposal? Not under a grammar (the matcher
-        stands before this step's tokens until the engine advances it), nor without room for drafts."""
+        stands before this step's tokens until the scheduler advances it), nor without room for drafts."""
         return bool(self.kept) and self.request.grammar is None and draft_room(self.request, k, len(self.kept)) > 0
 
 
