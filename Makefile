@@ -1,7 +1,10 @@
 # The two commands of the README: `make serve` and `make test`. Both set up .venv themselves.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# One environment, two stamps: serving's dependencies, then (for `make test` and `make lint` only) the test
+# tools and the bench extra on top.
 STAMP := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 # The kernels have a stamp of their own: a pull that changes them rebuilds them at the next make, not at the
 # next start, and without redoing the pip installs.
 KERNELS_STAMP := $(VENV)/.kernels-built
@@ -12,9 +15,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned CPU build first, so nothing later pulls a CUDA torch.
 	$(PY) -m pip install -q torch==2.13.0
-	# One environment for every target: dev is the test tools plus the bench extra.
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e .
 	touch $(STAMP)
+
+# dev is the test tools plus the bench extra.
+$(DEV_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(DEV_STAMP)
 
 # Native CPU kernels are compiled here (a minute or two), not inside the first test or request.
 $(KERNELS_STAMP): $(STAMP) $(KERNEL_SOURCES)
@@ -30,13 +37,13 @@ serve: $(KERNELS_STAMP)
 generate: $(KERNELS_STAMP)
 	$(VENV)/bin/pagoda generate $(ARGS)
 
-test: $(KERNELS_STAMP)
+test: $(KERNELS_STAMP) $(DEV_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	OMP_NUM_THREADS=2 $(PY) -m pytest -q $(PYTEST_ARGS)
 
-lint: $(STAMP)
+lint: $(DEV_STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks scripts
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports

@@ -65,7 +65,7 @@ JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "inventory"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start_server(None, tmp_path_factory.mktemp("server-structured"))
+    server = start_server(None, tmp_path_factory.mktemp("server-structured"), "--no-enable-auto-tool-choice")
     yield server
     server.stop()
 

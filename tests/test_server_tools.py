@@ -1,9 +1,9 @@
 """Tool calling over HTTP with the official client: forced calls, the model's own calls, streamed deltas.
 
-The server runs the built-in model with `--enable-auto-tool-choice --tool-call-parser hermes`. Forced calls
-(`required`, a named function) hold for any model, since a grammar writes them. For `auto`, the model's own
-hermes text is parsed; a regex constraint makes the model write a known call, so that the parsing and the
-streamed deltas are tested whatever the model has learnt.
+The server runs the built-in model as `make serve` does: no tool flags, so its hermes parser is on by
+default. Forced calls (`required`, a named function) hold for any model, since a grammar writes them. For
+`auto`, the model's own hermes text is parsed; a regex constraint makes the model write a known call, so
+that the parsing and the streamed deltas are tested whatever the model has learnt.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(O
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    server = start_server(None, tmp_path_factory.mktemp("server-tools"), "--enable-auto-tool-choice",
-                          "--tool-call-parser", "hermes")
+    server = start_server(None, tmp_path_factory.mktemp("server-tools"))
     yield server
     server.stop()
 

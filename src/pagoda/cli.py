@@ -10,6 +10,7 @@ from pagoda.api_keys import add_api_key_arguments
 from pagoda.engine_args import (
     add_engine_args,
     engine_config_from,
+    is_builtin_model,
     json_object,
     model_to_load,
     parse_bytes,
@@ -42,6 +43,7 @@ def run_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         raise SystemExit(f"pagoda serve: {error}") from None
     args.model = model_to_load(args.model, "serve")
+    tool_call_parser = auto_tool_call_parser(args)
     if args.data_parallel_size > 1:
         exit_now(run_data_parallel(args))
     code = serve(
@@ -50,11 +52,25 @@ def run_serve(args: argparse.Namespace) -> int:
         host=args.host, port=args.port, api_keys=api_keys, limits=limits,
         max_waiting_requests=args.max_waiting_requests, drain_timeout=args.shutdown_timeout,
         log_level=args.uvicorn_log_level,
-        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        tool_call_parser=tool_call_parser,
         web_ui=not args.disable_web_ui,
         kv_events=kv_events,
     )
     exit_now(code)
+
+
+def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
+    """The parser for tool_choice "auto", or None when it is off. The built-in model has it on unless
+    --no-enable-auto-tool-choice: it was trained to call tools in one known form."""
+    if args.enable_auto_tool_choice:
+        return args.tool_call_parser
+    if args.enable_auto_tool_choice is None and is_builtin_model(args.model):
+        from pagoda.demo import DEMO_TOOL_CALL_PARSER
+
+        print(f"pagoda serve: tool calling on ({DEMO_TOOL_CALL_PARSER} parser, the built-in model's form; "
+              "--no-enable-auto-tool-choice turns it off)", file=sys.stderr)
+        return DEMO_TOOL_CALL_PARSER
+    return None
 
 
 def run_data_parallel(args: argparse.Namespace) -> int:
@@ -156,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--uvicorn-log-level", default="warning")
     serve.add_argument("--disable-web-ui", action="store_true",
                        help="no chat page at / and no dashboard at /dashboard (docs/web-ui.md)")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    serve.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
+                       help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser '
+                            "(default: on, hermes, for the built-in model; off otherwise)")
     serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                        help="the model's tool-call format, as its chat template teaches it")
     serve.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,

@@ -38,13 +38,17 @@ def model_to_load(model: str | None, command: str) -> str:
     return model
 
 
-def served_model_name(model: str, given: str | None = None) -> str:
-    """The name given (--served-model-name), else `pagoda-demo` for the built-in model, else --model as written."""
+def is_builtin_model(model: str) -> bool:
     from pathlib import Path
 
+    return Path(model).resolve() == Path(default_model()).resolve()
+
+
+def served_model_name(model: str, given: str | None = None) -> str:
+    """The name given (--served-model-name), else `pagoda-demo` for the built-in model, else --model as written."""
     if given:
         return given
-    return DEMO_SERVED_NAME if Path(model).resolve() == Path(default_model()).resolve() else model
+    return DEMO_SERVED_NAME if is_builtin_model(model) else model
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -14,8 +14,10 @@ from typing import Any
 from pagoda.demo.tasks import Item
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "pagoda-demo"
+# The tool-call form the model was trained on (tasks.py writes its calls so): `pagoda serve` parses it by default.
+DEMO_TOOL_CALL_PARSER = "hermes"
 
-__all__ = ["DEMO_MODEL_DIR", "encode_prompts", "render_prompt", "transformers_greedy"]
+__all__ = ["DEMO_MODEL_DIR", "DEMO_TOOL_CALL_PARSER", "encode_prompts", "render_prompt", "transformers_greedy"]
 
 
 def render_prompt(tokenizer: Any, item: Item) -> str:
