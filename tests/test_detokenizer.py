@@ -112,6 +112,22 @@ def test_stop_strings_never_leak(tokenizer, text, data):
         assert expected.startswith(visible), f"{visible!r} was shown, but the final text is {expected!r}"
 
 
+def test_a_stop_string_inside_a_run_of_tokens_ends_the_output_at_its_token(tokenizer):
+    """A speculative step appends several tokens at once: the output shown ends at the token that completes
+    the stop string, its logprobs with it, whatever the scheduler appended after it."""
+    ids = tokenizer.encode("hello world, and more", add_special_tokens=False)
+    sequence = make_text(tokenizer, stop=["o wor"])
+    stop_index = next(i for i in range(len(ids)) if "o wor" in full_decode(tokenizer, ids[: i + 1]))
+    for token_id in ids:
+        sequence.request.append_token(token_id)
+    logprobs = [{token_id: -float(index)} for index, token_id in enumerate(ids)]
+    assert sequence.add_tokens(ids, logprobs)
+    completion = sequence.completion()
+    assert completion.token_ids == ids[: stop_index + 1] and stop_index + 1 < len(ids)
+    assert completion.text == "hell" and completion.finish_reason == "stop" and completion.stop_reason == "o wor"
+    assert sequence.logprobs == logprobs[: stop_index + 1]
+
+
 def test_without_stop_strings_text_streams_immediately(tokenizer):
     ids = tokenizer.encode("plain words", add_special_tokens=False)
     sequence = make_text(tokenizer, stop=[])

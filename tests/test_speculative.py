@@ -42,6 +42,7 @@ from pagoda.engine.speculative import (
 from pagoda.model.attention import build_metadata
 from pagoda.server.metrics import ServerMetrics
 from pagoda.structured import StructuredOutputsParams
+from pagoda.structured.interface import GrammarStateError
 
 ARCH = "llama"
 VOCAB = 512
@@ -587,6 +588,53 @@ def test_a_stop_inside_the_accepted_run_ends_the_request_there():
     assert output.scheduled[0].draft_token_ids == [8, 9, 10]  # the scheduler checks room only through drafts given
     scheduler.update(output, ModelRunnerOutput({"b": [8, 9, 10, 11]}))
     assert request.output_token_ids == [1, 8, 9] and request.finish_reason == FinishReason.LENGTH
+
+
+class EndingGrammar:
+    """A matcher that refuses `refused` and ends once it has accepted `ends_after` tokens."""
+
+    def __init__(self, ends_after: int, refused: int | None = None) -> None:
+        self.ends_after, self.refused = ends_after, refused
+        self.accepted: list[int] = []
+
+    def accept_tokens(self, tokens: list[int]) -> bool:
+        if self.refused in tokens:
+            return False
+        self.accepted += tokens
+        return True
+
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.ends_after
+
+
+def test_the_grammars_end_inside_the_accepted_run_ends_it_before_the_rest_is_appended():
+    scheduler = make_scheduler()
+    request = decoding(scheduler, make_request("a", [5, 6, 7]))
+    request.grammar = EndingGrammar(ends_after=2)
+    output = schedule_with(scheduler, {"a": [2, 3, 4]})
+    [advanced] = scheduler.update(output, ModelRunnerOutput({"a": [2, 3, 4, 5]}))
+    assert advanced.new_token_ids == [2, 3] and request.output_token_ids == [1, 2, 3]
+    assert request.grammar.accepted == [2, 3]  # advanced only by tokens appended
+    assert request.finish_reason == FinishReason.STOP and request.stop_reason is None
+    assert scheduler.kv_cache.num_free_blocks == scheduler.kv_cache.num_blocks
+
+
+def test_a_request_that_fails_in_the_step_gets_its_error_and_no_tokens():
+    scheduler = make_scheduler()
+    refusing = decoding(scheduler, make_request("g", [5, 6, 7]))
+    refusing.grammar = EndingGrammar(ends_after=10, refused=3)
+    failing = decoding(scheduler, make_request("f", [5, 6, 7]))
+    plain = decoding(scheduler, make_request("p", [5, 6, 7]))
+    before = {request.request_id: list(request.output_token_ids) for request in (refusing, failing, plain)}
+    output = schedule_with(scheduler, {"g": [2, 3, 4]})
+    runner_error = RuntimeError("its sampler row failed")
+    results = scheduler.update(output, ModelRunnerOutput({"g": [2, 3, 4, 5], "p": [8]}, failures={"f": runner_error}))
+    by_id = {result.request.request_id: result for result in results}
+    assert isinstance(by_id["g"].error, GrammarStateError) and by_id["g"].new_token_ids == []
+    assert by_id["f"].error is runner_error and failing.output_token_ids == before["f"]
+    assert by_id["p"].error is None and by_id["p"].new_token_ids == [8] and plain.output_token_ids == [*before["p"], 8]
+    # The engine fails the groups of the failed ones (and frees them); the scheduler has not finished them.
+    assert not refusing.is_finished and not failing.is_finished
 
 
 class FakeGrammar:
