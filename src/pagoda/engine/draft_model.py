@@ -205,7 +205,7 @@ class DraftModelProposer:
         """The draft over what the target's step kept, after it sampled: each request's known tokens, its
         accepted drafts and its newest token, at the target's slots; and the first draft of the next step
         for each request that may speculate, from the newest token's logits. kept: by request id, the
-        tokens the step appends to each request that sampled."""
+        tokens the step accepted for each request that sampled (ModelRunnerOutput.sampled_token_ids)."""
         batch = [self._follow_rows(item, kept.get(item.request.request_id, ())) for item in scheduled]
         self._newest_written = {
             rows.request.request_id: _NewestWritten.of(rows.request, len(rows.kept)) for rows in batch if rows.kept

@@ -45,7 +45,7 @@ class DraftModel(Protocol):
 
     def follow(self, scheduled: Sequence[ScheduledRequest], kept: Mapping[str, Sequence[int]]) -> None:
         """Computes the draft's K/V of the tokens the step kept, at their slots (kept: by request id, the
-        tokens the step appends to each request that sampled)."""
+        tokens the step accepted for each request that sampled)."""
         ...
 
     def proposal(self, request_id: str, index: int, token_id: int) -> Proposal | None:
