@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping
 
 from pagoda.api_keys import ApiKeys, add_api_key_arguments
@@ -105,8 +106,14 @@ def run_route(args: argparse.Namespace) -> int:
     unknown = sorted(set(endpoints) - set(args.replica))
     if unknown:
         raise SystemExit(f"pagoda route: --replica-kv-events for URLs not given as --replica: {', '.join(unknown)}")
+    from pagoda.model_dir import ModelLoadError
     from pagoda.router.launcher import serve_router
 
-    return serve_router(config, args.replica, tokenizer_dir=args.tokenizer, host=args.host, port=args.port,
-                        log_level=args.uvicorn_log_level, event_endpoints=endpoints, events_topic=args.kv_events_topic,
-                        api_keys=api_keys, replica_api_key=replica_key, enable_docs=args.enable_docs)
+    try:
+        return serve_router(config, args.replica, tokenizer_dir=args.tokenizer, host=args.host, port=args.port,
+                            log_level=args.uvicorn_log_level, event_endpoints=endpoints,
+                            events_topic=args.kv_events_topic, api_keys=api_keys, replica_api_key=replica_key,
+                            enable_docs=args.enable_docs)
+    except ModelLoadError as error:  # --tokenizer's directory, read before the router listens
+        print(f"pagoda route: {error}", file=sys.stderr)
+        return 2

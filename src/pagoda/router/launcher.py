@@ -15,6 +15,7 @@ from pagoda.api_keys import ApiKeys
 from pagoda.router.app import build_router_app
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
+from pagoda.router.poller import POLL_LOG_FILTER
 from pagoda.router.tokens import LoadOnlyReader, PromptReader, TokenizingReader
 from pagoda.text.pool import TokenizerPool
 
@@ -55,6 +56,7 @@ def serve_router(config: RouterConfig, replicas: Sequence[str], *, tokenizer_dir
         logger.warning("cache_aware without --tokenizer: chat and text prompts route by load alone")
     if replica_api_key is not None and not (api_keys and api_keys.enabled):
         logger.warning("--replica-api-key without --api-key: anyone who reaches the router uses the replicas' key")
+    logging.getLogger("httpx").addFilter(POLL_LOG_FILTER)
     router = Router(replicas, config, event_endpoints=event_endpoints)
     app = build_router_app(router, prompt_reader(tokenizer_dir), replica_client(config), events_topic=events_topic,
                            api_keys=api_keys, replica_api_key=replica_api_key, enable_docs=enable_docs)

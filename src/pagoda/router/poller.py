@@ -17,6 +17,24 @@ from pagoda.router.replica import PolledStats, Replica
 
 logger = logging.getLogger("pagoda.route")
 
+POLLED_PATHS = ("/health", "/metrics")
+
+
+class PollRequestsAtDebug(logging.Filter):
+    """Installed on httpx's logger, which logs every request at INFO: the polls (two a replica every poll
+    interval) become DEBUG records, so that an idle router's log says only what changes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        url = args[1] if isinstance(args, tuple) and len(args) > 1 else None
+        if getattr(url, "path", None) not in POLLED_PATHS:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+POLL_LOG_FILTER = PollRequestsAtDebug()
+
 
 def parse_stats(text: str) -> PolledStats:
     """The gauges the router uses, summed over a replica's label sets (one per served model)."""
@@ -58,7 +76,10 @@ async def poll_replica(router: Router, replica: Replica, client: httpx.AsyncClie
         logger.debug("poll of %s failed: %s", replica.url, error)
         healthy = False
     if healthy != replica.healthy:
-        logger.warning("replica %s is %s", replica.url, "up" if healthy else "down")
+        if healthy:
+            logger.info("replica %s is up", replica.url)
+        else:
+            logger.warning("replica %s is down", replica.url)
     router.set_health(replica, healthy)
 
 
