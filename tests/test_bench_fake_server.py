@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -278,3 +281,29 @@ def test_cli_compare_sweep_writes_one_table_json_and_png(tmp_path, capsys):
     assert (quick_capacity["level"], quick_capacity["unit"], slow_capacity["level"]) == (2, "concurrency", None)
     assert "quick: capacity at the SLO (>= 90% of requests within ttft <= 150.0 ms): 2 concurrency" in table
     assert "slow: capacity at the SLO (>= 90% of requests within ttft <= 150.0 ms): none" in table
+
+
+def test_cli_says_a_note_once_and_keeps_matplotlibs_font_cache_out(fake, tmp_path):
+    """Run as a user runs it (a process of its own, `pagoda`'s logging) with matplotlib's cache to build: the
+    client/server token-count note is one line for both levels, and matplotlib's messages do not show."""
+    from pagoda.demo import DEMO_MODEL_DIR
+
+    env = {**os.environ, "MPLCONFIGDIR": str(tmp_path / "mpl"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pagoda", "bench", "--base-url", fake.url, "--tokenizer", str(DEMO_MODEL_DIR),
+         "--concurrency", "1,2", "--num-requests", "2", "--input-len", "8", "--output-len", "5",
+         "--no-server-tokenize", "--no-progress", "--out", str(tmp_path / "run.json")],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    notes = [line for line in done.stdout.splitlines() if "the client tokenizer counts" in line]
+    assert len(notes) == 1 and "at 2 of 2 levels" in notes[0], done.stdout
+    assert "matplotlib" not in (done.stdout + done.stderr).lower(), done.stdout + done.stderr
+    assert (tmp_path / "mpl").is_dir()  # the cache was built in this run
+
+
+def test_cli_refuses_a_missing_dataset_in_one_line_before_any_request(tmp_path, capsys):
+    missing = tmp_path / "nothing.jsonl"
+    code = cli.main(["--base-url", "http://127.0.0.1:9/v1", "--workload", "jsonl", "--dataset", str(missing),
+                     "--no-progress"])
+    assert code == 2
+    assert capsys.readouterr().err == f"pagoda bench: --dataset {missing}: no such file\n"

@@ -131,6 +131,8 @@ def loads_from(args: argparse.Namespace) -> tuple[LoadSpec, ...]:
 def config_from(args: argparse.Namespace) -> BenchConfig:
     if not 0 < args.slo_min_fraction <= 1:
         raise ValueError(f"--slo-min-fraction must be in (0, 1], got {args.slo_min_fraction}")
+    if args.dataset is not None and not Path(args.dataset).is_file():
+        raise ValueError(f"--dataset {args.dataset}: no such file")
     workload = WorkloadSpec(
         kind=args.workload, input_len=args.input_len, input_dist=args.input_dist, input_spread=args.input_spread,
         output_len=args.output_len, output_dist=args.output_dist, output_spread=args.output_spread,
@@ -189,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     started, before = time.strftime("%Y-%m-%dT%H:%M:%S%z"), environment()
     try:
         results = asyncio.run(run_all(endpoints, config, tokenizer))
-    except (RuntimeError, ValueError) as error:
+    except (RuntimeError, ValueError, OSError) as error:  # OSError: a dataset that cannot be read
         print(f"pagoda bench: {error}", file=sys.stderr)
         return 2
     sys.stdout.write(render(results))

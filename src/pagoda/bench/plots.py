@@ -9,6 +9,7 @@ Levels where the client fell behind are marked with a red x: their numbers are n
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,9 @@ def can_plot() -> bool:
 
 
 def plot_benchmark(endpoints: list[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    # matplotlib logs its font-cache rebuild (a first run, a new version) through logging, which `pagoda`'s
+    # INFO root handler would print among the results; its errors still show.
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -79,6 +79,10 @@ def spec_table(endpoints: list[dict[str, Any]]) -> str | None:
     return format_table(SPEC_COLUMNS, rows) + "\n" + legend
 
 
+# How far the client's count of output tokens may drift from the server's before a note says so.
+TOKEN_RATIO_TOLERANCE = 0.1
+
+
 def warnings_of(endpoint: dict[str, Any], point: dict[str, Any]) -> list[str]:
     """What a reader must know before trusting a level's numbers."""
     s, client, where = point["summary"], point["client"], f"{endpoint['name']} {point['label']}"
@@ -106,13 +110,23 @@ def warnings_of(endpoint: dict[str, Any], point: dict[str, Any]) -> list[str]:
     if tokens["prompt_mismatches"]:
         notes.append(f"{where}: usage.prompt_tokens differs from the client's count in "
                      f"{tokens['prompt_mismatches']} of {tokens['prompt_checked']} requests")
-    ratio = tokens["output_client_over_server"]
-    if ratio is not None and abs(ratio - 1) > 0.1:
-        notes.append(f"{where}: the client tokenizer counts {ratio:.2f}x the server's output tokens "
-                     "(re-encoding generated text is not exact; the server's usage is what metrics use)")
     if point["warmup"].get("errors"):
         notes.append(f"{where}: {point['warmup']['errors']} of {point['warmup']['requests']} warm-up requests failed")
     return notes
+
+
+def token_count_note(endpoint: dict[str, Any]) -> str | None:
+    """Once per endpoint, not per level: how far re-encoding the output drifts is the tokenizer's doing."""
+    ratios = [ratio for point in endpoint["levels"]
+              if (ratio := point["summary"]["tokens"]["output_client_over_server"]) is not None
+              and abs(ratio - 1) > TOKEN_RATIO_TOLERANCE]
+    if not ratios:
+        return None
+    low, high = f"{min(ratios):.2f}x", f"{max(ratios):.2f}x"
+    span = low if low == high else f"{low} to {high}"
+    levels = f" at {len(ratios)} of {len(endpoint['levels'])} levels" if len(endpoint["levels"]) > 1 else ""
+    return (f"{endpoint['name']}: the client tokenizer counts {span} the server's output tokens{levels} "
+            "(re-encoding generated text is not exact; the server's usage is what metrics use)")
 
 
 def capacity_line(endpoint: dict[str, Any]) -> str:
@@ -135,6 +149,7 @@ def render(endpoints: list[dict[str, Any]]) -> str:
     if speculative:
         parts.append(speculative)
     notes = [note for e, p in single for note in warnings_of(e, p)]
+    notes += [note for e in endpoints if (note := token_count_note(e))]
     notes += [f"{e['name']}: sweep stopped: {e['stop_reason']}" for e in endpoints if e.get("stop_reason")]
     capacities = [capacity_line(e) for e in endpoints if e.get("slo_capacity") and len(e["levels"]) > 1]
     if capacities:
