@@ -212,3 +212,30 @@ def test_a_directory_without_config_json_says_what_is_missing(tmp_path, capsys):
         main(["serve", "--model", str(tmp_path)])
     assert exited.value.code == 2
     assert f"{tmp_path}: no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype,flags,machine,warned", [
+    ("float16", {"avx2", "fma"}, "x86_64", True),
+    ("float16", {"avx2", "avx512f", "avx512_fp16"}, "x86_64", False),
+    ("float16", {"avx2", "amx_fp16"}, "x86_64", False),
+    ("float32", {"avx2", "fma"}, "x86_64", False),
+    ("float16", set(), "aarch64", False),  # flags read from x86's /proc/cpuinfo only: no claim elsewhere
+])
+def test_float16_on_a_cpu_without_native_fp16_warns_with_the_faster_choice(monkeypatch, caplog, dtype, flags,
+                                                                          machine, warned):
+    import logging
+
+    import pagoda.kernels
+    from pagoda.engine_args import engine_config_from
+
+    monkeypatch.setattr(pagoda.kernels, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(pagoda.kernels.platform, "machine", lambda: machine)
+    args = build_parser().parse_args(["generate", "hi", "--dtype", dtype])
+    args.model = str(DEMO_MODEL_DIR)
+    with caplog.at_level(logging.WARNING, logger="pagoda"):
+        assert engine_config_from(args).dtype == dtype
+    warnings = [record.getMessage() for record in caplog.records if record.name == "pagoda"]
+    if warned:
+        assert len(warnings) == 1 and "--dtype float32 is faster" in warnings[0], warnings
+    else:
+        assert not warnings

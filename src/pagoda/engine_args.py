@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -140,6 +141,20 @@ def engine_config_from(args: argparse.Namespace) -> EngineConfig:
     from pagoda.entrypoints import ENGINE_OPTIONS, build_engine_config
 
     given = {name: getattr(args, name) for name in ENGINE_OPTIONS if getattr(args, name) is not None}
-    return build_engine_config(args.model, **given)
+    config = build_engine_config(args.model, **given)
+    warning = slow_dtype_warning(config)
+    if warning:
+        logging.getLogger("pagoda").warning(warning)
+    return config
+
+
+def slow_dtype_warning(config: EngineConfig) -> str | None:
+    """float16 on a CPU that computes it only through conversions: said at start-up, with the faster choice."""
+    from pagoda.kernels import NATIVE_FP16_CPU_FLAGS, cpu_lacks_native_fp16
+
+    if config.dtype != "float16" or config.device != "cpu" or not cpu_lacks_native_fp16():
+        return None
+    return (f"--dtype float16 on a CPU without native fp16 ({', '.join(sorted(NATIVE_FP16_CPU_FLAGS))}): torch "
+            "converts every fp16 matmul here, several times slower than float32; --dtype float32 is faster")
 
 

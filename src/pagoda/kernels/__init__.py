@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,15 @@ def cpu_flags() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+# fp16 arithmetic in hardware (x86): without one of these, torch runs fp16 matmuls through conversions.
+NATIVE_FP16_CPU_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})
+
+
+def cpu_lacks_native_fp16() -> bool:
+    """True only where it is known: an x86 CPU whose flags name no fp16 arithmetic."""
+    return platform.machine().lower() in ("x86_64", "amd64") and not NATIVE_FP16_CPU_FLAGS & cpu_flags()
 
 
 def cpu_has_kernel_features() -> bool:
