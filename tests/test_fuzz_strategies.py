@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda.wire.guards import ServerLimits
+from pagoda.wire.limits import ServerLimits
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import grammar_poisons as poisons  # noqa: E402

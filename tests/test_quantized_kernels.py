@@ -174,7 +174,8 @@ def test_the_startup_summary_names_what_int4_layers_run(make_llm, checkpoint):
     from pagoda.startup import startup_summary
 
     def quantization_row(llm) -> str:
-        return next(line for line in startup_summary(llm.engine, "m").splitlines() if "quantization" in line)
+        summary = startup_summary(llm.engine.describe(), llm.engine.config, "m")
+        return next(line for line in summary.splitlines() if "quantization" in line)
 
     with_kernel = make_llm(checkpoint("llama"), quantization="int4")
     target, _ = pagoda.kernels.simd_target()

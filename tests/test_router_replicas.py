@@ -32,7 +32,7 @@ from server_fixtures import (
 
 from pagoda.router.tokens import TokenizingReader
 from pagoda.text.pool import TokenizerPool
-from pagoda.text.tokenizer import load_tokenizer, render_chat
+from pagoda.text.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -244,7 +244,7 @@ def test_a_client_that_leaves_mid_stream_frees_its_load_and_aborts_its_request(f
 def test_the_router_tokenizes_chat_exactly_as_a_replica(fleet):
     """The same token ids as the replica's own /tokenize: the chat template rendered by the same function."""
     replicas, _, model_dir = fleet
-    reader = TokenizingReader(TokenizerPool(load_tokenizer(model_dir), size=1), render_chat)
+    reader = TokenizingReader(TokenizerPool(load_tokenizer(model_dir), size=1))
     messages = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "river stone"},
                 {"role": "assistant", "content": "cloud"}, {"role": "user", "content": [{"type": "text", "text": "x"}]}]
     routed = asyncio.run(reader.chat({"model": MODEL, "messages": messages, "cache_salt": "tenant"}))

@@ -478,7 +478,7 @@ def test_every_limit_is_a_serve_flag_with_its_default_in_one_place():
     import dataclasses
 
     from pagoda.cli import SERVER_LIMITS, build_parser
-    from pagoda.wire.guards import ServerLimits
+    from pagoda.wire.limits import ServerLimits
 
     assert set(SERVER_LIMITS) == {f.name for f in dataclasses.fields(ServerLimits)}
     defaults = build_parser().parse_args(["serve"])

@@ -65,7 +65,7 @@ def test_the_engine_describes_itself_as_built(demo_llm):
     engine = demo_llm.engine
     description = engine.describe()
     assert (description.model, description.dtype) == (str(DEMO_MODEL_DIR), "float32")
-    assert description.quantized_matmul is None
+    assert description.quantized_matmul is None and 3.0e6 < description.num_parameters < 3.2e6  # "3.1M"
     assert description.max_model_len == engine.max_model_len == 512
     assert description.num_threads == torch.get_num_threads()
     kv = description.kv_cache
@@ -147,7 +147,8 @@ def test_generate_refuses_chat_and_raw_together(capsys):
 
 
 def test_the_summary_says_what_runs(demo_llm):
-    summary = startup_summary(demo_llm.engine, "pagoda-demo", "http://127.0.0.1:8000")
+    engine = demo_llm.engine
+    summary = startup_summary(engine.describe(), engine.config, "pagoda-demo", "http://127.0.0.1:8000")
     rows = dict(line.strip().split("  ", 1) for line in summary.splitlines())
     rows = {name: value.strip() for name, value in rows.items()}
     assert rows["model"] == f"pagoda-demo ({DEMO_MODEL_DIR})"

@@ -31,7 +31,7 @@ def _positive_int(text: str) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from pagoda.api_keys import ApiKeys
     from pagoda.server.launcher import exit_now, serve
-    from pagoda.wire.guards import ServerLimits
+    from pagoda.wire.limits import ServerLimits
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("pagoda serve: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
@@ -94,7 +94,7 @@ def kv_events_config(values: dict | None):
     return KVEventsConfig.from_dict(values)
 
 
-# The `serve` flags that bound one request (pagoda.wire.guards.ServerLimits' fields, defaults there).
+# The `serve` flags that bound one request (pagoda.wire.limits.ServerLimits' fields, defaults there).
 SERVER_LIMITS = ("max_request_body_bytes", "max_chars_per_token", "max_sequences_per_request", "max_stop_strings",
                  "max_stop_string_chars", "max_logit_bias", "request_timeout", "request_read_timeout")
 

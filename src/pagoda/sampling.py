@@ -24,6 +24,10 @@ class InvalidParam(ValueError):
         return InvalidParam(param, self.requirement)
 
 
+# vLLM's default, and OpenAI's for legacy completions (chat completions default to the context's room).
+DEFAULT_MAX_TOKENS = 16
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -32,7 +36,7 @@ class SamplingParams:
     top_k: int = 0  # 0 or -1: disabled
     min_p: float = 0.0
     seed: int | None = None
-    max_tokens: int | None = 16  # None: up to the context length
+    max_tokens: int | None = DEFAULT_MAX_TOKENS  # None: up to the context length
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)

@@ -9,7 +9,7 @@ import torch
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
-    from pagoda.engine.engine import LLMEngine
+    from pagoda.engine.api import EngineDescription
 
 
 def native_kernels_status(config: EngineConfig) -> str:
@@ -64,22 +64,20 @@ def human_count(count: int) -> str:
     return str(count)
 
 
-def startup_summary(engine: LLMEngine, model_name: str, url: str | None = None) -> str:
-    """The block `pagoda serve` logs when it turns ready."""
-    from pagoda.model.loader import checkpoint_num_parameters
-
-    config, pool = engine.config, engine.kv_pool
-    block_size = config.cache.block_size
+def startup_summary(engine: EngineDescription, config: EngineConfig, model_name: str, url: str | None = None) -> str:
+    """The block `pagoda serve` logs when it turns ready: what the engine says it is (`engine`), and what the
+    configuration asked for that the engine does not describe (quantization options, kernels)."""
+    kv = engine.kv_cache
     rows = [
-        ("model", model_name if model_name == config.model else f"{model_name} ({config.model})"),
-        ("parameters", human_count(checkpoint_num_parameters(config.model))),
-        ("dtype", str(config.dtype).removeprefix("torch.")),
-        ("quantization", quantization_summary(config, engine.describe().quantized_matmul)),
-        ("KV cache", f"{pool.num_blocks} blocks x {block_size} tokens = {pool.num_blocks * block_size} tokens, "
-                     f"{engine.kv_pool_bytes / 2**20:.1f} MiB ({pool.reason}); pages touched as they fill"),
+        ("model", model_name if model_name == engine.model else f"{model_name} ({engine.model})"),
+        ("parameters", human_count(engine.num_parameters)),
+        ("dtype", engine.dtype),
+        ("quantization", quantization_summary(config, engine.quantized_matmul)),
+        ("KV cache", f"{kv.num_blocks} blocks x {kv.block_size} tokens = {kv.num_blocks * kv.block_size} tokens, "
+                     f"{kv.num_bytes / 2**20:.1f} MiB ({kv.sizing_reason}); pages touched as they fill"),
         ("max_model_len", str(engine.max_model_len)),
-        ("max_num_seqs", str(config.scheduler.max_num_seqs)),
-        ("threads", str(torch.get_num_threads())),
+        ("max_num_seqs", str(engine.max_num_seqs)),
+        ("threads", str(engine.num_threads)),
         ("native kernels", native_kernels_status(config)),
     ]
     if url is not None:

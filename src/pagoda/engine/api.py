@@ -134,6 +134,7 @@ class EngineDescription:
     """What the engine is, once built: what the start-up summary and the metrics' info gauges report."""
 
     model: str  # the checkpoint's path
+    num_parameters: int  # the checkpoint's, as stored (before fusing or quantizing)
     dtype: str  # the model's compute type, vLLM's spelling
     quantized_matmul: str | None  # what the model's quantized layers run (None: no quantized layer)
     max_model_len: int  # after the clamp to the model's context and the KV pool

@@ -27,6 +27,7 @@ from pagoda.engine.parallel_sampling import RequestGroup
 from pagoda.engine.request import FinishReason
 from pagoda.engine.runner_output import PromptLogprobsChunk
 from pagoda.engine.step_budget import StepCostModel
+from pagoda.model.loader import checkpoint_num_parameters
 from pagoda.model.quantization import quantized_matmul_name
 from pagoda.sampling import SamplingParams
 
@@ -138,7 +139,8 @@ class LLMEngine:
         """What this engine is, as built (fixed for its life)."""
         config = self.config
         return EngineDescription(
-            model=config.model, dtype=config.dtype, quantized_matmul=quantized_matmul_name(self.model),
+            model=config.model, num_parameters=checkpoint_num_parameters(config.model), dtype=config.dtype,
+            quantized_matmul=quantized_matmul_name(self.model),
             max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
             num_threads=torch.get_num_threads(),
             kv_cache=KVCacheDescription(

@@ -1,26 +1,10 @@
-"""The incremental text a sample's tokens decode to, and the Tokenizer protocol it reads."""
+"""The incremental text a sample's tokens decode to."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
-
-class Tokenizer(Protocol):
-    """What the runtime and the server use of a Hugging Face tokenizer."""
-
-    @property
-    def bos_token_id(self) -> int | None: ...
-
-    @property
-    def eos_token_id(self) -> int | None: ...
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-
-    def decode(
-        self, token_ids: list[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
-    ) -> str: ...
-
-    def __len__(self) -> int: ...  # the vocabulary's size, added tokens included
+from pagoda.text.tokenizer import Tokenizer
 
 
 class _IdsDecoder(Protocol):

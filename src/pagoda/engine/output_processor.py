@@ -17,11 +17,12 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from pagoda.engine.api import CompletionOutput, RequestOutput
-from pagoda.engine.output import IncrementalDetokenizer, Tokenizer
+from pagoda.engine.output import IncrementalDetokenizer
 from pagoda.engine.parallel_sampling import RequestGroup
 from pagoda.engine.request import FinishReason, Request
 from pagoda.engine.scheduler import EngineCoreOutput
 from pagoda.structured.interface import GrammarStateError
+from pagoda.text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,8 @@ from pagoda.router.proxy import Forwarder, error_response
 from pagoda.router.tokens import PromptReader
 from pagoda.version import __version__
 from pagoda.wire import OpenAIError
-from pagoda.wire.guards import BodySizeLimit, JsonDecoder, ServerLimits
+from pagoda.wire.guards import BodySizeLimit, JsonDecoder
+from pagoda.wire.limits import ServerLimits
 
 FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 

@@ -18,6 +18,7 @@ from pagoda.router.core import Router
 from pagoda.router.poller import POLL_LOG_FILTER
 from pagoda.router.tokens import LoadOnlyReader, PromptReader, TokenizingReader
 from pagoda.text.pool import TokenizerPool
+from pagoda.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("pagoda.route")
 
@@ -26,9 +27,7 @@ def prompt_reader(tokenizer_dir: str | None) -> PromptReader:
     """Tokenizing with the model's own tokenizer and chat template (the server's code), or load-only routing."""
     if tokenizer_dir is None:
         return LoadOnlyReader()
-    from pagoda.text.tokenizer import load_tokenizer, render_chat  # the model code: loaded only here
-
-    return TokenizingReader(TokenizerPool(load_tokenizer(tokenizer_dir)), render_chat)
+    return TokenizingReader(TokenizerPool(load_tokenizer(tokenizer_dir)))
 
 
 def replica_client(config: RouterConfig) -> httpx.AsyncClient:

@@ -1,22 +1,20 @@
 """A request body's prompt as token ids, rendered and tokenized exactly as a pagoda replica does it.
 
-The router parses the body with the server's own wire models and applies the model's chat template through
-the function the server uses (`render_chat`, handed in at construction: loading it imports the model code).
+The router parses the body with the wire models the server validates with (pagoda.wire) and applies the
+model's chat template through the function the server uses (pagoda.text's `render_chat`).
 A body the router cannot read routes by load alone; the replica then answers whatever error it deserves.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from pydantic import ValidationError
 
 from pagoda.router.policies import RoutedPrompt
 from pagoda.text.pool import TokenizerPool
+from pagoda.text.tokenizer import render_chat
 from pagoda.wire import ChatCompletionRequest, CompletionRequest
-
-RenderChat = Callable[..., str]  # (tokenizer, messages, add_generation_prompt, tools) -> text
 
 
 class PromptReader(Protocol):
@@ -44,9 +42,8 @@ class LoadOnlyReader:
 
 
 class TokenizingReader:
-    def __init__(self, tokenizers: TokenizerPool, render_chat: RenderChat) -> None:
+    def __init__(self, tokenizers: TokenizerPool) -> None:
         self.tokenizers = tokenizers
-        self.render_chat = render_chat
 
     async def completion(self, body: dict[str, Any]) -> RoutedPrompt:
         try:
@@ -68,11 +65,11 @@ class TokenizingReader:
             tools = request.tool_dicts() if request.tools and request.resolved_tool_choice() != "none" else None
         except (ValidationError, ValueError):
             return RoutedPrompt(None, _cache_salt(body))
-        render, add_generation_prompt = self.render_chat, request.add_generation_prompt
+        add_generation_prompt = request.add_generation_prompt
 
         def tokenize(tokenizer: Any) -> list[int] | None:
             try:
-                text = render(tokenizer, conversation, add_generation_prompt, tools)
+                text = render_chat(tokenizer, conversation, add_generation_prompt, tools)
             except ValueError:  # the template refuses the conversation: the replica will say why
                 return None
             return list(tokenizer.encode(text, add_special_tokens=False))  # the template wrote them

@@ -24,7 +24,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda.api_keys import ApiKeyGuard, ApiKeys
 from pagoda.engine.api import RequestRejected
 from pagoda.engine.async_engine import AsyncEngine
-from pagoda.engine.output import Tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import Admission, WaitingSlots
 from pagoda.server.generation import Generation, TokenTexts
@@ -34,6 +33,7 @@ from pagoda.server.prompts import check_prompt_chars, conversation_of, echo_text
 from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
 from pagoda.server.web import mount_web_ui
 from pagoda.text.pool import TokenizerPool
+from pagoda.text.tokenizer import Tokenizer
 from pagoda.version import __version__
 from pagoda.wire import (
     WIRE_LIMITS,
@@ -46,7 +46,9 @@ from pagoda.wire import (
     now,
     random_id,
 )
-from pagoda.wire.guards import BodySizeLimit, JsonDecoder, ServerLimits, error_response
+from pagoda.wire.base import error_message
+from pagoda.wire.guards import BodySizeLimit, JsonDecoder, error_response
+from pagoda.wire.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -102,12 +104,7 @@ class ServerState:
         return self.loaded
 
     def wire_limits(self) -> WireLimits:
-        limits = self.limits
-        return WireLimits(
-            max_prompts=limits.max_sequences_per_request, max_stop_strings=limits.max_stop_strings,
-            max_stop_string_chars=limits.max_stop_string_chars, max_logit_bias=limits.max_logit_bias,
-            max_items=self.loaded.engine.max_model_len if self.loaded is not None else None,
-        )
+        return WireLimits.of(self.limits, self.loaded.engine.max_model_len if self.loaded is not None else None)
 
     def deadline(self, arrival: float) -> float | None:
         timeout = self.limits.request_timeout
@@ -343,13 +340,6 @@ def _error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
 
-def _error_text(error: dict[str, Any]) -> str:
-    """A validation error's message, without pydantic's "Value error, " prefix on our own validators' errors."""
-    if error.get("type") == "value_error" and "error" in error.get("ctx", {}):
-        return str(error["ctx"]["error"])
-    return str(error.get("msg"))
-
-
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, error: OpenAIError):
@@ -361,7 +351,7 @@ def _install_error_handlers(app: FastAPI) -> None:
         if not errors or errors[0].get("type") == "json_invalid":
             return _error_response(OpenAIError(400, "the request body is not valid JSON"))
         fields = [str(e["loc"][1]) if len(e.get("loc", ())) > 1 else "" for e in errors]  # the top-level field
-        lines = list(dict.fromkeys(f"{field}: {_error_text(e)}" for field, e in zip(fields, errors)))
+        lines = list(dict.fromkeys(f"{field}: {error_message(e)}" for field, e in zip(fields, errors)))
         message = "; ".join(lines[:MAX_ERRORS_SHOWN])
         if len(lines) > MAX_ERRORS_SHOWN:
             message += f"; and {len(lines) - MAX_ERRORS_SHOWN} more"

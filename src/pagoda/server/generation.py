@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 from pagoda.engine.api import CompletionOutput, RequestFailed, RequestOutput, best_logprobs
 from pagoda.engine.async_engine import AsyncEngine
-from pagoda.engine.output import Tokenizer
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.tools import ToolCallReader
+from pagoda.text.tokenizer import Tokenizer
 from pagoda.wire import ERROR_SCOPE_HEADER, REQUEST_SCOPE, Kind, OpenAIError, now, usage
 from pagoda.wire.tool_calls import ToolCall
 

@@ -37,8 +37,8 @@ from pagoda.server.read_deadline import read_deadline_protocol
 from pagoda.startup import startup_summary
 from pagoda.text.pool import TokenizerPool
 from pagoda.text.tokenizer import load_tokenizer
-from pagoda.wire.guards import ServerLimits
 from pagoda.wire.kv_events import KVEventsConfig
+from pagoda.wire.limits import ServerLimits
 
 logger = logging.getLogger("pagoda.serve")
 
@@ -85,12 +85,13 @@ def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Calla
         tokenizer = load_tokenizer(engine_config.model)
         _warm_up(engine)  # before the engine thread exists: only one thread may ever step an engine
         async_engine = AsyncEngine(engine)
-        metrics = ServerMetrics(state.model_name, lambda: async_engine.stats, cache_config_info(engine),
-                                max_model_len=engine.max_model_len)
+        description = async_engine.description
+        metrics = ServerMetrics(state.model_name, lambda: async_engine.stats, cache_config_info(description.kv_cache),
+                                max_model_len=description.max_model_len)
         state.loaded = LoadedModel(async_engine, tokenizer, metrics, TokenizerPool(tokenizer))
         freeze_startup_objects()  # the model, torch and the app: later collections only walk what requests made
         logger.info("model %s ready in %.1f s\n%s", state.model_name, time.monotonic() - started,
-                    startup_summary(engine, state.model_name, url))
+                    startup_summary(description, engine_config, state.model_name, url))
     except ModelLoadError as error:  # the checkpoint's fault, named in the message: no traceback to read
         logger.error("model load failed: %s", error)
         state.load_error = f"model load failed: {error}"

@@ -8,8 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from pagoda.engine.api import EngineStats, RequestTimeline, SpecDecodeStats
-from pagoda.engine.engine import LLMEngine
+from pagoda.engine.api import EngineStats, KVCacheDescription, RequestTimeline, SpecDecodeStats
 from pagoda.server.activity import RecentActivity
 
 # vLLM's buckets, trimmed: CPU latencies run longer, so the top buckets go further.
@@ -95,13 +94,11 @@ class _EngineCollector:
             yield counter
 
 
-def cache_config_info(engine: LLMEngine) -> dict[str, str]:
+def cache_config_info(kv_cache: KVCacheDescription) -> dict[str, str]:
     """vllm:cache_config_info's labels, under vLLM's names and spellings (str() of the value): routers read
     block_size to hash prompts as this server does. num_gpu_blocks is the KV pool's size, whatever the device."""
-    cache = engine.config.cache
-    return {"block_size": str(cache.block_size), "num_gpu_blocks": str(engine.kv_cache.num_blocks),
-            "enable_prefix_caching": str(cache.enable_prefix_caching),
-            "cache_dtype": str(engine.config.dtype).removeprefix("torch.")}
+    return {"block_size": str(kv_cache.block_size), "num_gpu_blocks": str(kv_cache.num_blocks),
+            "enable_prefix_caching": str(kv_cache.enable_prefix_caching), "cache_dtype": kv_cache.dtype}
 
 
 class _InfoCollector:

@@ -1,11 +1,30 @@
-"""The model directory's own tokenizer (tokenizer.json + tokenizer_config.json with its chat template)."""
+"""The model directory's own tokenizer (tokenizer.json + tokenizer_config.json with its chat template): what
+of it the engine and the server use, how it is loaded, and the one place a chat template is applied."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from pagoda.model_dir import ModelLoadError
+
+
+class Tokenizer(Protocol):
+    """What the runtime and the server use of a Hugging Face tokenizer."""
+
+    @property
+    def bos_token_id(self) -> int | None: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(
+        self, token_ids: list[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool | None = None
+    ) -> str: ...
+
+    def __len__(self) -> int: ...  # the vocabulary's size, added tokens included
 
 
 def has_tokenizer(model_dir: str | Path) -> bool:

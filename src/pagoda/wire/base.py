@@ -1,12 +1,10 @@
-"""What every request model shares: OpenAI's error, strict JSON types, the size bounds checked before
-validation, and the Unicode check on parsed bodies."""
+"""What every request model shares: OpenAI's error, strict JSON types, the size checks made before
+validation (their bounds: limits.py), and the Unicode check on parsed bodies."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -56,33 +54,6 @@ def now() -> int:
 Kind = Literal["completion", "chat"]
 
 
-# --- what the wire may carry ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WireLimits:
-    """Bounds on a request's size checked before its fields are validated, so that a huge list or map is
-    refused at the cost of len(), not of validating every element. Set per request (WIRE_LIMITS)."""
-
-    max_prompts: int = 256  # prompts in one completion request (prompts x n is checked after validation)
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 1024
-    max_logit_bias: int = 1024
-    max_stop_token_ids: int = 1024  # fixed: more stop ids than this is no use case, only validation work
-    max_items: int | None = None  # messages, or token ids to detokenize: max_model_len once a model is loaded
-
-
-MAX_TOOLS = 128  # OpenAI's bound on functions per request
-WIRE_LIMITS: ContextVar[WireLimits] = ContextVar("wire_limits")  # set per request by the app
-
-
-def wire_limits() -> WireLimits:
-    return WIRE_LIMITS.get(_DEFAULT_LIMITS)
-
-
-_DEFAULT_LIMITS = WireLimits()
-
-
 class WireModel(BaseModel):
     """Strict types on the wire: JSON's own types only, so `"yes"` is not a boolean and `false` not token id 0.
     (Strict floats still take JSON integers.)
@@ -113,9 +84,16 @@ def too_long(value: Any, limit: int | None, what: str) -> None:
         raise ValueError(f"at most {limit} {what}, got {len(value)}")
 
 
+def error_message(error: ErrorDetails | dict[str, Any]) -> str:
+    """A pydantic error's message, without pydantic's "Value error, " prefix on our own validators' errors."""
+    if error.get("type") == "value_error" and "error" in error.get("ctx", {}):
+        return str(error["ctx"]["error"])
+    return str(error.get("msg"))
+
+
 def located(error: ErrorDetails) -> str:
-    """One pydantic error as `path.to.field: message`, without pydantic's "Value error, " prefix."""
-    message = str(error["ctx"]["error"]) if error["type"] == "value_error" else error["msg"]
+    """One pydantic error as `path.to.field: message` (error_message's)."""
+    message = error_message(error)
     return f"{'.'.join(map(str, error['loc']))}: {message}" if error["loc"] else message
 
 

@@ -10,7 +10,8 @@ from pydantic import Field, field_validator, model_validator
 from pagoda.sampling import InvalidParam
 from pagoda.structured import InvalidConstraint, StructuredOutputsParams
 from pagoda.text.tokenizer import RENDERER_ARGUMENTS
-from pagoda.wire.base import MAX_TOOLS, WireModel, too_long, wire_limits
+from pagoda.wire.base import WireModel, too_long
+from pagoda.wire.limits import MAX_TOOLS, wire_limits
 from pagoda.wire.messages import AnyMessage
 from pagoda.wire.sampling import SamplingRequest
 from pagoda.wire.tool_calls import forced_constraint

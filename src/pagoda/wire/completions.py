@@ -6,7 +6,9 @@ from typing import Any
 
 from pydantic import field_validator, model_validator
 
-from pagoda.wire.base import Prompt, too_long, wire_limits
+from pagoda.sampling import DEFAULT_MAX_TOKENS
+from pagoda.wire.base import Prompt, too_long
+from pagoda.wire.limits import wire_limits
 from pagoda.wire.sampling import SamplingRequest
 
 
@@ -15,7 +17,7 @@ class CompletionRequest(SamplingRequest):
     UNSUPPORTED = {**SamplingRequest.UNSUPPORTED, "add_special_tokens": True, "prompt_embeds": None}
 
     prompt: Prompt
-    max_tokens: int | None = 16
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None

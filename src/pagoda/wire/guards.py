@@ -28,30 +28,6 @@ C_PARSER_MAX_BYTES = 256 << 10
 INLINE_PARSE_MAX_BYTES = 16 << 10  # below this, decoding on the event loop is cheaper than a thread hop
 
 
-@dataclass(frozen=True)
-class ServerLimits:
-    """The bounds on what one request may ask of the server (each a `pagoda serve` flag)."""
-
-    max_request_body_bytes: int = 8 << 20
-    max_chars_per_token: float = 32.0  # a prompt longer than max_model_len x this can never fit
-    max_sequences_per_request: int = 256  # prompts x n
-    max_stop_strings: int = 16
-    max_stop_string_chars: int = 1024
-    max_logit_bias: int = 1024
-    request_timeout: float | None = 600.0  # seconds from arrival to the last token; 0 or None: no deadline
-    # seconds a client has to send a request's headers and body, from its first byte (or from the
-    # connection's opening); then the connection is closed (server/read_deadline.py)
-    request_read_timeout: float = 10.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_request_body_bytes", "max_chars_per_token", "max_sequences_per_request",
-                     "max_stop_strings", "max_stop_string_chars", "max_logit_bias", "request_read_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive")
-        if self.request_timeout is not None and self.request_timeout < 0:
-            raise ValueError("request_timeout must not be negative (0: no deadline)")
-
-
 # --- request body ------------------------------------------------------------------------------------
 
 

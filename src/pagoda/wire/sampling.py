@@ -24,7 +24,8 @@ from pydantic_core import PydanticCustomError
 
 from pagoda.sampling import InvalidParam, SamplingParams
 from pagoda.structured import CONSTRAINT_KINDS, InvalidConstraint, StructuredOutputsParams
-from pagoda.wire.base import TokenIds, WireModel, located, too_long, wire_limits
+from pagoda.wire.base import TokenIds, WireModel, located, too_long
+from pagoda.wire.limits import wire_limits
 
 
 class StreamOptions(WireModel):

@@ -6,8 +6,9 @@ from typing import Annotated, Any
 
 from pydantic import field_validator, model_validator
 
-from pagoda.wire.base import FAIL_FAST, TokenIds, WireModel, too_long, wire_limits
+from pagoda.wire.base import FAIL_FAST, TokenIds, WireModel, too_long
 from pagoda.wire.chat import few_messages
+from pagoda.wire.limits import wire_limits
 from pagoda.wire.messages import AnyMessage
 
 
