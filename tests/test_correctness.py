@@ -11,7 +11,7 @@ from conftest import MAX_NEAR_TIES_PER_TEST, Reference, check_near_tie_count, co
 from test_native_decode import CountingStack
 
 from pagoda import SamplingParams
-from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.core.scheduler import Scheduler
 from pagoda.kernels import TARGET_ENV, available_targets, cpu_kernels
 from pagoda.testing import ARCHITECTURES
 

@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pagoda import SamplingParams
+from pagoda.engine.core.request import Request
 from pagoda.engine.output import IncrementalDetokenizer
 from pagoda.engine.output_processor import SequenceText
-from pagoda.engine.request import Request
 from pagoda.text.tokenizer import load_tokenizer
 
 VOCAB_SIZE = 512

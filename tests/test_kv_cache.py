@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagoda.engine import kv_cache as kv_cache_module
-from pagoda.engine.kv_cache import KVCacheManager, hash_block
-from pagoda.engine.request import FinishReason, Request, RequestStatus
+from pagoda.engine.core import kv_cache as kv_cache_module
+from pagoda.engine.core.kv_cache import KVCacheManager, hash_block
+from pagoda.engine.core.request import FinishReason, Request, RequestStatus
 from pagoda.sampling import SamplingParams
 
 BLOCK_SIZE = 4

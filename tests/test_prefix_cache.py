@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from pagoda import SamplingParams
-from pagoda.engine import kv_cache as kv_cache_module
-from pagoda.engine.kv_cache import KVCacheManager
-from pagoda.engine.request import FinishReason, Request, RequestStatus
+from pagoda.engine.core import kv_cache as kv_cache_module
+from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.engine.core.request import FinishReason, Request, RequestStatus
 
 ARCH = "llama"
 BLOCK_SIZE = 4

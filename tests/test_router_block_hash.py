@@ -7,8 +7,8 @@ import subprocess
 import sys
 
 from pagoda.block_hash import hash_block, hash_block_chain, max_cacheable_blocks
-from pagoda.engine.kv_cache import KVCacheManager
-from pagoda.engine.request import Request
+from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.engine.core.request import Request
 from pagoda.sampling import SamplingParams
 
 BLOCK_SIZE = 4

@@ -17,8 +17,8 @@ import zmq
 from server_fixtures import ServerProcess, free_port, launch_server, make_server_checkpoint, wait_until
 
 from pagoda.block_hash import hash_block_chain, wire_block_hash
-from pagoda.engine.kv_cache import KVCacheManager
-from pagoda.engine.request import FinishReason, Request, RequestStatus
+from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.engine.core.request import FinishReason, Request, RequestStatus
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
 from pagoda.router.events import EventStream

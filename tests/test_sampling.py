@@ -8,7 +8,7 @@ import torch
 from conftest import compare_with_reference, random_prompts
 
 from pagoda import SamplingParams
-from pagoda.engine.request import Request
+from pagoda.engine.core.request import Request
 from pagoda.engine.sampler import _draw_seed, build_sampling_metadata, sample
 
 ARCH = "qwen2"  # tied embeddings: greedy output repeats tokens, which the penalty tests need

@@ -13,9 +13,9 @@ from test_scheduler import assert_consistent, fake_sample, make_request
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.api import RequestRejected
-from pagoda.engine.kv_cache import KVCacheManager
-from pagoda.engine.request import FinishReason, Request
-from pagoda.engine.scheduler import Scheduler
+from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.engine.core.request import FinishReason, Request
+from pagoda.engine.core.scheduler import Scheduler
 from pagoda.sampling import SamplingParams
 
 

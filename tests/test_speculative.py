@@ -26,12 +26,10 @@ import pagoda.kernels
 from pagoda import SamplingParams
 from pagoda.config import SchedulerConfig, SpeculativeConfig
 from pagoda.engine.api import EngineStats, RequestOutput, SpecDecodeStats
-from pagoda.engine.kv_cache import KVCacheManager, hash_block
-from pagoda.engine.request import FinishReason, Request, RequestStatus
-from pagoda.engine.runner_output import ModelRunnerOutput
-from pagoda.engine.sampler import SampleRow, build_sampling_metadata
-from pagoda.engine.scheduler import Scheduler
-from pagoda.engine.speculative import (
+from pagoda.engine.core.kv_cache import KVCacheManager, hash_block
+from pagoda.engine.core.request import FinishReason, Request, RequestStatus
+from pagoda.engine.core.scheduler import Scheduler
+from pagoda.engine.core.speculative import (
     Draft,
     Speculator,
     accept_drafts,
@@ -39,6 +37,8 @@ from pagoda.engine.speculative import (
     draft_room,
     ngram_lookup,
 )
+from pagoda.engine.runner_output import ModelRunnerOutput
+from pagoda.engine.sampler import SampleRow, build_sampling_metadata
 from pagoda.model.attention import build_metadata
 from pagoda.server.metrics import ServerMetrics
 from pagoda.structured import StructuredOutputsParams

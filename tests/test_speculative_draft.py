@@ -36,10 +36,10 @@ import pagoda.kernels
 from pagoda import SamplingParams
 from pagoda.config import SpeculativeConfig
 from pagoda.engine import runner as runner_module
+from pagoda.engine.core.request import Request
+from pagoda.engine.core.speculative import Draft
 from pagoda.engine.draft_model import DraftMismatch
-from pagoda.engine.request import Request
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample
-from pagoda.engine.speculative import Draft
 from pagoda.server.metrics import ServerMetrics
 from pagoda.structured import StructuredOutputsParams
 

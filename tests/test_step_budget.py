@@ -14,10 +14,10 @@ from conftest import compare_with_reference, random_prompts, register_engine
 from test_scheduler import fake_sample, make_request
 
 from pagoda.config import SchedulerConfig
-from pagoda.engine.kv_cache import KVCacheManager
-from pagoda.engine.request import FinishReason
-from pagoda.engine.scheduler import Scheduler, SchedulerOutput
-from pagoda.engine.step_budget import LinearStepCost, prefill_token_cap
+from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.engine.core.request import FinishReason
+from pagoda.engine.core.scheduler import Scheduler, SchedulerOutput
+from pagoda.engine.core.step_budget import LinearStepCost, prefill_token_cap
 from pagoda.sampling import SamplingParams
 
 FIXED_S, PER_TOKEN_S = 0.05, 0.001  # the simulated machine: a step costs 50 ms + 1 ms a token

@@ -29,11 +29,11 @@ from typing import Any
 import torch
 
 from pagoda.config import ModelConfig, SpeculativeConfig
+from pagoda.engine.core.request import Request
+from pagoda.engine.core.scheduler import ScheduledRequest
+from pagoda.engine.core.speculative import Draft, draft_room
 from pagoda.engine.grammar_masks import StructuredOutputs
-from pagoda.engine.request import Request
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample_draft
-from pagoda.engine.scheduler import ScheduledRequest
-from pagoda.engine.speculative import Draft, draft_room
 from pagoda.model.attention import QueryLayout, build_metadata
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import TORCH_DTYPES, load_model, load_model_config

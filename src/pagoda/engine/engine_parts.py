@@ -13,14 +13,14 @@ import torch
 
 from pagoda.config import EngineConfig, ModelConfig
 from pagoda.engine.api import KVEventSink
+from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.engine.core.scheduler import Scheduler
+from pagoda.engine.core.speculative import Speculator
+from pagoda.engine.core.step_budget import StepCostModel
 from pagoda.engine.draft_model import DraftModelProposer, load_draft_model
 from pagoda.engine.grammar_masks import StructuredOutputs
-from pagoda.engine.kv_cache import KVCacheManager
 from pagoda.engine.kv_pool import KVPoolSize, kv_pool_size
 from pagoda.engine.runner import ModelRunner
-from pagoda.engine.scheduler import Scheduler
-from pagoda.engine.speculative import Speculator
-from pagoda.engine.step_budget import StepCostModel
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import TORCH_DTYPES, load_model
 from pagoda.text.tokenizer import Tokenizer, load_tokenizer

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.api import RequestRejected
+from pagoda.engine.core.request import Request
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.parallel_sampling import sample_request_id, sample_seed
-from pagoda.engine.request import Request
 from pagoda.sampling import SamplingParams
 from pagoda.structured import InvalidConstraint
 from pagoda.text.tokenizer import Tokenizer

@@ -17,10 +17,10 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from pagoda.engine.api import CompletionOutput, RequestOutput
+from pagoda.engine.core.request import FinishReason, Request
+from pagoda.engine.core.scheduler import EngineCoreOutput
 from pagoda.engine.output import IncrementalDetokenizer
 from pagoda.engine.parallel_sampling import RequestGroup
-from pagoda.engine.request import FinishReason, Request
-from pagoda.engine.scheduler import EngineCoreOutput
 from pagoda.structured.interface import GrammarStateError
 from pagoda.text.tokenizer import Tokenizer
 

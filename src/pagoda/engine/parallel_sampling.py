@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from pagoda.engine.api import CompletionOutput, RequestOutput
-from pagoda.engine.request import Request
+from pagoda.engine.core.request import Request
 
 
 class SampleOutput(Protocol):

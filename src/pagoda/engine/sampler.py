@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagoda.engine.api import best_logprobs
-from pagoda.engine.request import Request
+from pagoda.engine.core.request import Request
 from pagoda.sampling import GREEDY_EPS
 from pagoda.structured.bitmask import apply_bitmask
 

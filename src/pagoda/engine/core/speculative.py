@@ -29,7 +29,7 @@ from typing import Protocol
 
 from pagoda.config import SpeculativeConfig
 from pagoda.engine.api import SpecDecodeStats
-from pagoda.engine.request import Request
+from pagoda.engine.core.request import Request
 from pagoda.structured.interface import GrammarStateError
 
 

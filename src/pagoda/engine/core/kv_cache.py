@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pagoda.block_hash import hash_block
 from pagoda.engine.api import KVEventSink
-from pagoda.engine.request import Request
+from pagoda.engine.core.request import Request
 
 __all__ = ["Block", "BlockPool", "KVCacheManager", "hash_block"]
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from pagoda.config import SchedulerConfig
-from pagoda.engine.request import Request
+from pagoda.engine.core.request import Request
 
 
 class WaitingQueue(Protocol):
