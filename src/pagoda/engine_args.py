@@ -54,7 +54,7 @@ def served_model_name(model: str, given: str | None = None) -> str:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags, with vLLM's names. Each defaults to None, "not given": build_engine_config fills in
-    pagoda.config's defaults (reading them here would import torch before `--help` could answer)."""
+    pagoda.config's defaults, so that a config default is applied in one place."""
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: built-in)")
     parser.add_argument("--dtype", help="float32 | bfloat16 | float16")
     parser.add_argument("--device")
