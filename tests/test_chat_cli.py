@@ -16,7 +16,7 @@ from server_fixtures import start_server
 
 from pagoda import LLM, SamplingParams
 from pagoda.chat import PROMPT
-from pagoda.demo import DEMO_MODEL_DIR
+from pagoda.demo import DEMO_EXAMPLES, DEMO_INTRO, DEMO_MODEL_DIR
 from pagoda.engine_args import add_engine_args, json_object
 from pagoda.text.tokenizer import encode_chat
 
@@ -57,7 +57,7 @@ def spawn_chat_with_start_up(*args: str) -> tuple[pexpect.spawn, str]:
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     child.expect_exact("chatting with")
     start_up = child.before
-    child.expect_exact(PROMPT)
+    child.expect_exact(PROMPT)  # child.before: the greeting
     return child, start_up
 
 
@@ -209,3 +209,15 @@ def test_url_chat_stops_a_server_answer(server):
     finally:
         close(child)
     server.wait_until_idle()
+
+
+def test_the_chat_says_what_the_built_in_model_can_do_and_answers_its_examples(server):
+    child = spawn_chat("--url", server.url, "--max-tokens", str(MAX_TOKENS))
+    try:
+        greeting = child.before.replace("\r\n", "\n")
+        assert DEMO_INTRO in greeting and all(example in greeting for example in DEMO_EXAMPLES), greeting
+        for question, answer in DEMO_EXAMPLES.items():
+            assert ask(child, "/reset") == "(conversation cleared)"
+            assert ask(child, question) == answer
+    finally:
+        close(child)

@@ -20,6 +20,10 @@ import pytest
 from playwright.sync_api import Browser, Locator, Page, Route, sync_playwright
 from server_fixtures import start_server
 
+from pagoda.demo import DEMO_EXAMPLES, DEMO_INTRO
+from pagoda.server.api import ServerState
+from pagoda.server.web import intro_body
+
 pytestmark = pytest.mark.timeout(180)
 
 KEY = "web-ui-key"
@@ -136,6 +140,29 @@ def test_the_page_answers_as_the_api_does_and_shows_ttft_and_tokens_per_second(p
     meta = answer.locator(".meta").text_content() or ""
     assert "TTFT" in meta and "finish: stop" in meta, meta
     assert float(answer.get_attribute("data-ttft-ms") or "nan") > 0
+
+
+def test_the_built_in_model_says_what_it_can_do_and_its_examples_are_answered_on_a_click(page: Page):
+    open_chat(page)
+    wait_for_text(page, "#intro-text", f"text => text === {json.dumps(DEMO_INTRO)}")
+    examples = page.locator("#intro-examples button")
+    assert examples.all_text_contents() == list(DEMO_EXAMPLES)
+    page.fill("#temperature", "0")
+    for index, (question, answer) in enumerate(DEMO_EXAMPLES.items()):
+        if index:
+            page.click("#new-chat")  # one question per conversation, as the introduction says
+        assert page.locator("#intro").is_visible()
+        examples.nth(index).click()
+        last_answer(page).and_(page.locator("[data-state=done]")).wait_for()
+        assert page.locator(".message.user .content").all_text_contents() == [question]
+        assert last_answer(page).locator(".content").text_content() == answer
+        assert not page.locator("#intro").is_visible()
+
+
+def test_the_introduction_is_the_built_in_models_alone(server):
+    assert httpx.get(f"{server.url}/chat/intro", timeout=10).status_code == 401  # guarded like the API
+    assert server.get("/chat/intro").json() == {"intro": DEMO_INTRO, "examples": list(DEMO_EXAMPLES)}
+    assert intro_body(ServerState(model_name="another")) == {"intro": None, "examples": []}
 
 
 def test_an_answer_streams_in_and_the_settings_reach_the_request(page: Page):

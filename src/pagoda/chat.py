@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from pagoda.engine_args import add_engine_args, engine_config_from, engine_flags, model_to_load, served_model_name
+from pagoda.engine_args import (
+    DEMO_SERVED_NAME,
+    add_engine_args,
+    engine_config_from,
+    engine_flags,
+    is_builtin_model,
+    model_to_load,
+    served_model_name,
+)
 
 if TYPE_CHECKING:
     from pagoda.engine.engine import LLMEngine
@@ -186,8 +194,9 @@ class StopOnInterrupt:
 
 class TerminalChat:
     def __init__(self, backend: ChatBackend, settings: AnswerSettings, system: str | None = None,
-                 show_stats: bool = False, out: TextIO = sys.stdout) -> None:
+                 show_stats: bool = False, out: TextIO = sys.stdout, intro: str | None = None) -> None:
         self.backend = backend
+        self.intro = intro
         self.settings = settings
         self.system = system
         self.show_stats = show_stats
@@ -196,6 +205,8 @@ class TerminalChat:
 
     def run(self) -> int:
         self._say(f"chatting with {self.backend.description}; /help for commands, Ctrl-D to leave")
+        if self.intro:
+            self._say(self.intro)
         while True:
             try:
                 line = input(PROMPT).strip()
@@ -316,7 +327,16 @@ def run_chat(args: argparse.Namespace) -> int:
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
     logging.getLogger().setLevel(logging.WARNING)  # start-up said its piece; per-request logs would cut into answers
-    return TerminalChat(backend, settings, system=args.system, show_stats=args.stats).run()
+    builtin = backend.model == DEMO_SERVED_NAME if isinstance(backend, OpenAIBackend) else is_builtin_model(args.model)
+    return TerminalChat(backend, settings, system=args.system, show_stats=args.stats,
+                        intro=demo_intro() if builtin else None).run()
+
+
+def demo_intro() -> str:
+    """What the built-in model can do, and questions to type: two lines at the start of the chat."""
+    from pagoda.demo import DEMO_EXAMPLES, DEMO_INTRO
+
+    return f"{DEMO_INTRO} /reset starts a new one.\ntry: " + "  |  ".join(DEMO_EXAMPLES)
 
 
 def _url_backend(args: argparse.Namespace) -> ChatBackend:

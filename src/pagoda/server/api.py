@@ -85,6 +85,7 @@ class ServerState:
     tool_call_parser: str | None = None
     json_decoder: JsonDecoder = field(default_factory=JsonDecoder)
     web_ui: bool = True  # the chat page at / and the dashboard (server/web.py); --disable-web-ui
+    builtin_model: bool = False  # pagoda's own demo model: the chat page introduces it (server/web.py)
 
     @property
     def engine(self) -> AsyncEngine | None:

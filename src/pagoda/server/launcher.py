@@ -26,6 +26,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.api import KVEventSink
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import LLMEngine
+from pagoda.engine_args import is_builtin_model
 from pagoda.model_dir import ModelLoadError
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import Admission
@@ -115,7 +116,7 @@ def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int,
     limit_malloc_arenas()  # before the serving threads start (server/memory.py)
     state = ServerState(model_name=model_name, api_keys=api_keys, limits=limits,
                         admission=Admission(max_waiting_requests), tool_call_parser=tool_call_parser,
-                        web_ui=web_ui)
+                        web_ui=web_ui, builtin_model=is_builtin_model(engine_config.model))
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
                             http=read_deadline_protocol(limits.request_read_timeout))

@@ -3,7 +3,7 @@
 The pages are static files shipped in the package (pagoda/server/web/), read once when the app is built and
 served from memory under fixed paths: no CDN, no build step, no path taken from the request. They hold no
 data, so they are served without an API key; the page asks for the key and sends it with its API calls,
-and the stats route is guarded like the API.
+and the stats route (and the model's introduction) is guarded like the API.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ WEB_DIR = Path(__file__).resolve().parent / "web"
 PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
 ASSETS_PATH = "/web"  # every other file of WEB_DIR is served at /web/<name>
 STATS_PATH = "/dashboard/stats"
+INTRO_PATH = "/chat/intro"  # what the chat page says about the model before the first question
 CONTENT_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",
                  ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml"}
 # Model text is only ever inserted as text; this policy is the second line: no inline script, nothing
@@ -55,8 +56,21 @@ def mount_web_ui(app: FastAPI, state: ServerState) -> frozenset[str]:
     async def dashboard_stats() -> dict:
         return stats_body(state)
 
+    async def model_intro() -> dict:
+        return intro_body(state)
+
     app.add_api_route(STATS_PATH, dashboard_stats, methods=["GET"], include_in_schema=False)
+    app.add_api_route(INTRO_PATH, model_intro, methods=["GET"], include_in_schema=False)
     return frozenset(files)
+
+
+def intro_body(state: ServerState) -> dict:
+    """For the built-in model, what it can do and questions to try; for any other model, nothing to say."""
+    from pagoda.demo import DEMO_EXAMPLES, DEMO_INTRO
+
+    if not state.builtin_model:
+        return {"intro": None, "examples": []}
+    return {"intro": DEMO_INTRO, "examples": list(DEMO_EXAMPLES)}
 
 
 def _static_endpoint(file: Path) -> Callable[[], Coroutine[Any, Any, Response]]:

@@ -166,6 +166,26 @@
     $("empty-hint").hidden = false;
   }
 
+  // The built-in model says what it can do, with questions to click; any other model says nothing here.
+  async function loadIntro() {
+    const response = await pagoda.apiFetch("/chat/intro");
+    if (!response.ok) return;
+    const { intro, examples } = await response.json();
+    if (!intro) return;
+    $("intro-text").textContent = intro;
+    for (const example of examples) {
+      const button = document.createElement("button");
+      button.type = "button";
+      button.textContent = example;
+      button.addEventListener("click", () => {
+        $("prompt").value = example;
+        $("composer").requestSubmit();
+      });
+      $("intro-examples").append(button);
+    }
+    $("intro").hidden = false;
+  }
+
   async function loadModel() {
     try {
       model = await pagoda.firstModel();
@@ -173,6 +193,7 @@
       $("chat-status").textContent = "";
       $("chat-status").classList.remove("error");
       setBusy(false);
+      loadIntro().catch(() => {}); // optional: the page works without it
     } catch (error) {
       const retry = error.status !== 401; // no key given: reloading the page asks again
       $("chat-status").textContent = `Cannot list the models (${error.message}); ` +
