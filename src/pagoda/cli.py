@@ -54,6 +54,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level=args.uvicorn_log_level,
         tool_call_parser=tool_call_parser,
         web_ui=not args.disable_web_ui,
+        builtin_model=is_builtin_model(args.model),
         kv_events=kv_events,
     )
     exit_now(code)
