@@ -130,6 +130,18 @@ def test_a_config_json_reads_like_its_preset(tmp_path):
     assert arch is not None and (arch.num_layers, arch.num_kv_heads, arch.head_dim) == (80, 8, 128)
 
 
+def test_a_broken_config_json_is_one_line_naming_the_file(tmp_path, capsys):
+    path = tmp_path / "broken" / "config.json"
+    path.parent.mkdir()
+    path.write_text("{not json")
+    parser = argparse.ArgumentParser(prog="pagoda")
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["calc", "--model", str(path.parent), "--gpu", "h100-sxm"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pagoda calc: {path}: not JSON (") and err.count("\n") == 1, err
+
+
 def test_multimodal_configs_are_read_from_text_config(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "llava", "text_config": MODEL_CONFIGS["llama-3-8b"]}))

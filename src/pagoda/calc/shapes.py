@@ -123,7 +123,10 @@ def shape_from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
 
 def shape_from_path(path: Path) -> ModelShape:
     config_path = path / "config.json" if path.is_dir() else path
-    config = json.loads(config_path.read_text())
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as error:  # the message alone would not say which file
+        raise ValueError(f"{config_path}: not JSON ({error})") from error
     # Multimodal wrappers keep the language model's config under text_config.
     config = config.get("text_config", config)
     name = path.name if path.is_dir() else path.parent.name or str(path)
