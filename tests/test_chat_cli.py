@@ -17,7 +17,8 @@ from server_fixtures import start_server
 from pagoda import LLM, SamplingParams
 from pagoda.chat import PROMPT
 from pagoda.demo import DEMO_EXAMPLES, DEMO_INTRO, DEMO_MODEL_DIR
-from pagoda.engine_args import add_engine_args, json_object
+from pagoda.engine_args import add_engine_args
+from pagoda.flag_values import json_object
 from pagoda.text.tokenizer import encode_chat
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,6 +10,7 @@ import transformers
 
 from pagoda.cli import build_parser
 from pagoda.demo import DEMO_MODEL_DIR
+from pagoda.flag_values import show_default
 from pagoda.structured import InvalidConstraint, StructuredOutputsParams
 from pagoda.structured import llguidance_backend as backend_module
 from pagoda.structured.bounds import bounds_problem
@@ -117,7 +118,7 @@ def test_each_limit_has_a_flag_whose_help_gives_the_dataclass_default():
     for item in dataclasses.fields(GrammarLimits):
         action = by_flag[grammar_flag(item.name)]
         assert action.default is None  # not given: GrammarLimits' default applies
-        assert f"(default {item.default})" in action.help
+        assert f"(default {show_default(item.default)})" in action.help
 
 
 def test_limits_must_be_positive():

@@ -7,15 +7,8 @@ import logging
 import sys
 
 from pagoda.api_keys import add_api_key_arguments
-from pagoda.engine_args import (
-    add_engine_args,
-    engine_config_from,
-    is_builtin_model,
-    json_object,
-    model_to_load,
-    parse_bytes,
-    served_model_name,
-)
+from pagoda.engine_args import add_engine_args, engine_config_from, is_builtin_model, model_to_load, served_model_name
+from pagoda.flag_values import format_bytes, json_object, parse_bytes, show_default
 
 # What `pagoda bench` imports beyond serving's dependencies: the `bench` extra.
 BENCH_EXTRA_MODULES = ("httpx", "matplotlib")
@@ -96,6 +89,23 @@ def kv_events_config(values: dict | None):
 
 
 # The `serve` flags that bound one request (pagoda.wire.limits.ServerLimits' fields, defaults there).
+
+
+class ServeHelpFormatter(argparse.HelpFormatter):
+    """Fills `{default}` in the request-bound flags' help from ServerLimits when help is shown: reading it
+    while building the parser would import the wire package (pydantic) into every command."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help
+        if text is not None and "{default}" in text:
+            from pagoda.wire.limits import ServerLimits
+
+            value = getattr(ServerLimits, action.dest)
+            shown = format_bytes(value) if action.type is parse_bytes else show_default(value)
+            text = text.replace("{default}", shown)
+        return text
+
+
 SERVER_LIMITS = ("max_request_body_bytes", "max_chars_per_token", "max_sequences_per_request", "max_stop_strings",
                  "max_stop_string_chars", "max_logit_bias", "request_timeout", "request_read_timeout")
 
@@ -143,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagoda", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server", formatter_class=ServeHelpFormatter)
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
@@ -153,22 +163,22 @@ def build_parser() -> argparse.ArgumentParser:
                        help="answer 429 to a request whose sequences (prompts x n) would take the waiting queue "
                             "past this many (default: unbounded)")
     serve.add_argument("--max-request-body-bytes", type=parse_bytes, default=None,
-                       help="answer 413 to a larger request body (suffixes K, M, G; default 8M)")
+                       help="answer 413 to a larger request body (suffixes K, M, G; default {default})")
     serve.add_argument("--max-chars-per-token", type=float, default=None,
                        help="refuse a prompt longer than max_model_len x this many characters before tokenizing "
-                            "it (default 32)")
+                            "it (default {default})")
     serve.add_argument("--max-sequences-per-request", type=int, default=None,
-                       help="most sequences (prompts x n) one request may ask for (default 256)")
-    serve.add_argument("--max-stop-strings", type=int, default=None, help="most stop strings (default 16)")
+                       help="most sequences (prompts x n) one request may ask for (default {default})")
+    serve.add_argument("--max-stop-strings", type=int, default=None, help="most stop strings (default {default})")
     serve.add_argument("--max-stop-string-chars", type=int, default=None,
-                       help="longest stop string, in characters (default 1024)")
-    serve.add_argument("--max-logit-bias", type=int, default=None, help="most logit_bias entries (default 1024)")
+                       help="longest stop string, in characters (default {default})")
+    serve.add_argument("--max-logit-bias", type=int, default=None, help="most logit_bias entries (default {default})")
     serve.add_argument("--request-timeout", type=float, default=None,
                        help="seconds from a request's arrival to its last token; then it is aborted and "
-                            "answered 504 (default 600; 0: no limit)")
+                            "answered 504 (default {default}; 0: no limit)")
     serve.add_argument("--request-read-timeout", type=float, default=None,
                        help="seconds a client has to send a request's headers and body, from its first byte "
-                            "(or the connection's opening); then the connection is closed (default 10)")
+                            "(or the connection's opening); then the connection is closed (default {default})")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
     serve.add_argument("--uvicorn-log-level", default="warning")
     serve.add_argument("--disable-web-ui", action="store_true",

@@ -7,7 +7,9 @@ import argparse
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from pagoda.flag_values import format_bytes, json_object, parse_bytes, show_default
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
@@ -54,38 +56,48 @@ def served_model_name(model: str, given: str | None = None) -> str:
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags, with vLLM's names. Each defaults to None, "not given": build_engine_config fills in
-    pagoda.config's defaults, so that a config default is applied in one place."""
+    pagoda.config's defaults, and each help shows the default read from there (pagoda.config is torch-free)."""
+    from pagoda.config import DTYPE_BYTES, SCHEDULING_POLICIES, CacheConfig, EngineConfig, Int4Options, SchedulerConfig
+
+    int4_defaults = json.dumps({key: getattr(Int4Options, key) for key in Int4Options.KEYS})
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: built-in)")
-    parser.add_argument("--dtype", help="float32 | bfloat16 | float16")
-    parser.add_argument("--device")
+    parser.add_argument("--dtype", help=f"{' | '.join(DTYPE_BYTES)} (default {EngineConfig.dtype})")
+    parser.add_argument("--device", help=f"default {EngineConfig.device}")
     parser.add_argument("--quantization", "-q", choices=["int8", "int4"],
                         help="weight-only, quantized at load: int8 (per output channel, symmetric) or int4 "
                              "(group-wise); a GPTQ or AWQ checkpoint is int4 already (docs/quantization.md)")
     parser.add_argument("--quantization-config", type=json_object,
-                        help='int4 options: \'{"group_size": 32, "sym": false, "lm_head": true, "search": true}\' '
-                             "(those are the defaults)")
+                        help=f"int4 options: '{int4_defaults}' (those are the defaults)")
     parser.add_argument("--use-kernels", action=argparse.BooleanOptionalAction,
-                        help="pagoda's native CPU kernels (compiled on first use) where they apply")
-    parser.add_argument("--seed", type=int)
-    parser.add_argument("--max-model-len", type=int)
-    parser.add_argument("--max-num-seqs", type=int)
-    parser.add_argument("--max-num-batched-tokens", type=int)
+                        help="pagoda's native CPU kernels (compiled on first use) where they apply "
+                             f"(default {show_default(EngineConfig.use_kernels)})")
+    parser.add_argument("--seed", type=int, help=f"default {EngineConfig.seed}")
+    parser.add_argument("--max-model-len", type=int, help=f"default {SchedulerConfig.max_model_len}")
+    parser.add_argument("--max-num-seqs", type=int, help=f"default {SchedulerConfig.max_num_seqs}")
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        help=f"default {SchedulerConfig.max_num_batched_tokens}")
     parser.add_argument("--max-step-ms", type=float,
                         help="while requests decode, cap each step's prefill so the step is predicted to take at "
-                             "most this long (default 200; 0: no cap; docs/scheduling.md)")
+                             f"most this long (default {show_default(SchedulerConfig.max_step_ms)}; 0: no cap; "
+                             "docs/scheduling.md)")
     parser.add_argument("--long-prefill-token-threshold", type=int,
-                        help="most prefill tokens one request computes per step (default 0: no cap)")
-    parser.add_argument("--scheduling-policy", choices=["fcfs", "priority"],
-                        help="fcfs (default) or priority: the request's `priority`, lower first")
+                        help="most prefill tokens one request computes per step "
+                             f"(default {SchedulerConfig.long_prefill_token_threshold}; 0: no cap)")
+    parser.add_argument("--scheduling-policy", choices=SCHEDULING_POLICIES,
+                        help="fcfs, or priority: the request's `priority`, lower first "
+                             f"(default {SchedulerConfig.scheduling_policy})")
     parser.add_argument("--priority-aging-s", type=float,
                         help="priority: each level counts as this many seconds of later arrival, bounding how "
-                             "long lower levels wait (default 10; 0: strict order, no bound)")
-    parser.add_argument("--block-size", type=int)
+                             f"long lower levels wait (default {show_default(SchedulerConfig.priority_aging_s)}; "
+                             "0: strict order, no bound)")
+    parser.add_argument("--block-size", type=int, help=f"default {CacheConfig.block_size}")
     parser.add_argument("--kv-cache-memory-bytes", type=parse_bytes,
-                        help="most bytes the KV pool may take (suffixes K, M, G: 2G = 2 GiB; default 2G); the pool "
-                             "is what --max-num-seqs x --max-model-len can use, up to this")
+                        help="most bytes the KV pool may take (suffixes K, M, G: 2G = 2 GiB; "
+                             f"default {format_bytes(CacheConfig.kv_cache_memory_bytes)}); the pool is what "
+                             "--max-num-seqs x --max-model-len can use, up to this")
     parser.add_argument("--num-kv-blocks", type=int, help="explicit pool size in blocks")
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                        help=f"default {show_default(CacheConfig.enable_prefix_caching)}")
     parser.add_argument("--speculative-config", type=json_object,
                         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
@@ -97,33 +109,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def add_grammar_limit_args(parser: argparse.ArgumentParser) -> None:
     """One flag per GrammarLimits field (docs/serving-limits.md), its help and default read from the field."""
-    from dataclasses import MISSING, fields
+    from dataclasses import fields
 
     from pagoda.structured.limits import GrammarLimits, grammar_flag
 
     for item in fields(GrammarLimits):
-        default = item.default if item.default is not MISSING else None
+        default = getattr(GrammarLimits, item.name)
         parser.add_argument(grammar_flag(item.name), dest=f"grammar_{item.name}", default=None,
                             type=int if isinstance(default, int) else float,
-                            help=f"{item.metadata['help']} (default {default})")
-
-
-def parse_bytes(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
-
-
-def json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object")
-    return value
+                            help=f"{item.metadata['help']} (default {show_default(default)})")
 
 
 def engine_flags() -> dict[str, str]:

@@ -12,35 +12,36 @@ import sys
 from collections.abc import Mapping
 
 from pagoda.api_keys import ApiKeys, add_api_key_arguments
+from pagoda.flag_values import show_default
 from pagoda.router.config import POLICIES, RouterConfig
 
 # Where --replica-api-key is read from when not given (a flag's value is visible to every local user in `ps`).
 REPLICA_API_KEY_ENV_VAR = "PAGODA_REPLICA_API_KEY"
 
-# flag -> (RouterConfig field, type, help)
+# flag -> (RouterConfig field, type, help); each help ends with the field's default, read from RouterConfig
 CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--policy": ("policy", str, "how a replica is chosen (default cache_aware)"),
-    "--hit-weight": ("hit_weight", float, "cost weight of each uncached prompt token (default 2)"),
+    "--policy": ("policy", str, "how a replica is chosen"),
+    "--hit-weight": ("hit_weight", float, "cost weight of each uncached prompt token"),
     "--queue-weight-tokens": ("queue_weight_tokens", float,
-                              "cost, in tokens, of each request waiting at a replica (default 256)"),
-    "--kv-weight-tokens": ("kv_weight_tokens", float, "cost, in tokens, of a full KV cache (default 256)"),
+                              "cost, in tokens, of each request waiting at a replica"),
+    "--kv-weight-tokens": ("kv_weight_tokens", float, "cost, in tokens, of a full KV cache"),
     "--max-replica-waiting": ("max_waiting_requests", int,
-                              "skip a replica with this many requests waiting (default 64)"),
-    "--max-replica-kv-usage": ("max_kv_usage", float, "skip a replica whose KV usage reaches this (default 0.95)"),
+                              "skip a replica with this many requests waiting"),
+    "--max-replica-kv-usage": ("max_kv_usage", float, "skip a replica whose KV usage reaches this"),
     "--hot-prefix-share": ("hot_prefix_share", float,
-                           "most share of one prefix's requests in flight on one replica (default 0.5)"),
-    "--index-ttl": ("index_ttl_s", float, "seconds a routed block stays in a replica's index (default 120)"),
+                           "most share of one prefix's requests in flight on one replica"),
+    "--index-ttl": ("index_ttl_s", float, "seconds a routed block stays in a replica's index"),
     "--block-size": ("default_block_size", int,
-                     "block size until a replica publishes vllm:cache_config_info (default 16)"),
-    "--poll-interval": ("poll_interval_s", float, "seconds between health/metrics polls (default 1)"),
+                     "block size until a replica publishes vllm:cache_config_info"),
+    "--poll-interval": ("poll_interval_s", float, "seconds between health/metrics polls"),
     "--breaker-failures": ("breaker_failures", int,
                            "consecutive failures (no answer, or a 5xx not marked as the request's own) that "
-                           "eject a replica (default 3)"),
-    "--breaker-cooldown": ("breaker_cooldown_s", float, "seconds an ejected replica sits out (default 5)"),
-    "--max-retries": ("max_retries", int, "other replicas tried before the client sees a failure (default 2)"),
-    "--retry-backoff": ("retry_backoff_s", float, "first retry's backoff in seconds, jittered (default 0.05)"),
-    "--request-timeout": ("request_timeout_s", float, "seconds a replica may take to answer (default 600)"),
-    "--seed": ("seed", int, "seed of the random and power_of_two policies (default 0)"),
+                           "eject a replica"),
+    "--breaker-cooldown": ("breaker_cooldown_s", float, "seconds an ejected replica sits out"),
+    "--max-retries": ("max_retries", int, "other replicas tried before the client sees a failure"),
+    "--retry-backoff": ("retry_backoff_s", float, "first retry's backoff in seconds, jittered"),
+    "--request-timeout": ("request_timeout_s", float, "seconds a replica may take to answer"),
+    "--seed": ("seed", int, "seed of the random and power_of_two policies"),
 }
 
 
@@ -66,7 +67,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                        help="serve the OpenAPI pages (/docs, /redoc, /openapi.json); off by default")
     for flag, (field, kind, text) in CONFIG_FLAGS.items():
         choices = POLICIES if field == "policy" else None
-        route.add_argument(flag, dest=field, type=kind, default=None, choices=choices, help=text)
+        route.add_argument(flag, dest=field, type=kind, default=None, choices=choices,
+                           help=f"{text} (default {show_default(getattr(RouterConfig, field))})")
     route.set_defaults(func=run_route)
 
 
