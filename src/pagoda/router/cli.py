@@ -50,8 +50,8 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     route.add_argument("--replica", action="append", required=True, metavar="URL",
                        help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each)")
     route.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
-                       help="the replicas' model directory, for its tokenizer and chat template (needed for "
-                            "cache_aware to see chat and text prompts)")
+                       help="the replicas' model directory: cache_aware matches prompts by its tokenizer and chat "
+                            "template, as the replicas cache them (default: by text prefix)")
     route.add_argument("--replica-kv-events", action="append", default=None, metavar="URL=ENDPOINT",
                        help="a replica that publishes KV events (serve --kv-events-config), and where: "
                             "http://10.0.0.5:8000=tcp://10.0.0.5:5557; its index then follows them exactly")

@@ -16,18 +16,32 @@ from pagoda.router.app import build_router_app
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
 from pagoda.router.poller import POLL_LOG_FILTER
-from pagoda.router.tokens import LoadOnlyReader, PromptReader, TokenizingReader
+from pagoda.router.tokens import CHARS_PER_TOKEN, LoadOnlyReader, PromptReader, TextPrefixReader, TokenizingReader
 from pagoda.text.pool import TokenizerPool
 from pagoda.text.tokenizer import load_tokenizer
 
 logger = logging.getLogger("pagoda.route")
 
 
-def prompt_reader(tokenizer_dir: str | None) -> PromptReader:
-    """Tokenizing with the model's own tokenizer and chat template (the server's code), or load-only routing."""
-    if tokenizer_dir is None:
-        return LoadOnlyReader()
-    return TokenizingReader(TokenizerPool(load_tokenizer(tokenizer_dir)))
+def prompt_reader(tokenizer_dir: str | None, policy: str) -> PromptReader:
+    """Tokenizing with the model's own tokenizer and chat template (the server's code); else, for cache_aware,
+    text-prefix matching; else (policies that read no prompt) nothing."""
+    if tokenizer_dir is not None:
+        return TokenizingReader(TokenizerPool(load_tokenizer(tokenizer_dir)))
+    return TextPrefixReader() if policy == "cache_aware" else LoadOnlyReader()
+
+
+def matching_line(tokenizer_dir: str | None, policy: str, event_endpoints: Mapping[str, str] | None) -> str:
+    """How prompts are matched to the replicas' caches: said at start-up."""
+    if policy != "cache_aware":
+        return f"{policy}: prompts are not matched to the replicas' caches"
+    if tokenizer_dir is not None:
+        return f"cache_aware: prompts matched by the replicas' own tokens and chat template ({tokenizer_dir})"
+    line = (f"cache_aware: prompts matched by text prefix (about {CHARS_PER_TOKEN} characters a token); "
+            "--tokenizer MODEL_DIR matches the replicas' own tokens")
+    if event_endpoints:
+        line += ", which replicas publishing KV events need: without it they are matched by load alone"
+    return line
 
 
 def replica_client(config: RouterConfig) -> httpx.AsyncClient:
@@ -51,14 +65,14 @@ def serve_router(config: RouterConfig, replicas: Sequence[str], *, tokenizer_dir
                  log_level: str = "warning", event_endpoints: Mapping[str, str] | None = None,
                  events_topic: str = "", api_keys: ApiKeys | None = None, replica_api_key: str | None = None,
                  enable_docs: bool = False) -> int:
-    if config.policy == "cache_aware" and tokenizer_dir is None:
-        logger.warning("cache_aware without --tokenizer: chat and text prompts route by load alone")
     if replica_api_key is not None and not (api_keys and api_keys.enabled):
         logger.warning("--replica-api-key without --api-key: anyone who reaches the router uses the replicas' key")
     logging.getLogger("httpx").addFilter(POLL_LOG_FILTER)
     router = Router(replicas, config, event_endpoints=event_endpoints)
-    app = build_router_app(router, prompt_reader(tokenizer_dir), replica_client(config), events_topic=events_topic,
-                           api_keys=api_keys, replica_api_key=replica_api_key, enable_docs=enable_docs)
+    app = build_router_app(router, prompt_reader(tokenizer_dir, config.policy), replica_client(config),
+                           events_topic=events_topic, api_keys=api_keys, replica_api_key=replica_api_key,
+                           enable_docs=enable_docs)
+    logger.info(matching_line(tokenizer_dir, config.policy, event_endpoints))  # once the tokenizer loaded
     logger.info("routing over %d replicas with %s on %s:%d", len(replicas), config.policy, host, port)
     RouterServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)).run()
     return 0

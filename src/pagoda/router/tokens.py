@@ -1,4 +1,5 @@
-"""A request body's prompt as token ids, rendered and tokenized exactly as a pagoda replica does it.
+"""A request body's prompt as token ids, rendered and tokenized exactly as a pagoda replica does it (with
+--tokenizer), or as pseudo-tokens of its text (without).
 
 The router parses the body with the wire models the server validates with (pagoda.wire) and applies the
 model's chat template through the function the server uses (pagoda.text's `render_chat`).
@@ -7,6 +8,8 @@ A body the router cannot read routes by load alone; the replica then answers wha
 
 from __future__ import annotations
 
+import json
+import zlib
 from typing import Any, Protocol
 
 from pydantic import ValidationError
@@ -39,6 +42,49 @@ class LoadOnlyReader:
 
     async def chat(self, body: dict[str, Any]) -> RoutedPrompt:
         return RoutedPrompt(None, _cache_salt(body))
+
+
+# Without the model's tokenizer, text stands in for tokens: every CHARS_PER_TOKEN characters of the prompt (a
+# chat's tools and messages as canonical JSON) become one pseudo-token, their CRC-32. Prompts that share a text
+# prefix then share block hashes in the router's own index, and counts stay near real token counts (English
+# runs about 4 characters a token), so that the cost's terms keep their scale.
+CHARS_PER_TOKEN = 4
+
+
+def text_pseudo_tokens(text: str) -> list[int]:
+    return [zlib.crc32(text[start : start + CHARS_PER_TOKEN].encode("utf-8", "surrogatepass"))
+            for start in range(0, len(text), CHARS_PER_TOKEN)]
+
+
+def chat_text(body: dict[str, Any]) -> str | None:
+    """The conversation as text whose prefix is the earlier turns': tools first, then each message as it was
+    sent. None when the body has no list of messages."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    tools = body.get("tools")
+    parts = [json.dumps(tools, sort_keys=True)] if tools else []
+    parts += [json.dumps(message, sort_keys=True) for message in messages]
+    return "\n".join(parts)
+
+
+class TextPrefixReader:
+    """No tokenizer: prompts are matched by their text's prefix (CHARS_PER_TOKEN). Token-id prompts keep their
+    ids. The replicas' KV events carry token hashes, which text cannot match."""
+
+    async def completion(self, body: dict[str, Any]) -> RoutedPrompt:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt:  # a batch routes as one: by its first prompt
+            prompt = prompt if all(isinstance(t, int) for t in prompt) else prompt[0]
+        if isinstance(prompt, str):
+            return RoutedPrompt(text_pseudo_tokens(prompt), _cache_salt(body))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            return RoutedPrompt(list(prompt), _cache_salt(body))
+        return RoutedPrompt(None, _cache_salt(body))
+
+    async def chat(self, body: dict[str, Any]) -> RoutedPrompt:
+        text = chat_text(body)
+        return RoutedPrompt(text_pseudo_tokens(text) if text else None, _cache_salt(body))
 
 
 class TokenizingReader:
