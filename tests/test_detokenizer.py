@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from pagoda import SamplingParams
 from pagoda.engine.core.request import Request
-from pagoda.engine.output import IncrementalDetokenizer
+from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.engine.output_processor import SequenceText
 from pagoda.text.tokenizer import load_tokenizer
 

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from pagoda.config import SchedulerConfig
 from pagoda.engine.core.kv_cache import KVCacheManager
 from pagoda.engine.core.request import FinishReason, Request, RequestStatus
+from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import Scheduler, SchedulerOutput
-from pagoda.engine.runner_output import ModelRunnerOutput
 from pagoda.sampling import SamplingParams
 
 BLOCK_SIZE = 4

@@ -28,6 +28,7 @@ from pagoda.config import SchedulerConfig, SpeculativeConfig
 from pagoda.engine.api import EngineStats, RequestOutput, SpecDecodeStats
 from pagoda.engine.core.kv_cache import KVCacheManager, hash_block
 from pagoda.engine.core.request import FinishReason, Request, RequestStatus
+from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import Scheduler
 from pagoda.engine.core.speculative import (
     Draft,
@@ -37,7 +38,6 @@ from pagoda.engine.core.speculative import (
     draft_room,
     ngram_lookup,
 )
-from pagoda.engine.runner_output import ModelRunnerOutput
 from pagoda.engine.sampler import SampleRow, build_sampling_metadata
 from pagoda.model.attention import build_metadata
 from pagoda.server.metrics import ServerMetrics

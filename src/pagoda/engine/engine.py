@@ -21,12 +21,12 @@ from pagoda.engine.api import (
     SpecDecodeStats,
 )
 from pagoda.engine.core.request import FinishReason
+from pagoda.engine.core.runner_output import PromptLogprobsChunk
 from pagoda.engine.core.step_budget import StepCostModel
 from pagoda.engine.engine_parts import build_engine_parts
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor, SequenceText
 from pagoda.engine.parallel_sampling import RequestGroup
-from pagoda.engine.runner_output import PromptLogprobsChunk
 from pagoda.model.loader import checkpoint_num_parameters
 from pagoda.model.quantization import quantized_matmul_name
 from pagoda.sampling import SamplingParams

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pagoda.engine.api import CompletionOutput, RequestOutput
 from pagoda.engine.core.request import FinishReason, Request
 from pagoda.engine.core.scheduler import EngineCoreOutput
-from pagoda.engine.output import IncrementalDetokenizer
+from pagoda.engine.detokenizer import IncrementalDetokenizer
 from pagoda.engine.parallel_sampling import RequestGroup
 from pagoda.structured.interface import GrammarStateError
 from pagoda.text.tokenizer import Tokenizer

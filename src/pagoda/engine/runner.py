@@ -31,10 +31,10 @@ from typing import Protocol
 
 import torch
 
+from pagoda.engine.core.runner_output import ModelRunnerOutput, PromptLogprobsChunk
 from pagoda.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.engine.core.speculative import accepted_rows
 from pagoda.engine.grammar_masks import GrammarMasks, StructuredOutputs
-from pagoda.engine.runner_output import ModelRunnerOutput, PromptLogprobsChunk
 from pagoda.engine.sampler import Proposal, SamplerOutput, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.model.attention import QueryLayout, slot_of
 from pagoda.model.llama import LlamaModel

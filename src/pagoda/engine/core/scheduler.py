@@ -21,9 +21,9 @@ from pagoda.config import SchedulerConfig
 from pagoda.engine.core.kv_cache import KVCacheManager
 from pagoda.engine.core.queues import make_waiting_queue
 from pagoda.engine.core.request import FinishReason, Request, RequestStatus
+from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.speculative import Draft, DraftSource, SpecDecodeCounters
 from pagoda.engine.core.step_budget import LinearStepCost, StepCostModel, prefill_token_cap
-from pagoda.engine.runner_output import ModelRunnerOutput
 from pagoda.structured.interface import GrammarStateError
 
 # vLLM's buckets for vllm:iteration_tokens_total (tokens computed per engine step).
