@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="no chat page at / and no dashboard at /dashboard (docs/web-ui.md)")
     serve.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
                        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser '
-                            "(default: on, hermes, for the built-in model; off otherwise)")
+                            "(default: on for the built-in model, in the form it was trained on; off otherwise)")
     serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                        help="the model's tool-call format, as its chat template teaches it")
     serve.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
