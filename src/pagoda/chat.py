@@ -131,8 +131,9 @@ class OpenAIBackend:
 
     def answer(self, messages: list[Message], settings: AnswerSettings) -> Generator[Delta, None, None]:
         try:
-            stream = self.client.chat.completions.create(
-                model=self.model, messages=messages, stream=True,  # type: ignore[arg-type]
+            # Plain {"role", "content"} dicts, where the client's stub wants one TypedDict per role.
+            stream = self.client.chat.completions.create(  # type: ignore[call-overload]
+                model=self.model, messages=messages, stream=True,
                 stream_options={"include_usage": True}, max_tokens=settings.max_tokens,
                 temperature=settings.temperature, top_p=settings.top_p, seed=settings.seed,
                 extra_body={"ignore_eos": True} if settings.ignore_eos else None,

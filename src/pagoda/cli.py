@@ -5,10 +5,14 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING, Any
 
 from pagoda.api_keys import add_api_key_arguments
 from pagoda.engine_args import add_engine_args, engine_config_from, is_builtin_model, model_to_load, served_model_name
 from pagoda.flag_values import format_bytes, json_object, parse_bytes, show_default
+
+if TYPE_CHECKING:
+    from pagoda.wire.kv_events import KVEventsConfig
 
 # What `pagoda bench` imports beyond serving's dependencies: the `bench` extra.
 BENCH_EXTRA_MODULES = ("httpx", "matplotlib")
@@ -57,7 +61,8 @@ def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
     """The parser for tool_choice "auto", or None when it is off. The built-in model has it on unless
     --no-enable-auto-tool-choice: it was trained to call tools in one known form."""
     if args.enable_auto_tool_choice:
-        return args.tool_call_parser
+        parser: str | None = args.tool_call_parser
+        return parser
     if args.enable_auto_tool_choice is None and is_builtin_model(args.model):
         from pagoda.demo import DEMO_TOOL_CALL_PARSER
 
@@ -79,7 +84,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
     return serve_data_parallel(plan, args)
 
 
-def kv_events_config(values: dict | None):
+def kv_events_config(values: dict[str, Any] | None) -> KVEventsConfig | None:
     """--kv-events-config (vLLM's KVEventsConfig as JSON), or None when not given."""
     if values is None:
         return None
@@ -247,7 +252,8 @@ def _bench_extra_missing(module: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    code: int = args.func(args)
+    return code
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm on q and k per head before rope (Qwen3)
-    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...}
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3" | "linear", ...}
     # Per layer: None for full attention, else the window size in tokens (key kept iff q_pos - k_pos < w).
     sliding_windows: tuple[int | None, ...] = ()
     eos_token_ids: tuple[int, ...] = ()

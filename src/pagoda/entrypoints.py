@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard, cast
 
 from pagoda.config import (
     CacheConfig,
@@ -18,6 +18,7 @@ from pagoda.engine.api import RequestOutput
 from pagoda.engine.engine import LLMEngine
 from pagoda.sampling import SamplingParams
 from pagoda.structured.limits import GRAMMAR_OPTIONS, GrammarLimits
+from pagoda.text.tokenizer import Tokenizer
 
 Prompt = str | list[int]
 
@@ -61,12 +62,16 @@ def _given(options: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     return {FIELD_NAMES.get(name, name): options[name] for name in names if name in options}
 
 
+def _is_token_ids(prompts: object) -> TypeGuard[list[int]]:
+    return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
+
+
 class LLM:
-    def __init__(self, model: str, **engine_options) -> None:
+    def __init__(self, model: str, **engine_options: Any) -> None:
         self.engine = LLMEngine(build_engine_config(model, **engine_options))
         self._counter = 0
 
-    def get_tokenizer(self):
+    def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
     def generate(
@@ -78,8 +83,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids. `priority`
         (vLLM's): one per prompt, lower first; only with scheduling_policy="priority"."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
+        prompts = cast(Sequence[Prompt], prompts)  # not one prompt, so a sequence of them
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -103,7 +109,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         progress = None
         if show_progress:
-            from tqdm import tqdm
+            from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs)
 
             progress = tqdm(total=len(ids), desc="requests", unit="req")
         try:

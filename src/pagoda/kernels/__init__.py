@@ -133,7 +133,7 @@ def avx2_kernels() -> Any:
     return target_kernels("avx2")
 
 
-def _load(build: _Build):
+def _load(build: _Build) -> Any:
     if os.environ.get("PAGODA_DISABLE_KERNELS") == "1":
         return None
     missing = build.cpu_flags - cpu_flags()

@@ -19,7 +19,7 @@ class _ReplicaGauges:
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         replicas, now = self.replicas(), self.clock()
-        for name, doc, value_of in (
+        gauges: tuple[tuple[str, str, Callable[[Replica], float]], ...] = (
             ("pagoda_router_replica_up", "1 while the replica is healthy and not ejected.",
              lambda r: float(r.routable(now))),
             ("pagoda_router_replica_saturated", "1 while the replica is skipped as saturated.",
@@ -30,7 +30,8 @@ class _ReplicaGauges:
              lambda r: float(len(r.index))),
             ("pagoda_router_replica_block_size", "The block size prompts are hashed with for the replica.",
              lambda r: float(r.block_size)),
-        ):
+        )
+        for name, doc, value_of in gauges:
             gauge = GaugeMetricFamily(name, doc, labels=["replica"])
             for replica in replicas:
                 gauge.add_metric([replica.url], value_of(replica))

@@ -72,7 +72,7 @@ def _schema_problem(schema: Any, limits: GrammarLimits) -> str | None:
     return recursion_problem(schema)
 
 
-def _keyword_problem(node: dict, limits: GrammarLimits) -> str | None:
+def _keyword_problem(node: dict[str, Any], limits: GrammarLimits) -> str | None:
     for key in _MINIMUM_COUNTS:
         count = node.get(key)
         if isinstance(count, (int, float)) and not isinstance(count, bool) and count > limits.max_repeat:

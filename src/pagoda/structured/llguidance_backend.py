@@ -92,7 +92,9 @@ class LLGuidanceBackend:
             {"whitespace_flexible": True} if any_whitespace
             else {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
         )
-        self._llparser_limits = llguidance.LLParserLimits(**self._limits.llparser_limits(), verbose_errors=False)
+        # The stub checks the unpacked ints against every keyword, the bool ones too.
+        self._llparser_limits = llguidance.LLParserLimits(
+            **self._limits.llparser_limits(), verbose_errors=False)  # type: ignore[arg-type]
         self._mask_threads = mask_threads
         self._executor: llguidance.LLExecutor | None = None
         self._executor_lock = threading.Lock()

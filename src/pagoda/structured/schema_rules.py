@@ -161,7 +161,7 @@ def _node_ends(node: Any, pointer: str, nodes: dict[str, Any], root: Any, finite
     return _branches_end(node, pointer, nodes, root, finite, any_branch=True)
 
 
-def _branches_end(node: dict, pointer: str, nodes: dict[str, Any], root: Any, finite: dict[str, bool],
+def _branches_end(node: dict[str, Any], pointer: str, nodes: dict[str, Any], root: Any, finite: dict[str, bool],
                   any_branch: bool) -> bool:
     """any_branch: some type the node allows can be completed; else: every type it allows can."""
     types = node.get("type")
@@ -170,8 +170,10 @@ def _branches_end(node: dict, pointer: str, nodes: dict[str, Any], root: Any, fi
     ends = []
     for kind in allowed:
         if kind == "object":
-            properties = node.get("properties") if isinstance(node.get("properties"), dict) else {}
-            required = node.get("required") if isinstance(node.get("required"), list) else []
+            properties = node.get("properties")
+            properties = properties if isinstance(properties, dict) else {}
+            required = node.get("required")
+            required = required if isinstance(required, list) else []
             ends.append(all(finite.get(f"{pointer}/properties/{_escape(name)}", True)
                             for name in required if isinstance(name, str) and name in properties))
         elif kind == "array":
@@ -181,11 +183,12 @@ def _branches_end(node: dict, pointer: str, nodes: dict[str, Any], root: Any, fi
     return any(ends) if any_branch else all(ends)
 
 
-def _array_ends(node: dict, pointer: str, finite: dict[str, bool]) -> bool:
+def _array_ends(node: dict[str, Any], pointer: str, finite: dict[str, bool]) -> bool:
     min_items = node.get("minItems", 0)
     if not isinstance(min_items, int) or min_items <= 0:
         return True
-    prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+    prefix = node.get("prefixItems")
+    prefix = prefix if isinstance(prefix, list) else []
     needed = [f"{pointer}/prefixItems/{index}" for index in range(min(min_items, len(prefix)))]
     if min_items > len(prefix):
         needed.append(f"{pointer}/items")

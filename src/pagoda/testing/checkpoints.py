@@ -254,7 +254,8 @@ def _build_config(
     }
     if arch == "qwen2-swa":  # the first half of the layers full, the rest sliding
         fields.setdefault("max_window_layers", fields["num_hidden_layers"] // 2)
-    return getattr(transformers, config_cls_name)(**fields)
+    config_cls: type[transformers.PreTrainedConfig] = getattr(transformers, config_cls_name)
+    return config_cls(**fields)
 
 
 @torch.no_grad()
@@ -335,17 +336,17 @@ def _no_progress_bars() -> Iterator[None]:
     # transformers draws a "Writing model shards" bar per save: noise in test logs.
     hf_logging = transformers.utils.logging
     was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # (transformers leaves it unannotated)
     try:
         yield
     finally:
         if was_enabled:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
 
 
 def _generation_config() -> transformers.GenerationConfig:
     # Chat turns end in <|im_end|>, plain text in </s>: stop on either, as Qwen and Llama 3 instruct do.
-    return transformers.GenerationConfig(
+    return transformers.GenerationConfig(  # type: ignore[no-untyped-call]  # (its __init__ takes **kwargs only)
         bos_token_id=_token_id(BOS),
         eos_token_id=[_token_id(EOS), _token_id(IM_END)],
         pad_token_id=_token_id(PAD),

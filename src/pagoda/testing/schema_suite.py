@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jsonschema
+import jsonschema  # type: ignore[import-untyped]  # (no stubs installed)
 
 from pagoda.structured import StructuredOutputsParams
 

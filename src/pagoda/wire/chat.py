@@ -94,7 +94,7 @@ class ChatCompletionRequest(SamplingRequest):
         return value
 
     @model_validator(mode="after")
-    def _check(self):
+    def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
         return self

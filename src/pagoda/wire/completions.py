@@ -32,7 +32,7 @@ class CompletionRequest(SamplingRequest):
         return value
 
     @model_validator(mode="after")
-    def _check(self):
+    def _check(self) -> CompletionRequest:
         if self.suffix:
             raise ValueError("suffix is not supported")
         if isinstance(self.prompt, list) and not self.prompt:
@@ -47,6 +47,7 @@ class CompletionRequest(SamplingRequest):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if all(isinstance(p, int) for p in prompt):
-            return [list(prompt)]
-        return list(prompt)
+        token_ids = [p for p in prompt if isinstance(p, int)]
+        if len(token_ids) == len(prompt):  # one prompt of token ids
+            return [token_ids]
+        return [p for p in prompt if not isinstance(p, int)]

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
+import msgpack  # type: ignore[import-untyped]  # (no stubs, no py.typed)
 
 from pagoda.block_hash import wire_block_hash
 
@@ -87,7 +87,8 @@ def all_blocks_cleared() -> list[Any]:
 
 
 def encode_batch(ts: float, events: Sequence[list[Any]]) -> bytes:
-    return msgpack.packb([ts, list(events)], use_bin_type=True)
+    packed: bytes = msgpack.packb([ts, list(events)], use_bin_type=True)
+    return packed
 
 
 def decode_batch(payload: bytes) -> tuple[float, list[list[Any]]]:

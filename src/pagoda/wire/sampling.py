@@ -211,7 +211,7 @@ class SamplingRequest(WireModel):
 
     @field_validator("logit_bias")
     @classmethod
-    def _bias_keys_are_token_ids(cls, value):
+    def _bias_keys_are_token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
             if not key.lstrip("-").isdigit():
                 raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
@@ -278,7 +278,7 @@ class SamplingRequest(WireModel):
             seed=self.seed,
             max_tokens=self.wanted_max_tokens(),
             min_tokens=self.min_tokens,
-            stop=self.stop,
+            stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
             stop_token_ids=self.stop_token_ids or [],
             ignore_eos=self.ignore_eos,
             logprobs=num_logprobs,

@@ -25,7 +25,7 @@ class TokenizeRequest(WireModel):
         return few_messages(value)
 
     @model_validator(mode="after")
-    def _one_input(self):
+    def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         return self
