@@ -115,10 +115,8 @@ class OpenAIBackend:
     """Any OpenAI-compatible server, through the official client."""
 
     def __init__(self, url: str, api_key: str | None, model: str | None, timeout: float) -> None:
-        try:
-            import openai
-        except ModuleNotFoundError:
-            raise ChatError("pagoda chat --url needs the openai client: pip install openai") from None
+        import openai  # a runtime dependency, imported here: the in-process chat does not need it
+
         base_url = url.rstrip("/")
         base_url = base_url if base_url.endswith("/v1") else f"{base_url}/v1"
         self._errors: tuple[type[Exception], ...] = (openai.OpenAIError,)
