@@ -14,6 +14,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 WINDOW_S = 300.0  # how far back the dashboard looks
 BUCKET_S = 5.0  # one point of its charts
@@ -32,7 +33,7 @@ def latency_bin(seconds: float) -> int:
 
 def bin_value(index: int) -> float:
     """The value a bin stands for: its geometric middle."""
-    return LATENCY_FLOOR_S * LATENCY_BIN_RATIO ** (index + 0.5)
+    return float(LATENCY_FLOOR_S * LATENCY_BIN_RATIO ** (index + 0.5))
 
 
 def percentiles(bins: Counter[int], wanted: Iterable[int] = PERCENTILES) -> dict[str, float] | None:
@@ -62,9 +63,9 @@ class Bucket:
     prompt_tokens: int = 0  # of requests whose first token came in this bucket
     generation_tokens: int = 0
     requests: int = 0  # first tokens: requests whose prefill finished
-    closed: dict | None = None  # its figures, kept once the bucket can no longer change
+    closed: dict[str, Any] | None = None  # its figures, kept once the bucket can no longer change
 
-    def figures(self) -> dict:
+    def figures(self) -> dict[str, Any]:
         """Token and request counts, latency percentiles."""
         if self.closed is not None:
             return self.closed
@@ -98,7 +99,7 @@ class RecentActivity:
         self.window_itl[index] += 1
         bucket.generation_tokens += new_tokens
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """The window's buckets (oldest first; times as Unix seconds, an empty bucket omitted), its
         percentiles, and the generation rate over the last two buckets' span (the last one still filling)."""
         now = self.clock()

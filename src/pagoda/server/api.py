@@ -155,7 +155,7 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(status_code=200 if state.ready else 503)
 
     @app.get("/version")
-    async def version() -> dict:
+    async def version() -> dict[str, Any]:
         return {"version": __version__}
 
     @app.get("/metrics")
@@ -164,14 +164,14 @@ def build_app(state: ServerState) -> FastAPI:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models() -> dict[str, Any]:
         loaded = state.require_ready()
         card = {"id": state.model_name, "object": "model", "created": now(), "owned_by": "pagoda",
                 "root": state.model_name, "max_model_len": loaded.engine.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
         arrival, loaded = time.monotonic(), _admit(state, body.model)
         inputs = body.prompts()
         for text in inputs:
@@ -191,7 +191,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await _respond(generation, body.stream, raw)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         arrival, loaded = time.monotonic(), _admit(state, body.model)
         params = _sampling_params(body, body.num_logprobs())
         tool_reader = _tool_reader(state, body)
@@ -210,7 +210,7 @@ def build_app(state: ServerState) -> FastAPI:
         return await _respond(generation, body.stream, raw)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         loaded = state.require_ready()
         if body.messages is not None:
             conversation = conversation_of(state, loaded, body.messages)
@@ -223,7 +223,7 @@ def build_app(state: ServerState) -> FastAPI:
         return {"tokens": tokens, "count": len(tokens), "max_model_len": loaded.engine.max_model_len}
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         loaded = state.require_ready()
         vocab_size = len(loaded.tokenizer)
         if any(not 0 <= t < vocab_size for t in body.tokens):
@@ -232,7 +232,7 @@ def build_app(state: ServerState) -> FastAPI:
         return {"prompt": await loaded.tokenizers.run(lambda tokenizer: tokenizer.decode(tokens))}
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> dict:
+    async def reset_prefix_cache() -> dict[str, Any]:
         loaded = state.require_ready()
         return {"reset_blocks": await loaded.engine.reset_prefix_cache()}
 
@@ -315,7 +315,7 @@ def _validate_all(engine: AsyncEngine, prompts: list[list[int]], params: Samplin
         engine.validate(prompt, params, priority)
 
 
-async def _respond(generation: Generation, stream: bool, raw: Request):
+async def _respond(generation: Generation, stream: bool, raw: Request) -> Response:
     if stream:  # Starlette cancels the body iterator when the client goes away: that aborts the requests
         return StreamingResponse(generation.sse(), media_type="text/event-stream")
     # Non-streamed: race the work against the client's disconnect, which Starlette does not watch here.
@@ -343,11 +343,11 @@ def _error_response(error: OpenAIError) -> JSONResponse:
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
-    async def openai_error(_request: Request, error: OpenAIError):
+    async def openai_error(_request: Request, error: OpenAIError) -> JSONResponse:
         return _error_response(error)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_request: Request, error: RequestValidationError):
+    async def invalid_request(_request: Request, error: RequestValidationError) -> JSONResponse:
         errors = error.errors()
         if not errors or errors[0].get("type") == "json_invalid":
             return _error_response(OpenAIError(400, "the request body is not valid JSON"))
@@ -359,13 +359,13 @@ def _install_error_handlers(app: FastAPI) -> None:
         return _error_response(OpenAIError(400, message, fields[0] or None))
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, error: StarletteHTTPException):
+    async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
         headers = dict(error.headers) if error.headers else None
         return _error_response(OpenAIError(error.status_code, str(error.detail), getattr(error, "param", None),
                                            headers=headers))
 
     @app.exception_handler(Exception)
-    async def internal_error(_request: Request, error: Exception):
+    async def internal_error(_request: Request, error: Exception) -> JSONResponse:
         """Never the exception's text (it may show paths, code or other requests' data): an id to quote,
         under which the log has the details."""
         request_id = random_id("req")

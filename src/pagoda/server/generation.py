@@ -13,6 +13,7 @@ import time
 import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from pagoda.engine.api import CompletionOutput, RequestFailed, RequestOutput, best_logprobs
 from pagoda.engine.async_engine import AsyncEngine
@@ -25,6 +26,8 @@ from pagoda.wire import ERROR_SCOPE_HEADER, REQUEST_SCOPE, Kind, OpenAIError, no
 from pagoda.wire.tool_calls import ToolCall
 
 logger = logging.getLogger(__name__)
+# What a request's pump puts on the merged queue: (prompt index, an output, an engine failure, or None at its end).
+Item = tuple[int, "RequestOutput | Exception | None"]
 
 @dataclass
 class ChoiceProgress:
@@ -100,7 +103,7 @@ class Generation:
     # --- merged engine streams ---------------------------------------------------------------------
 
     async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        queue: asyncio.Queue = asyncio.Queue()
+        queue: asyncio.Queue[Item] = asyncio.Queue()
 
         async def pump(index: int, prompt: list[int]) -> None:
             finished = False
@@ -136,7 +139,7 @@ class Generation:
             for task in tasks:
                 task.cancel()  # a client that went away aborts its requests (AsyncEngine.generate)
 
-    async def _next(self, queue: asyncio.Queue) -> tuple[int, RequestOutput | Exception | None]:
+    async def _next(self, queue: asyncio.Queue[Item]) -> Item:
         """The next item, or a 504 once the deadline has passed (the caller's cleanup aborts the requests)."""
         if self.deadline is None:
             return await queue.get()
@@ -194,7 +197,7 @@ class Generation:
 
     # --- non-streaming -----------------------------------------------------------------------------
 
-    async def response(self) -> dict:
+    async def response(self) -> dict[str, Any]:
         async for _ in self._outputs():
             pass
         choices = []
@@ -210,7 +213,7 @@ class Generation:
             "usage": self._usage(),
         }
 
-    def _full_choice(self, prompt_index: int, completion: CompletionOutput) -> dict:
+    def _full_choice(self, prompt_index: int, completion: CompletionOutput) -> dict[str, Any]:
         index = prompt_index * self.params.n + completion.index
         logprobs = self._logprobs(completion, 0) if completion.logprobs is not None else None
         if logprobs is not None and self.echo_texts:
@@ -220,7 +223,7 @@ class Generation:
             return {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
         content, calls = self._read_choice(completion)
-        message: dict = {"role": "assistant", "content": content or (None if calls else "")}
+        message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         return {"index": index, "message": message, "logprobs": logprobs,
@@ -234,7 +237,7 @@ class Generation:
         parsed = self.tool_reader.read(completion.text, completion.finish_reason is not None)
         return parsed.content, parsed.tool_calls
 
-    def _usage(self) -> dict:
+    def _usage(self) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in self.prompts)
         completion_tokens = sum(len(c.token_ids) for out in self.finals.values() for c in out.outputs)
         cached = sum(out.num_cached_tokens for out in self.finals.values())
@@ -262,7 +265,8 @@ class Generation:
             yield _event(self._chunk([], usage=self._usage()))
         yield "data: [DONE]\n\n"
 
-    def _delta_chunks(self, prompt_index: int, completion: CompletionOutput, state: ChoiceProgress) -> list[dict]:
+    def _delta_chunks(self, prompt_index: int, completion: CompletionOutput,
+                      state: ChoiceProgress) -> list[dict[str, Any]]:
         """What the choice has new since the last chunks: its text, then, for each new tool call, a chunk
         with its id and name and one with its arguments (the shape OpenAI's stream helpers assemble)."""
         if state.finished:
@@ -296,9 +300,10 @@ class Generation:
         state.finished = finish is not None
         return [self._chunk([choice]) for choice in choices]
 
-    def _chat_deltas(self, index: int, text: str, new_calls: list[ToolCall], state: ChoiceProgress) -> list[dict]:
+    def _chat_deltas(self, index: int, text: str, new_calls: list[ToolCall],
+                     state: ChoiceProgress) -> list[dict[str, Any]]:
         """One choice's deltas: the text (with the role, first), then two per new tool call."""
-        delta: dict = {"content": text} if text else {}
+        delta: dict[str, Any] = {"content": text} if text else {}
         if not state.started:
             delta = {"role": "assistant", **delta}
         deltas = [delta] if delta or not new_calls else []
@@ -311,8 +316,8 @@ class Generation:
             deltas[0] = {"role": "assistant", **deltas[0]}
         return [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> dict:
-        chunk = {
+    def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
             "id": self.response_id,
             "object": "text_completion" if self.kind == "completion" else "chat.completion.chunk",
             "created": self.created,
@@ -325,7 +330,7 @@ class Generation:
 
     # --- logprobs ----------------------------------------------------------------------------------
 
-    def _with_prompt_logprobs(self, prompt_index: int, completion_logprobs: dict) -> dict:
+    def _with_prompt_logprobs(self, prompt_index: int, completion_logprobs: dict[str, Any]) -> dict[str, Any]:
         """echo: the prompt's tokens come first, the first one without a logprob (nothing precedes it)."""
         prompt_ids = self.prompts[prompt_index]
         prompt_logprobs = self._prompt_logprobs.get(prompt_index) or [None] * len(prompt_ids)
@@ -344,9 +349,9 @@ class Generation:
             "text_offset": offsets + [o + offset for o in completion_logprobs["text_offset"]],
         }
 
-    def _logprobs(self, completion: CompletionOutput, start: int) -> dict:
+    def _logprobs(self, completion: CompletionOutput, start: int) -> dict[str, Any]:
         token_ids = completion.token_ids[start:]
-        positions = completion.logprobs[start:]
+        positions = (completion.logprobs or [])[start:]
         k = self.params.logprobs or 0
         decode = self.token_text
         if self.kind == "completion":
@@ -362,7 +367,7 @@ class Generation:
                 "text_offset": offsets,
             }
 
-        def entry(token_id: int, logprob: float) -> dict:
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
             text = decode(token_id)
             return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
@@ -385,5 +390,5 @@ def _finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
     return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
 
 
-def _event(payload: dict) -> str:
+def _event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -72,7 +72,7 @@ class ZmqKVEventPublisher:
     # --- the publishing thread (owns the sockets: ZMQ sockets are not thread-safe) ------------------------
 
     def _run(self) -> None:
-        context = zmq.Context.instance()
+        context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         try:
             publisher = context.socket(zmq.PUB)
             publisher.set_hwm(self.config.hwm)
@@ -115,7 +115,7 @@ class ZmqKVEventPublisher:
                 replay.close(linger=0)
 
     @staticmethod
-    def _serve_replay(replay: zmq.Socket, buffer: deque[tuple[int, bytes]]) -> None:
+    def _serve_replay(replay: zmq.Socket[bytes], buffer: deque[tuple[int, bytes]]) -> None:
         frames = replay.recv_multipart()
         if len(frames) != 3:
             logger.warning("kv events: a replay request of %d frames ignored", len(frames))

@@ -132,7 +132,10 @@ def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int,
         target=load_engine, args=(state, engine_config, on_error, f"http://{host}:{port}"), name="pagoda-load",
         daemon=True, kwargs={"kv_events": publisher},
     ).start()
-    engine_busy = lambda: state.engine is not None and state.engine.num_unfinished > 0
+
+    def engine_busy() -> bool:
+        return state.engine is not None and state.engine.num_unfinished > 0
+
     reclaimer = IdleReclaimer(busy=lambda: bool(server.server_state.tasks) or engine_busy(),
                               served=lambda: server.server_state.total_requests).start()
     server.run()

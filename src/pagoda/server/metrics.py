@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from pagoda.engine.api import EngineStats, KVCacheDescription, RequestTimeline, SpecDecodeStats
@@ -25,7 +25,8 @@ TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1
 
 def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
     """vLLM's 1-2-5 buckets for per-request token counts: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
-    buckets, scale = [], 1
+    buckets: list[int] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             if mantissa * scale > max_model_len:
@@ -41,7 +42,7 @@ class _EngineCollector:
         self.model_name = model_name
         self.stats = stats
 
-    def collect(self):
+    def collect(self) -> Iterator[Metric]:
         stats = self.stats()
         labels = ["model_name"]
         for name, doc, value in (
@@ -65,13 +66,14 @@ class _EngineCollector:
         """Steps by tokens computed, counted by the scheduler: Prometheus wants cumulative bucket counts."""
         family = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens computed per engine step.",
                                        labels=["model_name"])
-        bounds = [*(floatToGoString(bound) for bound in stats.iteration_token_buckets), "+Inf"]  # "1.0", as vLLM
+        # "1.0", as vLLM writes them (prometheus_client leaves floatToGoString unannotated)
+        bounds = [*(floatToGoString(bound) for bound in stats.iteration_token_buckets), "+Inf"]  # type: ignore[no-untyped-call]
         counts = stats.iteration_token_counts or (0,) * len(bounds)
         cumulative = [sum(counts[: index + 1]) for index in range(len(counts))]
         family.add_metric([self.model_name], list(zip(bounds, cumulative)), stats.iteration_tokens_sum)
         return family
 
-    def _spec_decode(self, stats: SpecDecodeStats):
+    def _spec_decode(self, stats: SpecDecodeStats) -> Iterator[CounterMetricFamily]:
         """Speculative decoding's counters, present only when it is configured (as in vLLM)."""
         yield from self._counters((
             ("vllm:spec_decode_num_drafts", "Drafts checked (one request's in one step).", stats.num_drafts),
@@ -124,7 +126,7 @@ class ServerMetrics:
                                                   {"model_name": model_name, **cache_info}))
         labels = ["model_name"]
 
-        def histogram(name: str, doc: str, buckets) -> Histogram:
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
 
         def counter(name: str, doc: str) -> Counter:

@@ -3,6 +3,7 @@ tokenizer pool, a chat rendered through the model's template (OpenAIError 400 fo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pagoda.text.tokenizer import ChatTemplateError, render_chat
@@ -39,7 +40,8 @@ async def echo_texts(loaded: LoadedModel, inputs: list[str | list[int]]) -> list
         lambda tokenizer: [p if isinstance(p, str) else tokenizer.decode(p) for p in inputs])
 
 
-def conversation_of(state: ServerState, loaded: LoadedModel, messages: list[ChatMessage]) -> list[dict[str, Any]]:
+def conversation_of(state: ServerState, loaded: LoadedModel,
+                    messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """The messages as the chat template reads them; their text already bounded like a prompt's."""
     try:
         conversation = [m.for_template() for m in messages]

@@ -53,10 +53,10 @@ def mount_web_ui(app: FastAPI, state: ServerState) -> frozenset[str]:
     for path, file in files.items():
         app.add_api_route(path, _static_endpoint(file), methods=["GET", "HEAD"], include_in_schema=False)
 
-    async def dashboard_stats() -> dict:
+    async def dashboard_stats() -> dict[str, Any]:
         return stats_body(state)
 
-    async def model_intro() -> dict:
+    async def model_intro() -> dict[str, Any]:
         return intro_body(state)
 
     app.add_api_route(STATS_PATH, dashboard_stats, methods=["GET"], include_in_schema=False)
@@ -64,7 +64,7 @@ def mount_web_ui(app: FastAPI, state: ServerState) -> frozenset[str]:
     return frozenset(files)
 
 
-def intro_body(state: ServerState) -> dict:
+def intro_body(state: ServerState) -> dict[str, Any]:
     """For the built-in model, what it can do and questions to try; for any other model, nothing to say."""
     from pagoda.demo import DEMO_EXAMPLES, DEMO_INTRO
 
@@ -82,7 +82,7 @@ def _static_endpoint(file: Path) -> Callable[[], Coroutine[Any, Any, Response]]:
     return serve_file
 
 
-def stats_body(state: ServerState) -> dict:
+def stats_body(state: ServerState) -> dict[str, Any]:
     """The dashboard's poll: the engine's gauges and counters now, and the last minutes of latencies and
     tokens (pagoda.server.activity). Reads snapshots only: cheap on the event loop."""
     loaded = state.require_ready()
