@@ -10,7 +10,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from pagoda.server.api import ServerState, build_app
+from pagoda.server.api import build_app
+from pagoda.server.state import ServerState
 
 
 @pytest.fixture(scope="module")

@@ -186,7 +186,7 @@ def test_start_up_warm_up_does_not_race_the_engine_thread(checkpoint, monkeypatc
     from pagoda.engine.engine import LLMEngine
     from pagoda.entrypoints import build_engine_config
     from pagoda.server import launcher
-    from pagoda.server.api import ServerState
+    from pagoda.server.state import ServerState
 
     stepped_by: list[str] = []
     step = LLMEngine.step

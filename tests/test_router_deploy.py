@@ -21,7 +21,8 @@ from pagoda.router.cli import event_endpoints, router_config_from
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
 from pagoda.router.tokens import LoadOnlyReader
-from pagoda.server.api import ServerState, build_app
+from pagoda.server.api import build_app
+from pagoda.server.state import ServerState
 from pagoda.wire.kv_events import KVEventsConfig
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"

@@ -17,7 +17,8 @@ from server_fixtures import assert_openai_error, make_server_checkpoint, start_s
 
 from pagoda import api_keys
 from pagoda.api_keys import OPEN_PATHS, ApiKeys
-from pagoda.server.api import ServerState, build_app
+from pagoda.server.api import build_app
+from pagoda.server.state import ServerState
 from pagoda.server.web import static_files
 
 pytestmark = pytest.mark.timeout(120)

@@ -25,7 +25,8 @@ import pytest
 from server_fixtures import LOOPBACK, assert_openai_error, launch_server, make_server_checkpoint, wait_until
 
 from pagoda.server.admission import Admission
-from pagoda.server.api import LoadedModel, ServerState, build_app
+from pagoda.server.api import build_app
+from pagoda.server.state import LoadedModel, ServerState
 from pagoda.wire import OpenAIError
 
 pytestmark = pytest.mark.timeout(180)

@@ -16,7 +16,8 @@ from pagoda.api_keys import ApiKeys
 from pagoda.cli import build_parser, run_serve
 from pagoda.server import launcher
 from pagoda.server.activity import LATENCY_BIN_RATIO, RecentActivity, latency_bin, percentiles
-from pagoda.server.api import ServerState, build_app
+from pagoda.server.api import build_app
+from pagoda.server.state import ServerState
 from pagoda.server.web import PAGES, STATS_PATH, static_files
 
 KEY = "web-key"

@@ -21,7 +21,7 @@ from playwright.sync_api import Browser, Locator, Page, Route, sync_playwright
 from server_fixtures import start_server
 
 from pagoda.demo import DEMO_EXAMPLES, DEMO_INTRO
-from pagoda.server.api import ServerState
+from pagoda.server.state import ServerState
 from pagoda.server.web import intro_body
 
 pytestmark = pytest.mark.timeout(180)

@@ -12,7 +12,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
@@ -21,19 +20,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagoda.api_keys import ApiKeyGuard, ApiKeys
+from pagoda.api_keys import ApiKeyGuard
 from pagoda.engine.api import RequestRejected
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.sampling import SamplingParams
-from pagoda.server.admission import Admission, WaitingSlots
-from pagoda.server.generation import Generation, TokenTexts
-from pagoda.server.metrics import ServerMetrics
+from pagoda.server.admission import WaitingSlots
+from pagoda.server.generation import Generation
 from pagoda.server.openapi import install_openapi
 from pagoda.server.prompts import check_prompt_chars, conversation_of, echo_texts, encode_prompts, render_chat_prompt
+from pagoda.server.state import LoadedModel, ServerState
 from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
 from pagoda.server.web import mount_web_ui
-from pagoda.text.pool import TokenizerPool
-from pagoda.text.tokenizer import Tokenizer
 from pagoda.version import __version__
 from pagoda.wire import (
     WIRE_LIMITS,
@@ -42,13 +39,11 @@ from pagoda.wire import (
     DetokenizeRequest,
     OpenAIError,
     TokenizeRequest,
-    WireLimits,
     now,
     random_id,
 )
 from pagoda.wire.base import error_message
 from pagoda.wire.guards import BodySizeLimit, JsonDecoder, error_response
-from pagoda.wire.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -56,60 +51,6 @@ _T = TypeVar("_T")
 # Engine-side validation walks every prompt token in Python: past this many it runs on a worker thread.
 INLINE_VALIDATION_MAX_TOKENS = 16384
 MAX_ERRORS_SHOWN = 5  # of a body's validation errors, in the 400's message
-
-
-@dataclass(frozen=True)
-class LoadedModel:
-    """What serves requests once the model is loaded; the launcher sets it in one assignment."""
-
-    engine: AsyncEngine
-    tokenizer: Tokenizer  # the event loop's own instance (for cheap decodes): not safe to share across threads
-    metrics: ServerMetrics
-    tokenizers: TokenizerPool  # copies for the worker threads: everything whose cost grows with the input
-    token_texts: TokenTexts = field(init=False)  # single-token decodes (logprobs), cached, on the event loop
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "token_texts", TokenTexts(self.tokenizer))
-
-
-@dataclass
-class ServerState:
-    model_name: str
-    api_keys: ApiKeys = field(default_factory=ApiKeys)
-    limits: ServerLimits = field(default_factory=ServerLimits)
-    admission: Admission = field(default_factory=Admission)
-    loaded: LoadedModel | None = None
-    draining: bool = False
-    load_error: str | None = None
-    # `tool_choice: "auto"`: the parser of the model's own tool-call format (None: auto tool choice is off)
-    tool_call_parser: str | None = None
-    json_decoder: JsonDecoder = field(default_factory=JsonDecoder)
-    web_ui: bool = True  # the chat page at / and the dashboard (server/web.py); --disable-web-ui
-    builtin_model: bool = False  # pagoda's own demo model: the chat page introduces it (server/web.py)
-
-    @property
-    def engine(self) -> AsyncEngine | None:
-        return self.loaded.engine if self.loaded is not None else None
-
-    @property
-    def ready(self) -> bool:
-        return self.loaded is not None and not self.loaded.engine.is_dead and not self.draining
-
-    def require_ready(self) -> LoadedModel:
-        if self.draining:
-            raise OpenAIError(503, "the server is shutting down")
-        if self.loaded is None:
-            raise OpenAIError(503, self.load_error or "the model is still loading")
-        if self.loaded.engine.is_dead:
-            raise OpenAIError(503, f"the engine is not running ({self.loaded.engine.dead_error})")
-        return self.loaded
-
-    def wire_limits(self) -> WireLimits:
-        return WireLimits.of(self.limits, self.loaded.engine.max_model_len if self.loaded is not None else None)
-
-    def deadline(self, arrival: float) -> float | None:
-        timeout = self.limits.request_timeout
-        return arrival + timeout if timeout else None
 
 
 class _WireRequest(Request):

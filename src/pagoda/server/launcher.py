@@ -29,11 +29,12 @@ from pagoda.engine.engine import LLMEngine
 from pagoda.model_dir import ModelLoadError
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import Admission
-from pagoda.server.api import LoadedModel, ServerState, build_app
+from pagoda.server.api import build_app
 from pagoda.server.kv_events import make_publisher
 from pagoda.server.memory import IdleReclaimer, freeze_startup_objects, limit_malloc_arenas
 from pagoda.server.metrics import ServerMetrics, cache_config_info
 from pagoda.server.read_deadline import read_deadline_protocol
+from pagoda.server.state import LoadedModel, ServerState
 from pagoda.startup import startup_summary
 from pagoda.text.pool import TokenizerPool
 from pagoda.text.tokenizer import load_tokenizer

@@ -10,7 +10,7 @@ from pagoda.text.tokenizer import ChatTemplateError, render_chat
 from pagoda.wire import ChatMessage, OpenAIError
 
 if TYPE_CHECKING:
-    from pagoda.server.api import LoadedModel, ServerState
+    from pagoda.server.state import LoadedModel, ServerState
 
 
 def check_prompt_chars(state: ServerState, loaded: LoadedModel, num_chars: int, param: str) -> None:

@@ -17,7 +17,7 @@ from fastapi import FastAPI
 from fastapi.responses import Response
 
 if TYPE_CHECKING:
-    from pagoda.server.api import ServerState
+    from pagoda.server.state import ServerState
 
 WEB_DIR = Path(__file__).resolve().parent / "web"
 PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}

@@ -1,0 +1,73 @@
+"""What the server holds between requests: its settings, and the loaded model once there is one.
+
+Routes (api.py), prompt preparation (prompts.py) and the web UI (web.py) all read it; the launcher builds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagoda.api_keys import ApiKeys
+from pagoda.engine.async_engine import AsyncEngine
+from pagoda.server.admission import Admission
+from pagoda.server.generation import TokenTexts
+from pagoda.server.metrics import ServerMetrics
+from pagoda.text.pool import TokenizerPool
+from pagoda.text.tokenizer import Tokenizer
+from pagoda.wire import OpenAIError, WireLimits
+from pagoda.wire.guards import JsonDecoder
+from pagoda.wire.limits import ServerLimits
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """What serves requests once the model is loaded; the launcher sets it in one assignment."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer  # the event loop's own instance (for cheap decodes): not safe to share across threads
+    metrics: ServerMetrics
+    tokenizers: TokenizerPool  # copies for the worker threads: everything whose cost grows with the input
+    token_texts: TokenTexts = field(init=False)  # single-token decodes (logprobs), cached, on the event loop
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "token_texts", TokenTexts(self.tokenizer))
+
+
+@dataclass
+class ServerState:
+    model_name: str
+    api_keys: ApiKeys = field(default_factory=ApiKeys)
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    admission: Admission = field(default_factory=Admission)
+    loaded: LoadedModel | None = None
+    draining: bool = False
+    load_error: str | None = None
+    # `tool_choice: "auto"`: the parser of the model's own tool-call format (None: auto tool choice is off)
+    tool_call_parser: str | None = None
+    json_decoder: JsonDecoder = field(default_factory=JsonDecoder)
+    web_ui: bool = True  # the chat page at / and the dashboard (server/web.py); --disable-web-ui
+    builtin_model: bool = False  # pagoda's own demo model: the chat page introduces it (server/web.py)
+
+    @property
+    def engine(self) -> AsyncEngine | None:
+        return self.loaded.engine if self.loaded is not None else None
+
+    @property
+    def ready(self) -> bool:
+        return self.loaded is not None and not self.loaded.engine.is_dead and not self.draining
+
+    def require_ready(self) -> LoadedModel:
+        if self.draining:
+            raise OpenAIError(503, "the server is shutting down")
+        if self.loaded is None:
+            raise OpenAIError(503, self.load_error or "the model is still loading")
+        if self.loaded.engine.is_dead:
+            raise OpenAIError(503, f"the engine is not running ({self.loaded.engine.dead_error})")
+        return self.loaded
+
+    def wire_limits(self) -> WireLimits:
+        return WireLimits.of(self.limits, self.loaded.engine.max_model_len if self.loaded is not None else None)
+
+    def deadline(self, arrival: float) -> float | None:
+        timeout = self.limits.request_timeout
+        return arrival + timeout if timeout else None
