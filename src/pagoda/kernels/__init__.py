@@ -117,7 +117,7 @@ def available_targets() -> list[str]:
 
 
 def cpu_kernels() -> Any:
-    """The chosen target's module (`simd_target`; model/backends.py's CpuKernels types it), or None."""
+    """The chosen target's module (`simd_target`; model/kernel_protocols.py's CpuKernels types it), or None."""
     target, _ = simd_target()
     return None if target is None else target_kernels(target)
 

@@ -18,11 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from pagoda.model.layers import apply_rotary
-from pagoda.model.native_decode import NativeDecode, decode_stack_covers
 
 if TYPE_CHECKING:
-    from pagoda.model.backends import CpuKernels
-    from pagoda.model.llama import LlamaModel
+    from pagoda.model.kernel_protocols import CpuKernels
 
 
 @dataclass
@@ -177,15 +175,11 @@ class AttentionBackend(ABC):
     """How a model's layers attend over the paged KV cache; `backends.create_runtime` picks one per model.
 
     A backend implements rope + KV write, one batched decode and one prefill sequence; `forward` splits
-    a step between them. It may also run whole decode steps (`decode_runner`, set up by `bind` once the
-    weights are final).
+    a step between them. It may also run whole decode steps (`decode_runner`, which
+    `native_decode.bind_decode_stack` sets once the weights are final).
     """
 
     decode_runner: DecodeRunner | None = None
-
-    def bind(self, model: LlamaModel) -> None:  # noqa: B027
-        """Called once the model's weights are final (loaded, linears prepared). Optional: a backend that
-        runs only the layers' attention needs nothing here."""
 
     @abstractmethod
     def rotate_and_write_kv(
@@ -286,16 +280,12 @@ class CpuAttentionBackend(AttentionBackend):
     repeated to the query heads): decodes one query a sequence, prefills flash-attention style (bf16 on
     vdpbf16ps: torch's SDPA runs at a quarter of the bf16 GEMMs' rate without AMX; head dims that are not
     a multiple of 32, and every prefill on the AVX2 target, through the reference's SDPA). Rotates q/k and
-    writes the cache in one kernel call. With `decode_stack`, `bind` builds the native decode stack, which
-    runs decode-only steps whole."""
+    writes the cache in one kernel call. With `decode_stack`, `native_decode.bind_decode_stack` makes the native
+    decode stack its decode runner, which runs decode-only steps whole."""
 
     def __init__(self, kernels: CpuKernels, decode_stack: bool = False) -> None:
         self.kernels = kernels
         self.decode_stack = decode_stack
-
-    def bind(self, model: LlamaModel) -> None:
-        if self.decode_stack and decode_stack_covers(model):
-            self.decode_runner = NativeDecode(model, self.kernels)
 
     def rotate_and_write_kv(
         self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -41,10 +41,10 @@ from torch import nn
 
 from pagoda.config import Int4Options
 from pagoda.model.int4_weights import Int4Weights
-from pagoda.model.quantization import tiled_matmul
+from pagoda.model.tiled_matmul import tiled_matmul
 
 if TYPE_CHECKING:
-    from pagoda.model.backends import QuantizedKernels
+    from pagoda.model.kernel_protocols import QuantizedKernels
 
 # Group sizes torch's int4 kernel takes; a checkpoint group that is a multiple of one is split into
 # kernel groups that repeat its scale (exact).

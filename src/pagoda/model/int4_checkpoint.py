@@ -20,7 +20,7 @@ from pagoda.model.int4_weights import Int4Weights, stack_outputs
 from pagoda.model_dir import ModelLoadError
 
 if TYPE_CHECKING:
-    from pagoda.model.backends import CpuKernels, QuantizedKernels
+    from pagoda.model.kernel_protocols import CpuKernels, QuantizedKernels
     from pagoda.model.llama import LlamaModel
     from pagoda.model.prequantized import PrequantizedFormat
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 if TYPE_CHECKING:
-    from pagoda.model.backends import CpuKernels
+    from pagoda.model.kernel_protocols import CpuKernels
 
 
 class RMSNorm(nn.Module):

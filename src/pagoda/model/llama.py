@@ -14,7 +14,8 @@ from torch import nn
 
 from pagoda.config import ModelConfig
 from pagoda.model.attention import AttentionBackend, AttentionMetadata
-from pagoda.model.backends import CpuKernels, ModelRuntime
+from pagoda.model.backends import ModelRuntime
+from pagoda.model.kernel_protocols import CpuKernels
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (keys, values), [num_slots, kv_heads, head_dim] each

@@ -185,6 +185,7 @@ def load_model(
     from pagoda.kernels import avx2_kernels, cpu_kernels
     from pagoda.model.backends import create_runtime
     from pagoda.model.llama import LlamaModel
+    from pagoda.model.native_decode import bind_decode_stack
     from pagoda.model.prequantized import read_prequantized_format
     from pagoda.model.quantization import prepare_linears
 
@@ -209,7 +210,7 @@ def load_model(
 
         load_prequantized(model, weights, prequantized, dtype, device, runtime.gemv_kernels,
                           runtime.quantized_kernels)
-    model.backend.bind(model)  # the weights are final: the native decode stack, where chosen, is built now
+    bind_decode_stack(model)  # the weights are final: the native decode stack, where chosen, is built now
     return model.eval(), config
 
 

@@ -5,8 +5,9 @@ path's bit for bit; what it removes is the interpreter between them: ~10 module 
 dispatches a layer, 2-6 ms a step on bench-1b (22 layers), during which no weight streams. It takes a
 step when every token is a decode and every linear runs as a GEMV (at most `max_rows` tokens);
 prefills and larger batches run through the modules. `backends.create_runtime` offers it to models whose
-shapes it takes (the native attention backend, every linear's width a GEMV's), and the backend builds it
-once the weights are final if `decode_stack_covers` them (every linear runs decode inputs straight through a kernel).
+shapes it takes (the native attention backend, every linear's width a GEMV's), and `bind_decode_stack` builds
+it once the weights are final if `decode_stack_covers` them (every linear runs decode inputs straight through a
+kernel).
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from typing import TYPE_CHECKING, cast
 import torch
 from torch import nn
 
+from pagoda.model.attention import AttentionMetadata, CpuAttentionBackend
 from pagoda.model.int4 import Int4Linear
 from pagoda.model.quantization import KERNEL_MAX_ROWS, DenseLinear, Int8Linear
 
 if TYPE_CHECKING:
-    from pagoda.model.attention import AttentionMetadata
-    from pagoda.model.backends import CpuKernels, LinearSpec
+    from pagoda.model.kernel_protocols import CpuKernels, LinearSpec
     from pagoda.model.llama import DecoderLayer, LlamaModel
 
 
@@ -46,6 +47,15 @@ def decode_stack_covers(model: LlamaModel) -> bool:
     with act-order or ragged shapes may not)."""
     layers = cast("list[DecoderLayer]", list(model.layers))
     return all(_linear_spec(linear) is not None for layer in layers for linear in _layer_linears(layer))
+
+
+def bind_decode_stack(model: LlamaModel) -> None:
+    """Called once the model's weights are final (loaded, linears prepared): where the runtime offered the
+    stack (`CpuAttentionBackend.decode_stack`) and the weights are what it takes, it becomes the attention
+    backend's decode runner."""
+    backend = model.backend
+    if isinstance(backend, CpuAttentionBackend) and backend.decode_stack and decode_stack_covers(model):
+        backend.decode_runner = NativeDecode(model, backend.kernels)
 
 
 class NativeDecode:

@@ -21,9 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.config import Int4Options
+from pagoda.model.int4 import Int4Linear, quantize_int4
+from pagoda.model.tiled_matmul import tiled_matmul
+
 if TYPE_CHECKING:
-    from pagoda.config import Int4Options
-    from pagoda.model.backends import CpuKernels, QuantizedKernels
+    from pagoda.model.kernel_protocols import CpuKernels, QuantizedKernels
 
 QUANTIZATIONS = (None, "int8", "int4")
 # Up to this many rows the GEMV kernels beat torch, weights streamed from memory: fp32 1.6-1.8x at 32-64
@@ -127,21 +130,6 @@ class Int8Linear(nn.Module):
         return f"torch's int8 matmul up to {KERNEL_MAX_ROWS} rows, dequantized tiles beyond"
 
 
-TILE_ROWS = 256  # output rows dequantized at a time for a GEMM
-
-
-def tiled_matmul(x: torch.Tensor, out_features: int,
-                 dequantize_rows: Callable[[int, int, torch.dtype], torch.Tensor]) -> torch.Tensor:
-    """x @ W.T for a weight kept quantized: `dequantize_rows(start, end, dtype)` gives W[start:end], a tile at a
-    time straight into its GEMM. Dequantizing a whole fp32 weight per call costs more in page faults (a fresh
-    buffer each time) than in arithmetic; a tile's buffer is reused and stays in cache."""
-    y = torch.empty(x.shape[0], out_features, dtype=x.dtype)
-    for start in range(0, out_features, TILE_ROWS):
-        end = min(start + TILE_ROWS, out_features)
-        torch.mm(x, dequantize_rows(start, end, x.dtype).t(), out=y[:, start:end])
-    return y
-
-
 def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKernels | None,
                     int4: Int4Options | None = None, quantized_kernels: QuantizedKernels | None = None) -> None:
     """Swaps nn.Linear layers (LM head included, unless int4 options leave it out) for the fast path the dtype
@@ -161,8 +149,6 @@ def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKern
 
 def quantized_matmul_name(model: nn.Module) -> str | None:
     """What the model's quantized layers run (their `matmul_name`); None when no layer is quantized."""
-    from pagoda.model.int4 import Int4Linear  # int4 builds on this module
-
     layers = (m for m in model.modules() if isinstance(m, (Int4Linear, Int8Linear)))
     return next((layer.matmul_name for layer in layers), None)
 
@@ -173,9 +159,6 @@ def _layer_factory(quantization: str | None, kernels: CpuKernels | None, int4: I
     if quantization == "int8":
         return lambda linear, _: Int8Linear(linear, kernels, quantized_kernels)
     if quantization == "int4":
-        from pagoda.config import Int4Options
-        from pagoda.model.int4 import Int4Linear, quantize_int4
-
         options = int4 or Int4Options()
 
         def int4_layer(linear: nn.Linear, lm_head: bool) -> nn.Module:

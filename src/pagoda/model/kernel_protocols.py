@@ -1,0 +1,63 @@
+"""The compiled CPU kernels (pagoda.kernels) as model/ calls them: typed once, below every module that
+takes them, so the layers, the quantized linears, attention and the decode stack import these types and not
+the module that decides which implementation runs (backends.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+# weight, scale (int8: per channel; int4: the (scale, offset) pairs), bias; as kernels/cpu_decode.cpp reads it
+LinearSpec = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
+
+class CompiledDecodeStack(Protocol):
+    """kernels/cpu_decode.cpp's DecodeStack."""
+
+    def add_layer(self, input_layernorm: torch.Tensor, post_attention_layernorm: torch.Tensor,
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qkv: LinearSpec, o: LinearSpec,
+                  gate_up: LinearSpec, down: LinearSpec, window: int) -> None: ...
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
+
+
+class QuantizedKernels(Protocol):
+    """A compiled module with the integer matmuls for quantized weights (kernels/cpu_int4.cpp, cpu_int8.cpp;
+    AVX2): the full set's, or the AVX2 module's."""
+
+    # The most rows of x at which matmul_int4 beats dequantized tiles into a GEMM (sys.maxsize: no bound).
+    matmul_int4_max_rows: int
+
+    def matmul_int4(self, x: torch.Tensor, packed: torch.Tensor, group: int,
+                    scales_and_zeros: torch.Tensor) -> torch.Tensor: ...
+    def matmul_int8(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor: ...
+
+
+class CpuKernels(QuantizedKernels, Protocol):
+    """The compiled module of pagoda's CPU kernels for one target (kernels/cpu_module.cpp: "avx512";
+    cpu_avx2_module.cpp: "avx2", which has no prefill attention), as model/ calls it."""
+
+    target: str
+    DecodeStack: Callable[[int, int, int, float, float, torch.Tensor], CompiledDecodeStack]
+    prefill_attention_amx: bool  # bf16 prefill attention runs on AMX tiles (the CPU has them, Linux granted them)
+
+    def gemv_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def gemv_bf16(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
+    def gemv_int8(self, x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor: ...
+    def add_rms_norm_(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                      eps: float) -> torch.Tensor: ...
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def rotary_write_kv_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> None: ...
+    def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int,
+                               scale: float) -> torch.Tensor: ...
+    # the "avx512" target only
+    def paged_prefill_attention_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor,
+                                 use_amx: bool = True) -> None: ...
