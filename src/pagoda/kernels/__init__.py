@@ -1,8 +1,8 @@
 """Optional native kernels, compiled on first use; pagoda falls back to torch where they are missing.
 
 Two targets, each one compiled module: "avx512" (the full set: AVX-512 with BF16, VNNI and VBMI; prefill
-attention too, on AMX tiles where granted) and "avx2" (AVX2 with FMA: the decode path, from the simd_*.cpp
-kernels written once over cpu_simd.h, plus the integer matmuls). `simd_target()` picks the best the CPU has,
+attention too, on AMX tiles where granted) and "avx2" (AVX2 with FMA: the decode path, from the simd_*.h
+kernel cores written once over cpu_simd.h, plus the integer matmuls). `simd_target()` picks the best the CPU has,
 or the one PAGODA_SIMD_TARGET names; `cpu_kernels()` returns its module, or None (with one warning) when no
 target fits, no compiler is present, the build fails, or PAGODA_DISABLE_KERNELS=1 asks for the torch path.
 `target_kernels(name)` loads one target's module whatever was chosen (tests run every target the host has).
@@ -37,7 +37,10 @@ class _Build:
     cpu_flags: frozenset[str]
 
 
-_HEADERS = ("cpu_vec.h", "cpu_simd.h", "cpu_ops.h", "cpu_bindings.h", "cpu_x_codes.h", "cpu_prefill_attention.h")
+_HEADERS = (
+    "cpu_vec.h", "cpu_simd.h", "cpu_ops.h", "cpu_bindings.h", "cpu_x_codes.h", "cpu_prefill_attention.h", "simd_gemv.h",
+    "simd_fused.h", "simd_attention.h", "simd_tensors.h",
+)
 # -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
 _LINK_FLAGS = ["-lgomp"]
 # The full set, for AVX-512 with bf16 dot products (vdpbf16ps), VNNI (vpdpwssd, vpdpbusd) and VBMI (vpermb).

@@ -1,5 +1,5 @@
 // The Python module of the AVX2 target, for CPUs without the AVX-512 set the full kernels need: the decode
-// path (the simd_*.cpp kernels over cpu_simd.h, the integer matmuls, the native decode stack). Prefill
+// path (the simd_*.cpp bindings of the simd_*.h cores over cpu_simd.h, the integer matmuls, the native decode stack). Prefill
 // attention has no AVX2 form: prefills attend through torch's SDPA.
 #include "cpu_bindings.h"
 

@@ -1,19 +1,28 @@
-// A portable layer over one SIMD register of fp32 lanes, so that a kernel is written once (the simd_*.cpp
-// sources) and compiled for each target: `Vec` is AVX-512's 16 lanes when the build enables AVX-512F, else
-// AVX2 + FMA's 8. bf16 memory is widened to fp32 on load and rounded to nearest even on store (NaN to 0x7FC0),
-// as c10::BFloat16's conversion does, so no target needs native bf16 arithmetic.
+// A portable layer over a vector of fp32 lanes, so that a kernel is written once (the simd_*.h cores) and
+// compiled for each target: `Vec` is AVX-512's 16 lanes when the build enables AVX-512F, AVX2 + FMA's 8, or on
+// aarch64 two NEON registers as 8 lanes. bf16 memory is widened to fp32 on load and rounded to nearest even on
+// store (NaN to 0x7FC0), as c10::BFloat16's conversion does, so no target needs native bf16 arithmetic.
 //
 // Every operation is one IEEE fp32 operation per lane (fmadd: one rounding), identical on every target;
-// only reductions (reduce_add, reduce_max) depend on the lane count, through their order.
+// only reductions (reduce_add, reduce_max) depend on the lane count, through their order, which the two
+// 8-lane forms share. Torch-free, so the cores are tested natively and under qemu-aarch64 (tests/native/).
 #pragma once
 
-#include <ATen/ATen.h>
+#if defined(__x86_64__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
 
 namespace pagoda::simd {
+
+// bf16 in memory: the upper 16 bits of an fp32, c10::BFloat16's layout (simd_tensors.h casts tensors to it).
+struct bf16 {
+  uint16_t bits;
+};
 
 #if defined(__AVX512F__)
 
@@ -24,19 +33,19 @@ struct Vec {
   static Vec zero() { return {_mm512_setzero_ps()}; }
   static Vec broadcast(float x) { return {_mm512_set1_ps(x)}; }
   static Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
-  static Vec load(const at::BFloat16* p) {
+  static Vec load(const bf16* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
   }
   // 2 * kLanes bf16 as fp32: even receives elements 0, 2, 4, ..., odd 1, 3, 5, ... (a shift and a mask of one
   // load, no shuffle: bf16 is the upper half of fp32).
-  static void load_pairs(const at::BFloat16* p, Vec& even, Vec& odd) {
+  static void load_pairs(const bf16* p, Vec& even, Vec& odd) {
     const __m512i raw = _mm512_loadu_si512(p);
     even = {_mm512_castsi512_ps(_mm512_slli_epi32(raw, 16))};
     odd = {_mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
   }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
-  void store(at::BFloat16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits()); }
+  void store(bf16* p) const { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16_bits()); }
 
   // The 16 lanes rounded to bf16 bit patterns (round to nearest even; NaN -> 0x7FC0).
   __m256i bf16_bits() const {
@@ -80,19 +89,19 @@ struct Vec {
   static Vec zero() { return {_mm256_setzero_ps()}; }
   static Vec broadcast(float x) { return {_mm256_set1_ps(x)}; }
   static Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
-  static Vec load(const at::BFloat16* p) {
+  static Vec load(const bf16* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
   }
   // 2 * kLanes bf16 as fp32: even receives elements 0, 2, 4, ..., odd 1, 3, 5, ... (a shift and a mask of one
   // load, no shuffle: bf16 is the upper half of fp32).
-  static void load_pairs(const at::BFloat16* p, Vec& even, Vec& odd) {
+  static void load_pairs(const bf16* p, Vec& even, Vec& odd) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     even = {_mm256_castsi256_ps(_mm256_slli_epi32(raw, 16))};
     odd = {_mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))))};
   }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
-  void store(at::BFloat16* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits()); }
+  void store(bf16* p) const { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16_bits()); }
 
   // The 8 lanes rounded to bf16 bit patterns (round to nearest even; NaN -> 0x7FC0).
   __m128i bf16_bits() const {
@@ -136,15 +145,95 @@ inline Vec where_negative(Vec a, Vec if_negative, Vec otherwise) {
   return {_mm256_blendv_ps(otherwise.v, if_negative.v, _mm256_cmp_ps(a.v, _mm256_setzero_ps(), _CMP_LT_OQ))};
 }
 
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+
+// x86's max: a where a > b, else b (b when either is NaN), so that every target's max agrees.
+inline float32x4_t max_of(float32x4_t a, float32x4_t b) { return vbslq_f32(vcgtq_f32(a, b), a, b); }
+
+// 8 lanes in two 128-bit registers, so that a kernel's steps, tails and reduction order are AVX2's.
+struct Vec {
+  static constexpr int kLanes = 8;
+  float32x4_t lo, hi;
+
+  static Vec zero() { return broadcast(0.0f); }
+  static Vec broadcast(float x) { return {vdupq_n_f32(x), vdupq_n_f32(x)}; }
+  static Vec load(const float* p) { return {vld1q_f32(p), vld1q_f32(p + 4)}; }
+  static Vec load(const bf16* p) {
+    const uint16x8_t raw = vld1q_u16(reinterpret_cast<const uint16_t*>(p));
+    return {vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(raw), 16)), vreinterpretq_f32_u32(vshll_high_n_u16(raw, 16))};
+  }
+  // 2 * kLanes bf16 as fp32: even receives elements 0, 2, 4, ..., odd 1, 3, 5, ... (as the x86 forms).
+  static void load_pairs(const bf16* p, Vec& even, Vec& odd) {
+    const uint32x4_t lo = vld1q_u32(reinterpret_cast<const uint32_t*>(p));
+    const uint32x4_t hi = vld1q_u32(reinterpret_cast<const uint32_t*>(p) + 4);
+    const uint32x4_t upper = vdupq_n_u32(0xFFFF0000u);
+    even = {vreinterpretq_f32_u32(vshlq_n_u32(lo, 16)), vreinterpretq_f32_u32(vshlq_n_u32(hi, 16))};
+    odd = {vreinterpretq_f32_u32(vandq_u32(lo, upper)), vreinterpretq_f32_u32(vandq_u32(hi, upper))};
+  }
+  void store(float* p) const {
+    vst1q_f32(p, lo);
+    vst1q_f32(p + 4, hi);
+  }
+  void store(bf16* p) const {
+    vst1q_u16(reinterpret_cast<uint16_t*>(p), vcombine_u16(bf16_bits(lo), bf16_bits(hi)));
+  }
+
+  // 4 lanes rounded to bf16 bit patterns (round to nearest even; NaN -> 0x7FC0).
+  static uint16x4_t bf16_bits(float32x4_t v) {
+    const uint32x4_t bits = vreinterpretq_u32_f32(v);
+    const uint32x4_t odd = vandq_u32(vshrq_n_u32(bits, 16), vdupq_n_u32(1));
+    const uint32x4_t rounded = vshrq_n_u32(vaddq_u32(bits, vaddq_u32(odd, vdupq_n_u32(0x7FFF))), 16);
+    return vmovn_u32(vbslq_u32(vceqq_f32(v, v), rounded, vdupq_n_u32(0x7FC0)));
+  }
+
+  // (h0 + h2) + (h1 + h3) with h = lo + hi: AVX2's order.
+  float reduce_add() const {
+    const float32x4_t half = vaddq_f32(lo, hi);
+    const float32x4_t pairs = vaddq_f32(half, vextq_f32(half, half, 2));
+    return vgetq_lane_f32(pairs, 0) + vgetq_lane_f32(pairs, 1);
+  }
+  float reduce_max() const {
+    const float32x4_t half = max_of(lo, hi);
+    const float32x4_t pairs = max_of(half, vextq_f32(half, half, 2));
+    const float a = vgetq_lane_f32(pairs, 0), b = vgetq_lane_f32(pairs, 1);
+    return a > b ? a : b;
+  }
+};
+
+inline Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)}; }
+inline Vec operator-(Vec a, Vec b) { return {vsubq_f32(a.lo, b.lo), vsubq_f32(a.hi, b.hi)}; }
+inline Vec operator*(Vec a, Vec b) { return {vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)}; }
+inline Vec operator/(Vec a, Vec b) { return {vdivq_f32(a.lo, b.lo), vdivq_f32(a.hi, b.hi)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)}; }
+inline Vec fnmadd(Vec a, Vec b, Vec c) { return {vfmsq_f32(c.lo, a.lo, b.lo), vfmsq_f32(c.hi, a.hi, b.hi)}; }
+inline Vec max(Vec a, Vec b) { return {max_of(a.lo, b.lo), max_of(a.hi, b.hi)}; }
+inline Vec abs(Vec a) { return {vabsq_f32(a.lo), vabsq_f32(a.hi)}; }
+inline Vec round_to_integer(Vec a) { return {vrndnq_f32(a.lo), vrndnq_f32(a.hi)}; }
+// 2^n for integral n in -126..127, exactly.
+inline float32x4_t exp2_integer(float32x4_t n) {
+  return vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23));
+}
+inline Vec exp2_integer(Vec n) { return {exp2_integer(n.lo), exp2_integer(n.hi)}; }
+// a where a < 0, else b.
+inline Vec where_negative(Vec a, Vec if_negative, Vec otherwise) {
+  const float32x4_t zero = vdupq_n_f32(0.0f);
+  return {vbslq_f32(vcltq_f32(a.lo, zero), if_negative.lo, otherwise.lo),
+          vbslq_f32(vcltq_f32(a.hi, zero), if_negative.hi, otherwise.hi)};
+}
+
 #else
-#error "cpu_simd.h needs AVX-512F, or AVX2 with FMA"
+#error "cpu_simd.h needs AVX-512F, AVX2 with FMA, or aarch64's NEON"
 #endif
 
 constexpr int kLanes = Vec::kLanes;
 
-// One cache line into L2. As inline asm, not _mm_prefetch: GCC deletes a loop whose body is only
-// _mm_prefetch calls (they have no side effects).
+// One cache line into L2. As inline asm, not a builtin: GCC deletes a loop whose body is only prefetches
+// (they have no side effects).
+#if defined(__x86_64__)
 inline void prefetch_line_into_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
+#else
+inline void prefetch_line_into_l2(const void* p) { asm volatile("prfm pldl2keep, %0" : : "Q"(*static_cast<const char*>(p))); }
+#endif
 
 // The first `count` (< kLanes) elements, the rest zero: a row's tail, through a buffer (tails are rare and short).
 template <typename T>
@@ -176,8 +265,8 @@ inline void store_at(T* row, int64_t i, int64_t n, Vec v) {
 // v rounded to T and back: where torch's op on T-typed tensors would round an intermediate.
 template <typename T> inline Vec round_as(Vec v);
 template <> inline Vec round_as<float>(Vec v) { return v; }
-template <> inline Vec round_as<at::BFloat16>(Vec v) {
-  at::BFloat16 buffer[kLanes];
+template <> inline Vec round_as<bf16>(Vec v) {
+  bf16 buffer[kLanes];
   v.store(buffer);
   return Vec::load(buffer);
 }

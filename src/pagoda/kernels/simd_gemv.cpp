@@ -1,111 +1,25 @@
-// Small-batch matrix-vector kernels for decode, written once over cpu_simd.h's vector (the AVX2 module's
-// gemv_fp32 and gemv_bf16; cpu_gemv.cpp holds the AVX-512 forms): y[m, n] = sum_k x[m, k] * W[n, k] for 1..64
-// rows of x. At decode each weight is read once a step and used for a few rows, so the step is bound by memory:
-// one pass over W, its rows split across threads with at::parallel_for, and every weight vector loaded once for
-// up to kRowGroup rows of x, in fp32 from registers.
-//   fp32 W: fp32 FMAs.
-//   bf16 W: widened to fp32 in registers, 2 * kLanes weights from one load by a shift and a mask (bf16 is fp32's
-//           upper half), as even and odd elements against x laid out to match; x rounded to bf16 first, as the
-//           AVX-512 form's bf16 dot products do; fp32 FMAs. Half of fp32's bytes, the same arithmetic rate.
-// With more rows than kRowGroup, each thread walks its channels in tiles of ~kTileBytesOfW of W that stay in L2
-// while every group of rows passes over them.
+// The torch binding of simd_gemv.h's GEMV (the AVX2 module's gemv_fp32, gemv_bf16 and gemv_int8): checks,
+// x's conversion and layout, and the channels split across threads with at::parallel_for.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include <algorithm>
 #include <type_traits>
 
 #include "cpu_ops.h"
-#include "cpu_simd.h"
+#include "simd_gemv.h"
+#include "simd_tensors.h"
 
 namespace {
 
-using pagoda::simd::kLanes;
-using pagoda::simd::Vec;
+namespace kernels = pagoda::simd_kernels;
 
-constexpr int64_t kMaxRows = 64;  // larger inputs are matrix multiplications: use a GEMM
-constexpr int64_t kGrain = 16;    // output channels per parallel task
-constexpr int64_t kTileBytesOfW = 256 << 10;
-constexpr int kRowGroup = 4;  // rows of x a weight vector serves from registers
-constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of its loads each weight row is asked into L2
-
-// Weight rows a step loads for M rows of x: R * M sums, R weight vectors and one x vector stay within AVX2's 16
-// registers; with one row of x, R rows are R sequential streams in flight.
-template <int M>
-constexpr int weight_rows_for() {
-  return M <= 2 ? 4 : M == 3 ? 3 : 2;
-}
-
-// How a step reads W: fp32 one vector of kLanes weights; bf16 2 * kLanes weights from one load, split into even
-// and odd elements (Vec::load_pairs), against x laid out to match (split_pairs).
-template <typename W>
-constexpr int64_t kStep = std::is_same_v<W, float> ? kLanes : 2 * kLanes;
-
-// R weight rows (K apart, from `rows`) against M rows of x: y[m * N + r] = weight row r . row m of x.
-template <typename W, int M, int R>
-void weight_rows(const float* x, const W* rows, int64_t K, float* y, int64_t N) {
-  constexpr int64_t kStepsPerLine = std::max<int64_t>(1, 64 / (kStep<W> * int64_t(sizeof(W))));
-  Vec sums[R * M];
-  for (int i = 0; i < R * M; ++i) sums[i] = Vec::zero();
-  for (int64_t k = 0, step = 0; k < K; k += kStep<W>, ++step) {
-    if (step % kStepsPerLine == 0) {
-      for (int r = 0; r < R; ++r) pagoda::simd::prefetch_line_into_l2(rows + r * K + k + kPrefetchBytes / sizeof(W));
-    }
-    if constexpr (std::is_same_v<W, float>) {
-      Vec weights[R];
-      for (int r = 0; r < R; ++r) weights[r] = Vec::load(rows + r * K + k);
-      for (int m = 0; m < M; ++m) {
-        const Vec xv = Vec::load(x + m * K + k);
-        for (int r = 0; r < R; ++r) sums[r * M + m] = fmadd(weights[r], xv, sums[r * M + m]);
-      }
-    } else {
-      Vec even[R], odd[R];
-      for (int r = 0; r < R; ++r) Vec::load_pairs(rows + r * K + k, even[r], odd[r]);
-      for (int m = 0; m < M; ++m) {
-        const Vec x_even = Vec::load(x + m * K + k), x_odd = Vec::load(x + m * K + k + kLanes);
-        for (int r = 0; r < R; ++r) sums[r * M + m] = fmadd(odd[r], x_odd, fmadd(even[r], x_even, sums[r * M + m]));
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) y[m * N + r] = sums[r * M + m].reduce_add();
-}
-
-// Channels [begin, end) of W against M rows of x.
-template <typename W, int M>
-void channel_range(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
-  constexpr int R = weight_rows_for<M>();
-  int64_t n = begin;
-  for (; n + R <= end; n += R) weight_rows<W, M, R>(x, w + n * K, K, y + n, N);
-  for (; n < end; ++n) weight_rows<W, M, 1>(x, w + n * K, K, y + n, N);
-}
-
-// y[M, N] = x[M, K] . W[N, K]^T, x in fp32.
-template <typename W>
-void gemv_rows(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N) {
-  const int64_t tile = std::max<int64_t>(16, kTileBytesOfW / (K * int64_t(sizeof(W))));
-  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t n0 = begin; n0 < end; n0 += tile) {
-      const int64_t n1 = std::min(end, n0 + tile);
-      for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
-        const float* rows = x + m0 * K;
-        float* out = y + m0 * N;
-        switch (std::min<int64_t>(kRowGroup, M - m0)) {
-          case 1: channel_range<W, 1>(rows, w, out, K, N, n0, n1); break;
-          case 2: channel_range<W, 2>(rows, w, out, K, N, n0, n1); break;
-          case 3: channel_range<W, 3>(rows, w, out, K, N, n0, n1); break;
-          default: channel_range<W, 4>(rows, w, out, K, N, n0, n1); break;
-        }
-      }
-    }
-  });
-}
+constexpr int64_t kGrain = 16;  // output channels per parallel task
 
 void check_shapes(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
   TORCH_CHECK(x.size(1) == w.size(1), "x and w disagree on K");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "x must have 1..64 rows");
-  TORCH_CHECK(w.size(1) % 32 == 0, "K must be a multiple of 32");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kernels::kGemvMaxRows, "x must have 1..64 rows");
+  TORCH_CHECK(w.size(1) % kernels::kGemvKMultiple == 0, "K must be a multiple of 32");
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
 }
 
@@ -116,13 +30,19 @@ torch::Tensor run_gemv(const torch::Tensor& x, const torch::Tensor& w, at::Scala
   TORCH_CHECK(w.scalar_type() == c10::CppTypeToScalarType<W>::value, "w must be ",
               c10::CppTypeToScalarType<W>::value);
   const int64_t M = x.size(0), K = w.size(1), N = w.size(0);
-  auto xf = x.to(x_type).to(at::kFloat);
-  if constexpr (!std::is_same_v<W, float>) {  // each block of 2 * kLanes as its even elements, then its odd ones
-    xf = xf.reshape({M, K / (2 * kLanes), kLanes, 2}).transpose(2, 3);
+  auto xf = x.to(x_type).to(at::kFloat).contiguous();
+  if constexpr (!std::is_same_v<W, float>) {
+    auto laid_out = torch::empty_like(xf);
+    kernels::lay_out_pairs(xf.data_ptr<float>(), laid_out.data_ptr<float>(), M, K);
+    xf = laid_out;
   }
-  xf = xf.contiguous();
   auto y = torch::empty({M, N}, x.options().dtype(at::kFloat));
-  gemv_rows<W>(xf.data_ptr<float>(), w.data_ptr<W>(), y.data_ptr<float>(), M, K, N);
+  const float* x_data = xf.data_ptr<float>();
+  const auto* w_data = kernels::core_data<W>(w);
+  float* y_data = y.data_ptr<float>();
+  at::parallel_for(0, N, kGrain, [&](int64_t begin, int64_t end) {
+    kernels::gemv_channels(x_data, w_data, y_data, M, K, N, begin, end);
+  });
   return y.to(x.scalar_type());
 }
 

@@ -1,0 +1,113 @@
+// Small-batch matrix-vector kernels for decode, written once over cpu_simd.h's vector (the torch-free core of
+// simd_gemv.cpp, the AVX2 module's gemv_fp32 and gemv_bf16; cpu_gemv.cpp holds the AVX-512 forms):
+// y[m, n] = sum_k x[m, k] * W[n, k] for 1..64 rows of x. At decode each weight is read once a step and used for
+// a few rows, so the step is bound by memory: one pass over W, its rows split across threads by the caller, and
+// every weight vector loaded once for up to kRowGroup rows of x, in fp32 from registers.
+//   fp32 W: fp32 FMAs.
+//   bf16 W: widened to fp32 in registers, 2 * kLanes weights from one load by a shift and a mask (bf16 is fp32's
+//           upper half), as even and odd elements against x laid out to match (lay_out_pairs); x rounded to
+//           bf16 first, as the AVX-512 form's bf16 dot products do; fp32 FMAs. Half of fp32's bytes.
+// With more rows than kRowGroup, each call walks its channels in tiles of ~kTileBytesOfW of W that stay in L2
+// while every group of rows passes over them.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "cpu_simd.h"
+
+namespace pagoda::simd_kernels {
+
+using simd::kLanes;
+using simd::Vec;
+
+constexpr int64_t kGemvMaxRows = 64;  // larger inputs are matrix multiplications: use a GEMM
+constexpr int64_t kGemvKMultiple = 32;  // K's granule: one bf16 step on every target
+constexpr int64_t kTileBytesOfW = 256 << 10;
+constexpr int kRowGroup = 4;  // rows of x a weight vector serves from registers
+constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of its loads each weight row is asked into L2
+
+// Weight rows a step loads for M rows of x: R * M sums, R weight vectors and one x vector stay within AVX2's 16
+// registers; with one row of x, R rows are R sequential streams in flight.
+template <int M>
+constexpr int weight_rows_for() {
+  return M <= 2 ? 4 : M == 3 ? 3 : 2;
+}
+
+// How a step reads W: fp32 one vector of kLanes weights; bf16 2 * kLanes weights from one load, split into even
+// and odd elements (Vec::load_pairs), against x laid out to match (lay_out_pairs).
+template <typename W>
+constexpr int64_t kStep = std::is_same_v<W, float> ? kLanes : 2 * kLanes;
+
+// x [M, K] -> out [M, K] with each block of 2 * kLanes as its even elements, then its odd ones: the x layout
+// the bf16 GEMV reads.
+inline void lay_out_pairs(const float* x, float* out, int64_t M, int64_t K) {
+  for (int64_t block = 0; block < M * K; block += 2 * kLanes)
+    for (int64_t j = 0; j < kLanes; ++j) {
+      out[block + j] = x[block + 2 * j];
+      out[block + kLanes + j] = x[block + 2 * j + 1];
+    }
+}
+
+// R weight rows (K apart, from `rows`) against M rows of x: y[m * N + r] = weight row r . row m of x.
+template <typename W, int M, int R>
+void weight_rows(const float* x, const W* rows, int64_t K, float* y, int64_t N) {
+  constexpr int64_t kStepsPerLine = std::max<int64_t>(1, 64 / (kStep<W> * int64_t(sizeof(W))));
+  Vec sums[R * M];
+  for (int i = 0; i < R * M; ++i) sums[i] = Vec::zero();
+  for (int64_t k = 0, step = 0; k < K; k += kStep<W>, ++step) {
+    if (step % kStepsPerLine == 0) {
+      for (int r = 0; r < R; ++r) simd::prefetch_line_into_l2(rows + r * K + k + kPrefetchBytes / sizeof(W));
+    }
+    if constexpr (std::is_same_v<W, float>) {
+      Vec weights[R];
+      for (int r = 0; r < R; ++r) weights[r] = Vec::load(rows + r * K + k);
+      for (int m = 0; m < M; ++m) {
+        const Vec xv = Vec::load(x + m * K + k);
+        for (int r = 0; r < R; ++r) sums[r * M + m] = fmadd(weights[r], xv, sums[r * M + m]);
+      }
+    } else {
+      Vec even[R], odd[R];
+      for (int r = 0; r < R; ++r) Vec::load_pairs(rows + r * K + k, even[r], odd[r]);
+      for (int m = 0; m < M; ++m) {
+        const Vec x_even = Vec::load(x + m * K + k), x_odd = Vec::load(x + m * K + k + kLanes);
+        for (int r = 0; r < R; ++r) sums[r * M + m] = fmadd(odd[r], x_odd, fmadd(even[r], x_even, sums[r * M + m]));
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int m = 0; m < M; ++m) y[m * N + r] = sums[r * M + m].reduce_add();
+}
+
+// Channels [begin, end) of W against M rows of x.
+template <typename W, int M>
+void channel_range(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
+  constexpr int R = weight_rows_for<M>();
+  int64_t n = begin;
+  for (; n + R <= end; n += R) weight_rows<W, M, R>(x, w + n * K, K, y + n, N);
+  for (; n < end; ++n) weight_rows<W, M, 1>(x, w + n * K, K, y + n, N);
+}
+
+// Channels [begin, end) of y[M, N] = x[M, K] . W[N, K]^T: x in fp32 (laid out by lay_out_pairs for bf16 W),
+// 1 <= M <= kGemvMaxRows, K a multiple of kGemvKMultiple. Disjoint channel ranges may run on separate threads.
+template <typename W>
+void gemv_channels(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t begin,
+                   int64_t end) {
+  const int64_t tile = std::max<int64_t>(16, kTileBytesOfW / (K * int64_t(sizeof(W))));
+  for (int64_t n0 = begin; n0 < end; n0 += tile) {
+    const int64_t n1 = std::min(end, n0 + tile);
+    for (int64_t m0 = 0; m0 < M; m0 += kRowGroup) {
+      const float* rows = x + m0 * K;
+      float* out = y + m0 * N;
+      switch (std::min<int64_t>(kRowGroup, M - m0)) {
+        case 1: channel_range<W, 1>(rows, w, out, K, N, n0, n1); break;
+        case 2: channel_range<W, 2>(rows, w, out, K, N, n0, n1); break;
+        case 3: channel_range<W, 3>(rows, w, out, K, N, n0, n1); break;
+        default: channel_range<W, 4>(rows, w, out, K, N, n0, n1); break;
+      }
+    }
+  }
+}
+
+}  // namespace pagoda::simd_kernels

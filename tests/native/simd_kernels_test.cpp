@@ -1,0 +1,273 @@
+// Torch-free tests of the simd_*.h kernel cores against scalar references, for whichever target the compiler
+// builds cpu_simd.h for (AVX-512, AVX2, or aarch64's NEON under qemu-aarch64): tests/test_native_kernels.py
+// compiles and runs it once per target. Inputs are seeded; each check states its tolerance. Exits non-zero
+// if any check fails.
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "simd_attention.h"
+#include "simd_fused.h"
+#include "simd_gemv.h"
+
+namespace {
+
+using pagoda::simd::bf16;
+namespace kernels = pagoda::simd_kernels;
+
+int checks = 0, failures = 0;
+
+// Rounds to nearest even, NaN to 0x7FC0: c10::BFloat16's conversion, written out in scalar code.
+bf16 to_bf16(float value) {
+  if (std::isnan(value)) return {0x7FC0};
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return {static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)};
+}
+float to_float(bf16 value) {
+  const uint32_t bits = uint32_t{value.bits} << 16;
+  float result;
+  std::memcpy(&result, &bits, sizeof result);
+  return result;
+}
+float to_float(float value) { return value; }
+template <typename T> T from_float(float value);
+template <> float from_float<float>(float value) { return value; }
+template <> bf16 from_float<bf16>(float value) { return to_bf16(value); }
+// value as T would hold it.
+template <typename T> float rounded(float value) { return to_float(from_float<T>(value)); }
+template <typename T> const char* type_name() { return std::is_same_v<T, float> ? "fp32" : "bf16"; }
+
+template <typename T>
+std::vector<T> random_values(std::mt19937& rng, size_t count, float low = -1.0f, float high = 1.0f) {
+  std::uniform_real_distribution<float> uniform(low, high);
+  std::vector<T> values(count);
+  for (auto& value : values) value = from_float<T>(uniform(rng));
+  return values;
+}
+
+// Passes where every |got - want| <= abs_tol + rel_tol * |want| (scale: a per-element magnitude for want).
+template <typename G>
+void check(const std::string& name, const std::vector<G>& got, const std::vector<double>& want, double abs_tol,
+           double rel_tol, const std::vector<double>* scale = nullptr) {
+  ++checks;
+  double worst = 0;
+  size_t bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double error = std::fabs(double(to_float(got[i])) - want[i]);
+    const double magnitude = scale ? (*scale)[i] : std::fabs(want[i]);
+    worst = std::max(worst, error);
+    if (!(error <= abs_tol + rel_tol * magnitude)) ++bad;
+  }
+  if (bad != 0) ++failures;
+  std::printf("%s %s: max |error| %.3g (%zu of %zu elements out of tolerance)\n", bad ? "FAIL" : "ok", name.c_str(),
+              worst, bad, want.size());
+}
+
+void check_bf16_rounding() {
+  const std::vector<uint32_t> patterns = {0x3F800000, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F817FFF, 0x7F7FFFFF,
+                                          0x7F800000, 0xFF800000, 0x7FC00001, 0xFFFFFFFF, 0x00000001, 0x80000000,
+                                          0x7F808000, 0xC0490FDB, 0x33800000, 0x4B7FFF80};
+  std::vector<float> values(patterns.size());
+  std::memcpy(values.data(), patterns.data(), patterns.size() * sizeof(float));
+  std::vector<bf16> got(values.size());
+  for (size_t i = 0; i < values.size(); i += pagoda::simd::kLanes)
+    pagoda::simd::store_at(got.data(), int64_t(i), int64_t(values.size()), pagoda::simd::load_at(values.data(), int64_t(i), int64_t(values.size())));
+  size_t bad = 0;
+  for (size_t i = 0; i < values.size(); ++i) bad += got[i].bits != to_bf16(values[i]).bits;
+  ++checks;
+  if (bad) ++failures;
+  std::printf("%s bf16 rounding of edge patterns: %zu of %zu differ (exact)\n", bad ? "FAIL" : "ok", bad, values.size());
+}
+
+template <typename W>
+void check_gemv(std::mt19937& rng, int64_t M, int64_t K, int64_t N) {
+  std::vector<float> x = random_values<float>(rng, M * K);
+  if constexpr (!std::is_same_v<W, float>)
+    for (auto& value : x) value = rounded<bf16>(value);  // the kernel's contract: x rounded to bf16 first
+  const std::vector<W> w = random_values<W>(rng, N * K);
+  std::vector<float> laid_out = x;
+  if constexpr (!std::is_same_v<W, float>) kernels::lay_out_pairs(x.data(), laid_out.data(), M, K);
+  std::vector<float> y(M * N);
+  const int64_t split = N / 2 + 1;  // two channel ranges, as two threads would take them
+  kernels::gemv_channels(laid_out.data(), w.data(), y.data(), M, K, N, 0, split);
+  kernels::gemv_channels(laid_out.data(), w.data(), y.data(), M, K, N, split, N);
+  std::vector<double> want(M * N), magnitude(M * N);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) {
+      double sum = 0, absolute = 0;
+      for (int64_t k = 0; k < K; ++k) {
+        const double product = double(x[m * K + k]) * to_float(w[n * K + k]);
+        sum += product;
+        absolute += std::fabs(product);
+      }
+      want[m * N + n] = sum;
+      magnitude[m * N + n] = absolute;
+    }
+  // fp32 accumulation over K terms in a different order: K * 2^-24 of the sum of |products| bounds it.
+  check("gemv " + std::string(type_name<W>()) + " M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" +
+            std::to_string(N), y, want, 0, double(K) * 0x1p-24, &magnitude);
+}
+
+template <typename T>
+void check_add_rms_norm(std::mt19937& rng, int64_t rows, int64_t n, bool with_delta) {
+  std::vector<T> x = random_values<T>(rng, rows * n), delta = random_values<T>(rng, rows * n);
+  const std::vector<T> weight = random_values<T>(rng, n, 0.5f, 1.5f), x_before = x;
+  std::vector<T> out(rows * n);
+  const float eps = 1e-6f;
+  const T* delta_data = with_delta ? delta.data() : nullptr;
+  kernels::add_rms_norm_rows(x.data(), delta_data, weight.data(), out.data(), n, eps, 0, 1);
+  kernels::add_rms_norm_rows(x.data(), delta_data, weight.data(), out.data(), n, eps, 1, rows);
+  std::vector<double> want_x(rows * n), want_out(rows * n);
+  for (int64_t r = 0; r < rows; ++r) {
+    double squares = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float v = to_float(x_before[r * n + i]);
+      want_x[r * n + i] = with_delta ? rounded<T>(v + to_float(delta[r * n + i])) : v;
+      squares += want_x[r * n + i] * want_x[r * n + i];
+    }
+    const double inv_rms = 1.0 / std::sqrt(squares / n + eps);
+    for (int64_t i = 0; i < n; ++i)
+      want_out[r * n + i] = to_float(weight[i]) * rounded<T>(float(want_x[r * n + i] * inv_rms));
+  }
+  const std::string name = std::string("add_rms_norm ") + type_name<T>() + " n=" + std::to_string(n) +
+                           (with_delta ? " with delta" : "");
+  check(name + ": x", x, want_x, 0, 0);  // one add, one rounding: exact
+  // fp32: a reordered sum of squares; bf16: that can move the normed value across one rounding, plus the store's.
+  check(name + ": out", out, want_out, 1e-6, std::is_same_v<T, float> ? 1e-5 : 0x1p-6);
+}
+
+template <typename T>
+void check_rotary(std::mt19937& rng, int64_t tokens, int64_t H, int64_t KVH, int64_t D) {
+  const int64_t row = (H + 2 * KVH) * D, num_slots = tokens + 3;
+  std::vector<T> qkv = random_values<T>(rng, tokens * row), cos = random_values<T>(rng, tokens * D),
+                 sin = random_values<T>(rng, tokens * D);
+  const std::vector<T> before = qkv;
+  std::vector<T> k_cache(num_slots * KVH * D, from_float<T>(7.0f)), v_cache = k_cache;
+  std::vector<int64_t> slots(tokens);
+  for (int64_t t = 0; t < tokens; ++t) slots[t] = (t * 5 + 2) % num_slots;
+  kernels::rotary_write_kv_rows(qkv.data(), cos.data(), sin.data(), k_cache.data(), v_cache.data(), slots.data(), H,
+                                KVH, D, 0, tokens);
+  std::vector<double> want(tokens * row), want_k(k_cache.size(), 7.0), want_v(v_cache.size(), 7.0);
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t e = 0; e < row; ++e) want[t * row + e] = to_float(before[t * row + e]);
+    for (int64_t h = 0; h < H + KVH; ++h)
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t base = t * row + h * D;
+        const float x1 = to_float(before[base + i]), x2 = to_float(before[base + half + i]);
+        const float c1 = to_float(cos[t * D + i]), c2 = to_float(cos[t * D + half + i]);
+        const float s1 = to_float(sin[t * D + i]), s2 = to_float(sin[t * D + half + i]);
+        want[base + i] = rounded<T>(rounded<T>(x1 * c1) - rounded<T>(x2 * s1));
+        want[base + half + i] = rounded<T>(rounded<T>(x2 * c2) + rounded<T>(x1 * s2));
+      }
+    for (int64_t e = 0; e < KVH * D; ++e) {
+      want_k[slots[t] * KVH * D + e] = want[t * row + H * D + e];
+      want_v[slots[t] * KVH * D + e] = want[t * row + (H + KVH) * D + e];
+    }
+  }
+  const std::string name = std::string("rotary_write_kv ") + type_name<T>() + " D=" + std::to_string(D);
+  check(name + ": qkv", qkv, want, 0, 0);  // elementwise, each op rounded as the reference rounds it: exact
+  check(name + ": k cache", k_cache, want_k, 0, 0);
+  check(name + ": v cache", v_cache, want_v, 0, 0);
+}
+
+template <typename T>
+void check_silu_mul(std::mt19937& rng, int64_t rows, int64_t I) {
+  const std::vector<T> gate_up = random_values<T>(rng, rows * 2 * I, -12.0f, 12.0f);
+  std::vector<T> out(rows * I);
+  kernels::silu_mul_rows(gate_up.data(), out.data(), I, 0, rows);
+  std::vector<double> want(rows * I);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < I; ++i) {
+      const double g = to_float(gate_up[r * 2 * I + i]), up = to_float(gate_up[r * 2 * I + I + i]);
+      want[r * I + i] = rounded<T>(float(g / (1 + std::exp(-g)))) * up;
+    }
+  // fp32: exp's polynomial (~2e-7) and a division; bf16: that can move silu across one rounding, plus the store's.
+  check(std::string("silu_mul ") + type_name<T>() + " I=" + std::to_string(I), out, want, 1e-7,
+        std::is_same_v<T, float> ? 2e-6 : 0x1p-6);
+}
+
+template <typename T>
+void check_attention(std::mt19937& rng, int64_t H, int64_t KVH, int64_t D, int64_t window) {
+  const int64_t B = 3, L = 40, num_slots = B * L + 5;
+  const std::vector<int64_t> lens = {1, 17, L};
+  const std::vector<T> q = random_values<T>(rng, B * H * D), k = random_values<T>(rng, num_slots * KVH * D),
+                       v = random_values<T>(rng, num_slots * KVH * D);
+  std::vector<int64_t> slots(B * L);
+  for (int64_t i = 0; i < B * L; ++i) slots[i] = (i * 37 + 11) % num_slots;  // scattered, distinct
+  std::vector<T> out(B * H * D);
+  const float scale = 1.0f / std::sqrt(float(D));
+  const int64_t tasks = B * KVH;
+  kernels::attend_tasks(q.data(), k.data(), v.data(), slots.data(), lens.data(), out.data(), H, KVH, L, D, window,
+                        scale, 0, tasks / 2);
+  kernels::attend_tasks(q.data(), k.data(), v.data(), slots.data(), lens.data(), out.data(), H, KVH, L, D, window,
+                        scale, tasks / 2, tasks);
+  std::vector<double> want(B * H * D);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t kvh = h / (H / KVH), first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+      std::vector<double> scores;
+      for (int64_t i = first; i < lens[b]; ++i) {
+        double dot = 0;
+        for (int64_t d = 0; d < D; ++d)
+          dot += double(to_float(q[(b * H + h) * D + d])) * to_float(k[(slots[b * L + i] * KVH + kvh) * D + d]);
+        scores.push_back(dot * scale);
+      }
+      const double top = *std::max_element(scores.begin(), scores.end());
+      double total = 0;
+      for (auto& score : scores) total += (score = std::exp(score - top));
+      for (int64_t d = 0; d < D; ++d) {
+        double sum = 0;
+        for (size_t i = 0; i < scores.size(); ++i)
+          sum += scores[i] / total * to_float(v[(slots[b * L + first + int64_t(i)] * KVH + kvh) * D + d]);
+        want[(b * H + h) * D + d] = sum;
+      }
+    }
+  // Outputs are convex combinations of values in [-1, 1]: fp32 sums of <= 128 terms, or bf16's rounding on store.
+  check(std::string("paged_decode_attention ") + type_name<T>() + " H=" + std::to_string(H) + " KVH=" +
+            std::to_string(KVH) + " D=" + std::to_string(D) + " window=" + std::to_string(window),
+        out, want, std::is_same_v<T, float> ? 2e-6 : 0x1p-8, 0);
+}
+
+template <typename T>
+void check_type(std::mt19937& rng) {
+  for (int64_t n : {64, 100}) {
+    check_add_rms_norm<T>(rng, 3, n, true);
+    check_add_rms_norm<T>(rng, 3, n, false);
+  }
+  for (int64_t D : {64, 20}) check_rotary<T>(rng, 3, 4, 2, D);
+  for (int64_t I : {64, 37}) check_silu_mul<T>(rng, 2, I);
+  for (int64_t D : {64, 128}) {
+    check_attention<T>(rng, 4, 4, D, 0);
+    check_attention<T>(rng, 8, 2, D, 0);
+    check_attention<T>(rng, 8, 2, D, 8);
+  }
+  for (int64_t M : {1, 2, 3, 4, 5, 9})
+    for (int64_t K : {32, 96}) check_gemv<std::conditional_t<std::is_same_v<T, float>, float, bf16>>(rng, M, K, 37);
+}
+
+const char* architecture() {
+#if defined(__aarch64__)
+  return "aarch64";
+#else
+  return "x86_64";
+#endif
+}
+
+}  // namespace
+
+int main() {
+  std::printf("target: %s, %d fp32 lanes\n", architecture(), pagoda::simd::kLanes);
+  std::mt19937 rng(20240917);
+  check_bf16_rounding();
+  check_type<float>(rng);
+  check_type<bf16>(rng);
+  std::printf("%d checks, %d failed\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}
