@@ -235,6 +235,37 @@ def test_tensor_parallel_all_reduce_bytes(capsys):
     assert out["memory"]["kv_bytes_per_token_per_gpu"] == 2 * 80 * 1 * 128 * 2  # 8 KV heads over 8 GPUs
 
 
+def test_all_reduce_latency_is_paid_per_layer_at_any_batch(capsys):
+    """70B on 8 H100s: 160 all-reduces of 2 x 7 hops at the preset's 1.5 µs each, 3.36 ms a step."""
+    out = calc_json(capsys, "--model", "llama-3-70b", "--num-gpus", "8")
+    tp = out["tensor_parallel"]
+    assert tp["allreduces_per_step"] == 160
+    assert tp["allreduce_latency_s"] == pytest.approx(14 * 1.5e-6)
+    assert tp["comm_latency_s_per_step"] == pytest.approx(160 * 14 * 1.5e-6)
+    assert tp["comm_latency_s_per_step"] > 100 * tp["comm_bandwidth_s_per_step"]  # batch 1: latency-bound
+    batch_256 = calc_json(capsys, "--model", "llama-3-70b", "--num-gpus", "8", "--batch", "256")["tensor_parallel"]
+    assert batch_256["comm_latency_s_per_step"] == tp["comm_latency_s_per_step"]
+    assert batch_256["comm_bandwidth_s_per_step"] == pytest.approx(256 * tp["comm_bandwidth_s_per_step"])
+    measured = calc_json(capsys, "--model", "llama-3-70b", "--gpu", "h100-sxm", "--num-gpus", "8",
+                         "--interconnect-latency-us", "0")
+    assert measured["tensor_parallel"]["comm_latency_s_per_step"] == 0
+    assert measured["decode"]["step_s"] < out["decode"]["step_s"]
+
+
+def test_the_tp_table_shows_when_splitting_pays(capsys):
+    out = calc_json(capsys, "--model", "llama-3-70b", "--gpu", "h100-sxm", "--num-gpus", "3")
+    rows = {row["num_gpus"]: row for row in out["tp_scaling"]}
+    assert sorted(rows) == [1, 2, 3, 4, 8]
+    assert rows[1]["fits"] is False and rows[2]["fits"] is True  # 141 GB of bf16 weights, 72 GB usable a GPU
+    assert rows[1]["comm_fraction_of_step"] == 0
+    for smaller, larger in ((1, 2), (2, 4), (4, 8)):
+        assert rows[larger]["weight_bytes_per_gpu"] == pytest.approx(rows[smaller]["weight_bytes_per_gpu"] / 2)
+        assert rows[larger]["tokens_per_s_per_user"] > rows[smaller]["tokens_per_s_per_user"]
+        assert rows[larger]["tokens_per_s_per_gpu"] < rows[smaller]["tokens_per_s_per_gpu"]
+        assert rows[larger]["comm_fraction_of_step"] > rows[smaller]["comm_fraction_of_step"]
+    assert rows[3]["step_s"] == pytest.approx(out["decode"]["step_s"])
+
+
 def test_table_output_shows_units_and_the_warning(capsys):
     assert cli.main(["--model", "llama-3-70b", "--gpu", "h100-sxm", "--seq-len", "8192"]) == 0
     text = capsys.readouterr().out

@@ -10,7 +10,15 @@ import sys
 from dataclasses import replace
 
 from pagoda.calc.deployment import CalcInputs
-from pagoda.calc.presets import GPU_PRESETS, MODEL_CONFIGS, THIS_MACHINE, resolve_gpu, resolve_model
+from pagoda.calc.presets import (
+    GPU_PRESETS,
+    MODEL_CONFIGS,
+    NVLINK_HOP_US,
+    PCIE_HOP_US,
+    THIS_MACHINE,
+    resolve_gpu,
+    resolve_model,
+)
 from pagoda.calc.render import render_json, render_text
 from pagoda.calc.report import build_report
 from pagoda.calc.shapes import GpuSpec
@@ -38,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--tbps", type=float, help="memory bandwidth in TB/s (custom GPU, or override)")
     model.add_argument("--gpu-mem-gb", type=float, help="memory per GPU in GB = 10^9 bytes")
     model.add_argument("--interconnect-gbps", type=float, help="GPU-to-GPU GB/s, one direction")
+    model.add_argument("--interconnect-latency-us", type=float,
+                       help=f"one hop of a small ring all-reduce, in µs (presets assume {NVLINK_HOP_US:g} on "
+                            f"NVLink, {PCIE_HOP_US:g} on PCIe)")
     model.add_argument("--num-gpus", "--tp", type=int, default=1, help="tensor-parallel GPUs (default 1)")
     model.add_argument("--dtype", default="bf16", help="weight dtype: fp32, bf16, fp16, fp8, int8, int4 (group 32), "
                                                         "int4-g64, int4-g128")
@@ -86,6 +97,7 @@ def gpu_from_args(args: argparse.Namespace) -> GpuSpec:
         "bandwidth_tbps": args.tbps,
         "memory_gb": args.gpu_mem_gb,
         "interconnect_gbps": args.interconnect_gbps,
+        "interconnect_latency_us": args.interconnect_latency_us,
     }
     overrides = {key: value for key, value in given.items() if value is not None}
     if args.gpu is None and overrides:

@@ -94,6 +94,7 @@ class Deployment:
     capacity_per_gpu: float  # memory for weights + KV: capacity x mem_util
     flops_per_token: float  # decode, at --seq-len of context
     allreduce_wire_bytes_per_token: float  # each GPU sends this much per token under TP
+    allreduces_per_step: int  # 0 without TP, or without the model's layer count
 
     @property
     def free_per_gpu(self) -> float:
@@ -119,6 +120,7 @@ def derive(inputs: CalcInputs) -> Deployment:
     kv_total = kv_per_gpu = None
     attention_flops = 0.0
     wire_bytes = 0.0
+    allreduces = 0
     if (arch := model.architecture) is not None:
         kv_total = f.kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, inputs.cache_dtype)
         heads_per_gpu = f.kv_heads_per_gpu(arch.num_kv_heads, tp)
@@ -128,6 +130,7 @@ def derive(inputs: CalcInputs) -> Deployment:
         activation_bytes = max(2.0, f.dtype_bytes(inputs.dtype))
         payload = f.tp_allreduce_bytes_per_token(arch.num_layers, arch.hidden_size, activation_bytes)
         wire_bytes = f.ring_allreduce_wire_bytes(payload, tp)
+        allreduces = f.tp_allreduces_per_step(arch.num_layers) if tp > 1 else 0
     weights = f.weight_bytes(model.num_params, inputs.dtype)
     return Deployment(
         inputs=inputs,
@@ -139,6 +142,7 @@ def derive(inputs: CalcInputs) -> Deployment:
         capacity_per_gpu=inputs.gpu.memory_bytes * inputs.mem_util,
         flops_per_token=2 * model.matmul_params + attention_flops,
         allreduce_wire_bytes_per_token=wire_bytes,
+        allreduces_per_step=allreduces,
     )
 
 
@@ -151,8 +155,13 @@ class DecodePoint:
     flops: float
     memory_s: float
     compute_s: float
-    comm_s: float
+    comm_latency_s: float  # the all-reduces' fixed cost: as large at batch 1 as at any batch
+    comm_bandwidth_s: float  # the all-reduced bytes over the link: grows with the batch
     fits: bool | None  # None: KV size unknown (parameter count only)
+
+    @property
+    def comm_s(self) -> float:
+        return self.comm_latency_s + self.comm_bandwidth_s
 
     @property
     def step_s(self) -> float:
@@ -181,16 +190,18 @@ def decode_point(d: Deployment, batch: int) -> DecodePoint:
     kv_read = batch * d.kv_bytes_per_sequence_per_gpu
     bytes_read = d.weights_read_per_gpu + kv_read
     flops = batch * d.flops_per_token / inputs.num_gpus
-    comm_s = 0.0
+    comm_bandwidth_s = 0.0
     if d.allreduce_wire_bytes_per_token and gpu.interconnect_gbps:
-        comm_s = batch * d.allreduce_wire_bytes_per_token / (gpu.interconnect_gbps * 1e9)
+        comm_bandwidth_s = batch * d.allreduce_wire_bytes_per_token / (gpu.interconnect_gbps * 1e9)
+    comm_latency_s = d.allreduces_per_step * f.ring_allreduce_latency_s(inputs.num_gpus, gpu.interconnect_latency_s)
     return DecodePoint(
         batch=batch,
         bytes_read=bytes_read,
         flops=flops,
         memory_s=bytes_read / gpu.bandwidth,
         compute_s=flops / gpu.peak_flops,
-        comm_s=comm_s,
+        comm_latency_s=comm_latency_s,
+        comm_bandwidth_s=comm_bandwidth_s,
         fits=_fits(d, kv_read),
     )
 

@@ -123,6 +123,16 @@ def tp_allreduce_bytes_per_token(num_layers: int, hidden_size: int, activation_b
     return 2 * num_layers * hidden_size * activation_bytes
 
 
+def tp_allreduces_per_step(num_layers: int) -> int:
+    """All-reduces in one forward step under Megatron-style TP: two per layer, whatever the batch."""
+    return 2 * num_layers
+
+
+def ring_allreduce_latency_s(tensor_parallel: int, hop_latency_s: float) -> float:
+    """The fixed cost of one ring all-reduce: 2 (n-1) dependent hops (reduce-scatter, then all-gather)."""
+    return 2 * max(0, tensor_parallel - 1) * hop_latency_s
+
+
 def ring_allreduce_wire_bytes(payload_bytes: float, tensor_parallel: int) -> float:
     """Bytes each GPU sends in a ring all-reduce: reduce-scatter plus all-gather, (n-1)/n each."""
     if tensor_parallel <= 1:

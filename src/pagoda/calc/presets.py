@@ -16,15 +16,25 @@ from pagoda.calc.shapes import (
 
 # Dense bf16 tensor-core TFLOP/s (NVIDIA's headline figures are often 2:4-sparse: twice these), HBM
 # TB/s, capacity in datasheet GB, and per-direction NVLink / PCIe GB/s (half the bidirectional figure).
+# The per-hop all-reduce latency is an assumption, not a datasheet figure: small-message all-reduces on
+# NVLink take some microseconds per ring hop once launch overheads are counted, and more across PCIe.
+NVLINK_HOP_US = 1.5
+PCIE_HOP_US = 4.0
 GPU_PRESETS: dict[str, GpuSpec] = {
     spec.name.lower().replace(" ", "-"): spec
     for spec in (
-        GpuSpec("H100 SXM", peak_tflops=989.0, bandwidth_tbps=3.35, memory_gb=80, interconnect_gbps=450),
-        GpuSpec("H200", peak_tflops=989.0, bandwidth_tbps=4.8, memory_gb=141, interconnect_gbps=450),
-        GpuSpec("B200", peak_tflops=2250.0, bandwidth_tbps=7.7, memory_gb=180, interconnect_gbps=900),
-        GpuSpec("A100 80GB", peak_tflops=312.0, bandwidth_tbps=2.039, memory_gb=80, interconnect_gbps=300),
-        GpuSpec("L4", peak_tflops=121.0, bandwidth_tbps=0.3, memory_gb=24, interconnect_gbps=32),
-        GpuSpec("RTX PRO 6000", peak_tflops=503.8, bandwidth_tbps=1.792, memory_gb=96, interconnect_gbps=64),
+        GpuSpec("H100 SXM", peak_tflops=989.0, bandwidth_tbps=3.35, memory_gb=80, interconnect_gbps=450,
+                interconnect_latency_us=NVLINK_HOP_US),
+        GpuSpec("H200", peak_tflops=989.0, bandwidth_tbps=4.8, memory_gb=141, interconnect_gbps=450,
+                interconnect_latency_us=NVLINK_HOP_US),
+        GpuSpec("B200", peak_tflops=2250.0, bandwidth_tbps=7.7, memory_gb=180, interconnect_gbps=900,
+                interconnect_latency_us=NVLINK_HOP_US),
+        GpuSpec("A100 80GB", peak_tflops=312.0, bandwidth_tbps=2.039, memory_gb=80, interconnect_gbps=300,
+                interconnect_latency_us=NVLINK_HOP_US),
+        GpuSpec("L4", peak_tflops=121.0, bandwidth_tbps=0.3, memory_gb=24, interconnect_gbps=32,
+                interconnect_latency_us=PCIE_HOP_US),
+        GpuSpec("RTX PRO 6000", peak_tflops=503.8, bandwidth_tbps=1.792, memory_gb=96, interconnect_gbps=64,
+                interconnect_latency_us=PCIE_HOP_US),
     )
 }
 
@@ -70,17 +80,6 @@ def resolve_gpu(name: str) -> GpuSpec:
         return GPU_PRESETS[key]
     known = ", ".join([*GPU_PRESETS, THIS_MACHINE[0]])
     raise ValueError(f"unknown GPU {name!r}; known: {known} (or give --tflops and --tbps)")
-
-
-def custom_gpu(tflops: float, tbps: float, memory_gb: float, interconnect_gbps: float | None) -> GpuSpec:
-    return GpuSpec(
-        "custom",
-        peak_tflops=tflops,
-        bandwidth_tbps=tbps,
-        memory_gb=memory_gb,
-        interconnect_gbps=interconnect_gbps,
-        source="given",
-    )
 
 
 def resolve_model(spec: str) -> ModelShape:

@@ -8,6 +8,7 @@ if it did: the point of napkin math is to see by how much.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from pagoda.calc import formulas as f
 from pagoda.calc.deployment import CalcInputs, Deployment, decode_point, derive, table_batches
@@ -111,7 +112,7 @@ def _decode(d: Deployment) -> Section:
     s.add("memory_s", "memory time", point.memory_s, "s", "bytes / bandwidth")
     s.add("compute_s", "compute time", point.compute_s, "s", "flops / peak")
     if d.inputs.num_gpus > 1:
-        s.add("comm_s", "TP all-reduce time", point.comm_s, "s")
+        s.add("comm_s", "TP all-reduce time", point.comm_s, "s", "latency + bandwidth terms")
     s.add("step_s", "step floor", point.step_s, "s")
     s.add("steps_per_s", "steps/s ceiling", 1 / point.step_s)
     s.add("tokens_per_s_per_user", "tok/s per user", 1 / point.step_s)
@@ -167,7 +168,7 @@ def _prefill(d: Deployment) -> Section:
 
 
 def _tensor_parallel(d: Deployment) -> Section:
-    inputs = d.inputs
+    inputs, gpu = d.inputs, d.inputs.gpu
     s = Section("tensor_parallel", f"Tensor-parallel communication ({inputs.num_gpus} GPUs, ring all-reduce)")
     payload = d.allreduce_wire_bytes_per_token / (2 * (inputs.num_gpus - 1) / inputs.num_gpus)
     s.add(
@@ -178,17 +179,56 @@ def _tensor_parallel(d: Deployment) -> Section:
         "2 per layer x hidden x activation bytes",
     )
     s.add("wire_bytes_per_token_per_gpu", "sent per token per GPU", d.allreduce_wire_bytes_per_token, "bytes")
-    link = inputs.gpu.interconnect_gbps
+    link = gpu.interconnect_gbps
     s.add("interconnect_bytes_per_s", "link bandwidth (one way)", None if link is None else link * 1e9, "B/s")
+    s.add("allreduces_per_step", "all-reduces per step", d.allreduces_per_step, note="2 per layer")
+    hop = gpu.interconnect_latency_us
+    s.add("hop_latency_s", "latency per ring hop", None if hop is None else hop * 1e-6, "s",
+          "assumed" if gpu.source == "datasheet" else gpu.source)
+    s.add("allreduce_latency_s", "latency per all-reduce",
+          f.ring_allreduce_latency_s(inputs.num_gpus, gpu.interconnect_latency_s), "s", "2 (T - 1) hops")
     point = decode_point(d, inputs.batch)
-    s.add(
-        "comm_s_per_step",
-        f"per decode step (batch {inputs.batch})",
-        point.comm_s if link else None,
-        "s",
-        "bandwidth term only; all-reduce latency adds ~µs x 2 x layers",
-    )
+    s.add("comm_latency_s_per_step", "latency per decode step", point.comm_latency_s, "s", "all-reduces x latency")
+    s.add("comm_bandwidth_s_per_step", f"bandwidth per decode step (batch {inputs.batch})",
+          point.comm_bandwidth_s if link else None, "s", "batch x bytes sent / link")
+    s.add("comm_fraction_of_step", "share of the step floor", point.comm_s / point.step_s, "%")
     return s
+
+
+# Tensor-parallel degrees the scaling table always shows; --num-gpus is added to them.
+STANDARD_TP = (1, 2, 4, 8)
+
+
+def _tp_table(d: Deployment) -> Table:
+    """The same model, GPU and batch at each TP degree: when splitting pays, and what it costs per GPU."""
+    inputs = d.inputs
+    columns = [
+        Column("num_gpus", "GPUs"),
+        Column("weight_bytes_per_gpu", "weights/GPU", "bytes"),
+        Column("max_sequences", "seqs fit"),
+        Column("step_s", "step floor", "s"),
+        Column("comm_fraction_of_step", "all-reduce", "%"),
+        Column("tokens_per_s_per_user", "tok/s/user"),
+        Column("tokens_per_s_per_gpu", "tok/s/GPU"),
+        Column("fits", "fits"),
+    ]
+    table = Table("tp_scaling", f"By tensor-parallel degree (batch {inputs.batch})", columns)
+    for tp in sorted({*STANDARD_TP, inputs.num_gpus}):
+        split = derive(replace(inputs, num_gpus=tp))
+        point = decode_point(split, inputs.batch)
+        table.records.append(
+            {
+                "num_gpus": tp,
+                "weight_bytes_per_gpu": split.weight_bytes_per_gpu,
+                "max_sequences": split.max_sequences,
+                "step_s": point.step_s,
+                "comm_fraction_of_step": point.comm_s / point.step_s,
+                "tokens_per_s_per_user": 1 / point.step_s,
+                "tokens_per_s_per_gpu": inputs.batch / point.step_s / tp,
+                "fits": split.weights_fit and point.fits is not False,
+            }
+        )
+    return table
 
 
 def _throughput(d: Deployment) -> tuple[float, str]:
@@ -310,8 +350,10 @@ def build_report(inputs: CalcInputs) -> Report:
         _decode_table(d),
         _prefill(d),
     ]
-    if inputs.num_gpus > 1 and inputs.model.architecture is not None:
-        parts.append(_tensor_parallel(d))
+    if inputs.model.architecture is not None:
+        if inputs.num_gpus > 1:
+            parts.append(_tensor_parallel(d))
+        parts.append(_tp_table(d))
     if inputs.price_per_hour is not None:
         parts.append(_cost(d, inputs.price_per_hour))
     if inputs.tokens_per_s is not None:

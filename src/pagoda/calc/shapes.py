@@ -21,11 +21,17 @@ class GpuSpec:
     bandwidth_tbps: float  # memory bandwidth, TB/s (10^12 bytes/s)
     memory_gb: float  # capacity, GB (10^9 bytes), as the datasheet prints it
     interconnect_gbps: float | None = None  # per-direction GPU-to-GPU GB/s, for TP all-reduces
+    # One hop of a small-message ring all-reduce, in microseconds: the latency term of TP's all-reduces.
+    interconnect_latency_us: float | None = None
     source: str = "datasheet"
 
     @property
     def peak_flops(self) -> float:
         return self.peak_tflops * 1e12
+
+    @property
+    def interconnect_latency_s(self) -> float:
+        return (self.interconnect_latency_us or 0.0) * 1e-6
 
     @property
     def bandwidth(self) -> float:
