@@ -1,4 +1,4 @@
-"""`pagoda serve | generate | chat | calc | bench`: the command line, with vLLM's flag names where vLLM has one."""
+"""`pagoda serve | generate | chat | calc | bench | route | lab`: the command line, with vLLM's flag names."""
 
 from __future__ import annotations
 
@@ -218,12 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     from pagoda.calc.cli import add_parser as add_calc
     from pagoda.chat import add_parser as add_chat
+    from pagoda.labs.cli import add_parser as add_lab
     from pagoda.router.cli import add_parser as add_route
 
     add_chat(commands)
     add_calc(commands)
     add_bench_command(commands)
     add_route(commands)
+    add_lab(commands)
     return parser
 
 

@@ -1,0 +1,9 @@
+"""The labs `pagoda lab` knows, by name. A lab's module imports the engine only inside its `run`."""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from pagoda.labs import kv_capacity, prefix_cache
+
+LABS: dict[str, ModuleType] = {lab.NAME: lab for lab in (kv_capacity, prefix_cache)}

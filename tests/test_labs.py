@@ -1,0 +1,57 @@
+"""`pagoda lab`: each lab runs --quick on the built-in model, writes its table and plot, and its lesson holds on
+counted quantities (blocks, sequences, tokens), never on timings."""
+
+from __future__ import annotations
+
+import json
+
+from pagoda.cli import main
+from pagoda.labs.registry import LABS
+from pagoda.labs.result import LabResult
+
+
+def run_lab(name: str, tmp_path, capsys) -> dict:
+    assert main(["lab", name, "--quick", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "lesson holds" in out
+    assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+    return json.loads((tmp_path / f"{name}.json").read_text())
+
+
+def test_the_kv_formula_is_the_pool_and_the_concurrency(tmp_path, capsys):
+    result = run_lab("kv-capacity", tmp_path, capsys)
+    rows = result["rows"]
+    assert [row["budget_mib"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["pool_blocks"] == row["predicted_blocks"] > 0
+        # Twice the predicted number of prompts were offered: the pool, not the offer, bounded the step.
+        assert row["peak_sequences"] == row["predicted_sequences"] > 0
+    assert rows[1]["pool_blocks"] == 2 * rows[0]["pool_blocks"]
+
+
+def test_the_prefix_cache_skips_exactly_the_shared_whole_blocks(tmp_path, capsys):
+    result = run_lab("prefix-cache", tmp_path, capsys)
+    off, on = result["rows"]
+    assert off["computed"] == off["prompt_tokens"] == off["predicted_computed"]
+    assert on["computed"] == on["predicted_computed"] < off["computed"] / 3
+    settings = result["settings"]
+    prompt = settings["prefix_tokens"] + settings["suffix_tokens"]
+    # The first request computes everything; each later one computes its suffix and the prefix's partial block.
+    assert on["computed"] == prompt + (settings["requests"] - 1) * (prompt - settings["prefix_tokens"] // 16 * 16)
+
+
+def test_a_lesson_that_does_not_hold_fails_the_command(tmp_path, monkeypatch, capsys):
+    def wrong(model: str, quick: bool) -> LabResult:
+        return LabResult(lab="kv-capacity", question="?", columns=[("x", "x")], rows=[{"x": 1}],
+                         lesson="a lesson", lesson_holds=False)
+
+    monkeypatch.setattr(LABS["kv-capacity"], "run", wrong)
+    monkeypatch.setattr(LABS["kv-capacity"], "plot", lambda result, axes: axes.plot([0], [0]))
+    assert main(["lab", "kv-capacity", "--quick", "--out", str(tmp_path)]) == 1
+    assert "DOES NOT HOLD" in capsys.readouterr().out
+
+
+def test_the_list_names_every_lab(capsys):
+    assert main(["lab", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in LABS)
