@@ -1,0 +1,70 @@
+"""A tensor-parallel worker process: ranks 1..N-1 of a model split across processes (rank 0 is the engine's).
+
+It loads its shard, then runs every ModelStep the engine sends down its pipe, with the other ranks (its
+collectives meet theirs inside the forward); rank 0 alone samples, so a worker's logits are dropped. It ends
+when the engine says so, or when its pipe closes: the engine has gone, however it ended.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from pagoda.config import EngineConfig
+from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
+from pagoda.model.parallel import TensorParallel
+
+STOP = pickle.dumps(None)  # the engine's last message to a worker
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to start: the engine's config, its rank, the rendezvous, and its KV pool's size."""
+
+    config: EngineConfig
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    num_threads: int
+    num_blocks: int
+    block_size: int
+
+
+def run_worker(spec: WorkerSpec, connection: Connection) -> None:
+    """The worker's whole life. It reports on the pipe: ("ok", None) once started, ("ok", its weight bytes) once
+    loaded, or ("error", the traceback) instead of either."""
+    try:
+        torch.set_num_threads(spec.num_threads)
+        # torch.distributed's env:// rendezvous: the same variables torchrun or a Kubernetes pod would set.
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = spec.master_addr, str(spec.master_port)
+        connection.send(("ok", None))
+        dist.init_process_group("gloo", init_method="env://", rank=spec.rank, world_size=spec.world_size)
+        model = load_engine_model(spec.config, TensorParallel(spec.rank, spec.world_size))
+        execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device)
+        connection.send(("ok", weight_bytes(model)))
+    except BaseException:
+        connection.send(("error", traceback.format_exc()))
+        raise
+    run_steps(execution, connection)
+    dist.destroy_process_group()
+
+
+def run_steps(execution: ModelExecution, connection: Connection) -> None:
+    """Runs the steps the engine sends until it says stop or goes away. A step that raises ends the process
+    (the exception propagates): its sockets close, so rank 0's collective fails at once instead of waiting."""
+    while True:
+        try:
+            message = pickle.loads(connection.recv_bytes())
+        except EOFError:
+            return  # the engine's end of the pipe closed: it has gone
+        if message is None:
+            return
+        assert isinstance(message, ModelStep)
+        execution.run(message)
