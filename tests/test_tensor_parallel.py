@@ -86,6 +86,17 @@ def test_tp2_greedy_matches_tp1_and_transformers(arch, mode, checkpoint, hf_refe
         assert [r[0] for r in steps[0]] == [(len(p) - 1) // 4 * 4 for p in PROMPTS], "every full block is a hit"
 
 
+def test_tp4_shares_each_kv_head_between_two_ranks_and_matches_transformers(checkpoint, hf_reference, make_llm):
+    """4 heads and 2 KV heads over 4 ranks: one q head a rank, each KV head on two of them."""
+    model_dir = checkpoint("llama")
+    with make_llm(model_dir, tensor_parallel_size=4, **MODES["chunked+preemption"]) as llm:
+        assert len(llm.engine.executor.worker_pids()) == 3
+        assert llm.engine.model.config.num_heads == llm.engine.model.config.num_kv_heads == 1
+        tokens = run_greedy(llm, PROMPTS[:5])
+    for index, (output, prompt) in enumerate(zip(tokens, PROMPTS)):
+        compare_with_reference(output, hf_reference(model_dir, prompt, MAX_NEW_TOKENS), f"llama TP=4/prompt {index}")
+
+
 def checkpoint_bytes(model_dir: Path, tensor_parallel_size: int) -> tuple[int, int]:
     """(bytes of the tensors split across ranks, bytes of those every rank holds whole), from the checkpoint:
     norms and the biases added after an all-reduce are whole, and so are k and v when there are fewer KV heads

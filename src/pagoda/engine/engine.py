@@ -150,6 +150,7 @@ class LLMEngine:
                 num_bytes=self.kv_pool_bytes, sizing_reason=self.kv_pool.reason,
                 enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=config.dtype,
             ),
+            tensor_parallel_size=self.executor.tensor_parallel_size,
         )
 
     def reset_prefix_cache(self) -> int:

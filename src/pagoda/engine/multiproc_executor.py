@@ -2,9 +2,9 @@
 
 Rank 0 is the engine's own process: the scheduler, KV manager, detokenizer, sampler and grammars stay there and
 never know N, and rank 0 runs its shard of every step beside the workers, ranks 1..N-1, which are started here
-(torch.multiprocessing, spawn; engine/tp_worker.py). The ranks meet through torch.distributed's env://
-rendezvous on loopback (MASTER_ADDR, MASTER_PORT: a TCPStore rank 0 opens on a free port) and the forward's
-collectives run on gloo. `--threads` is split evenly across the ranks.
+(torch.multiprocessing, spawn; engine/tp_worker.py). The ranks meet as torch.distributed's env://
+rendezvous has them meet, on loopback (MASTER_ADDR, MASTER_PORT: a TCPStore rank 0 opens on a free port), and
+the forward's collectives run on gloo. `--threads` is split evenly across the ranks.
 
 Each step reaches the workers once: rank 0 pickles the step's ModelStep and writes it to each worker's pipe. A
 pipe rather than a broadcast, because a worker waiting for the next step then waits without a collective's
@@ -34,14 +34,13 @@ from pagoda.engine.executor import Executor
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
 from pagoda.engine.runner import DraftModel, ModelRunner
-from pagoda.engine.tp_worker import STOP, WorkerSpec, run_worker
+from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_worker
 from pagoda.model.llama import KVCache
 from pagoda.model.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
-STARTUP_TIMEOUT_S = 120.0  # for the ranks to start and meet; loading then takes what it takes
 STOP_TIMEOUT_S = 5.0  # a worker asked to stop that is still there after this is killed
 
 

@@ -7,10 +7,11 @@ when the engine says so, or when its pipe closes: the engine has gone, however i
 
 from __future__ import annotations
 
-import os
 import pickle
+import signal
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection
 
 import torch
@@ -21,6 +22,7 @@ from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_mode
 from pagoda.model.parallel import TensorParallel
 
 STOP = pickle.dumps(None)  # the engine's last message to a worker
+STARTUP_TIMEOUT_S = 120.0  # for the ranks to start and meet; loading then takes what it takes
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,15 @@ class WorkerSpec:
 def run_worker(spec: WorkerSpec, connection: Connection) -> None:
     """The worker's whole life. It reports on the pipe: ("ok", None) once started, ("ok", its weight bytes) once
     loaded, or ("error", the traceback) instead of either."""
+    # A terminal's Ctrl-C reaches the whole process group: the engine decides when its ranks stop, not the key.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         torch.set_num_threads(spec.num_threads)
-        # torch.distributed's env:// rendezvous: the same variables torchrun or a Kubernetes pod would set.
-        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = spec.master_addr, str(spec.master_port)
         connection.send(("ok", None))
-        dist.init_process_group("gloo", init_method="env://", rank=spec.rank, world_size=spec.world_size)
+        # env:// style: rank 0's TCPStore at MASTER_ADDR:MASTER_PORT, as torchrun or a Kubernetes pod would give.
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+                              timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
         model = load_engine_model(spec.config, TensorParallel(spec.rank, spec.world_size))
         execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device)
         connection.send(("ok", weight_bytes(model)))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import sys
 from dataclasses import replace
+from functools import partial
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -210,7 +211,8 @@ def load_model(
     if prequantized is not None:
         _check_prequantized_request(model_dir, prequantized.method, quantization, quantization_config)
         quantization = "int4"
-    slicer, model_config = None, config
+    slicer: TensorSlicer | None = None
+    model_config = config
     if parallel is not None:
         from pagoda.model.parallel import shard_config, shard_rows
 
@@ -218,7 +220,7 @@ def load_model(
             raise ModelLoadError(f"{model_dir}: quantized weights are not split across ranks yet "
                                  f"(tensor_parallel_size {parallel.world_size} runs float32/bfloat16)")
         model_config = shard_config(config, parallel)
-        slicer = lambda name: shard_rows(name, config, parallel)  # noqa: E731 (bound to this config and rank)
+        slicer = partial(shard_rows, config=config, parallel=parallel)
     native = use_kernels and torch.device(device).type == "cpu" and parallel is None
     kernels = cpu_kernels() if native else None
     # `create_runtime` decides which quantized layers take these; an unquantized model needs no AVX2 module.
