@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
 
 from pagoda.config import EngineConfig
 from pagoda.engine.executor import Executor
@@ -64,7 +65,7 @@ class MultiprocExecutor(Executor):
         self._stop = weakref.finalize(self, _stop_workers, self._workers, threads_before)
         threads = max(1, threads_before // world_size)
         try:
-            store = dist.TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
+            store = TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
                                   timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
             context = torch.multiprocessing.get_context("spawn")
             for rank in range(1, world_size):
@@ -122,11 +123,15 @@ class BroadcastExecution:
 
 def _receive(worker: Worker, doing: str) -> Any:
     """The worker's next report; raises if it failed, or exited without one."""
+    exited = RuntimeError(f"tensor-parallel rank {worker.rank} exited while {doing} (a script that starts ranks "
+                          "needs `if __name__ == \"__main__\":` around its code, as with any spawned process)")
     while not worker.connection.poll(0.2):
         if not worker.process.is_alive():
-            raise RuntimeError(f"tensor-parallel rank {worker.rank} exited (code {worker.process.exitcode}) "
-                               f"while {doing}")
-    status, payload = worker.connection.recv()
+            raise exited
+    try:
+        status, payload = worker.connection.recv()
+    except EOFError:
+        raise exited from None
     if status != "ok":
         raise RuntimeError(f"tensor-parallel rank {worker.rank} failed while {doing}:\n{payload}")
     return payload

@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
 
 from pagoda.config import EngineConfig
 from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
@@ -48,7 +49,7 @@ def run_worker(spec: WorkerSpec, connection: Connection) -> None:
         torch.set_num_threads(spec.num_threads)
         connection.send(("ok", None))
         # env:// style: rank 0's TCPStore at MASTER_ADDR:MASTER_PORT, as torchrun or a Kubernetes pod would give.
-        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+        store = TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
                               timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
         model = load_engine_model(spec.config, TensorParallel(spec.rank, spec.world_size))

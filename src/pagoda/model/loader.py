@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from functools import partial
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 

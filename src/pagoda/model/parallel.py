@@ -2,12 +2,12 @@
 
 A rank's model is the architecture cut to its share (`shard_config`): its q heads, its KV heads (num_kv_heads / N
 of them; with fewer KV heads than ranks, the one its q heads use, so that each KV head is replicated on
-N / num_kv_heads ranks), its slice of the MLP's intermediate width and of the vocabulary. q/k/v and gate/up are column-parallel (each
-rank computes its own heads and columns, no communication); o and down are row-parallel (`RowParallelLinear`:
-partial sums, one all-reduce); the embedding is vocabulary-parallel (`VocabParallelEmbedding`: a masked lookup and
-an all-reduce) and so is the LM head (each rank's logits, gathered along the vocabulary before sampling). Norms
-are replicated. `shard_rows` says which slice of a checkpoint tensor a rank reads, so that each rank reads only
-its own bytes.
+N / num_kv_heads ranks), its slice of the MLP's intermediate width and of the vocabulary. q/k/v and gate/up are
+column-parallel (each rank computes its own heads and columns, no communication); o and down are row-parallel
+(`RowParallelLinear`: partial sums, one all-reduce); the embedding is vocabulary-parallel
+(`VocabParallelEmbedding`: a masked lookup and an all-reduce) and so is the LM head (each rank's logits, gathered
+along the vocabulary before sampling). Norms are replicated. `shard_rows` says which slice of a checkpoint tensor
+a rank reads, so that each rank reads only its own bytes.
 
 The collectives run on torch.distributed's default process group, which the executor sets up.
 """
