@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from pagoda.cli import build_parser
-from pagoda.config import CacheConfig, EngineConfig, Int4Options, SchedulerConfig
+from pagoda.config import CacheConfig, EngineConfig, Int4Options, ParallelConfig, SchedulerConfig
 from pagoda.flag_values import format_bytes, parse_bytes
 from pagoda.router.config import RouterConfig
 from pagoda.structured.limits import GrammarLimits
@@ -42,6 +42,7 @@ ENGINE_DEFAULTS = [
     (CacheConfig, "enable_prefix_caching", False, "--no-enable-prefix-caching default off"),
     (Int4Options, "group_size", 128, '"group_size": 128'),
     (GrammarLimits, "max_repeat", 4247, "(default 4247)"),
+    (ParallelConfig, "tensor_parallel_size", 4253, "(default 4253;"),
 ]
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pagoda.cli import build_parser
-from pagoda.config import CacheConfig, EngineConfig, Int4Options, SchedulerConfig, SpeculativeConfig
+from pagoda.config import CacheConfig, EngineConfig, Int4Options, ParallelConfig, SchedulerConfig, SpeculativeConfig
 from pagoda.engine_args import engine_config_from
 from pagoda.entrypoints import ENGINE_OPTIONS, FIELD_NAMES, build_engine_config
 from pagoda.structured.limits import GrammarLimits
@@ -40,6 +40,8 @@ OPTIONS = {
                            "prompt_lookup_max": 4, "disable_by_batch_size": 8},
     # Each grammar limit at twice its default.
     **{f"grammar_{f.name}": 2 * f.default for f in dataclasses.fields(GrammarLimits)},
+    "tensor_parallel_size": 2,
+    "distributed_executor_backend": "mp",
 }
 FLAGS = [
     "--dtype", "bfloat16", "--device", "meta", "--seed", "7", "--quantization", "int4",
@@ -51,6 +53,7 @@ FLAGS = [
     "--speculative-config", json.dumps(OPTIONS["speculative_config"]),
     *[text for f in dataclasses.fields(GrammarLimits) for text in (f"--grammar-{f.name.replace('_', '-')}",
                                                                     str(2 * f.default))],
+    "-tp", "2", "--distributed-executor-backend", "mp",
 ]
 
 
@@ -80,6 +83,7 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
     assert given.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
                                                          prompt_lookup_max=4, disable_by_batch_size=8)
     assert given.grammar == GrammarLimits(**{f.name: 2 * f.default for f in dataclasses.fields(GrammarLimits)})
+    assert given.parallel == ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mp")
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "BFloat16", torch.bfloat16])
@@ -95,7 +99,8 @@ def test_an_unknown_dtype_is_refused_naming_the_choices():
 
 
 def test_every_config_field_has_an_option():
-    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "cache", "scheduler", "grammar"}
+    fields = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "cache", "scheduler", "grammar", "parallel"}
+    fields |= {f.name for f in dataclasses.fields(ParallelConfig)}
     fields |= {f.name for f in dataclasses.fields(CacheConfig)}
     fields |= {f.name for f in dataclasses.fields(GrammarLimits)}
     fields |= {f.name for f in dataclasses.fields(SchedulerConfig)}

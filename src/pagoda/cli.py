@@ -144,12 +144,15 @@ def run_generate(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens)
     engine.add_request("cli", prompt, params)
     printed = 0
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            text = output.outputs[0].text
-            sys.stdout.write(text[printed:])
-            sys.stdout.flush()
-            printed = len(text)
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                text = output.outputs[0].text
+                sys.stdout.write(text[printed:])
+                sys.stdout.flush()
+                printed = len(text)
+    finally:
+        engine.shutdown()
     sys.stdout.write("\n")
     return 0
 

@@ -57,7 +57,16 @@ def served_model_name(model: str, given: str | None = None) -> str:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags, with vLLM's names. Each defaults to None, "not given": build_engine_config fills in
     pagoda.config's defaults, and each help shows the default read from there (pagoda.config is torch-free)."""
-    from pagoda.config import DTYPE_BYTES, SCHEDULING_POLICIES, CacheConfig, EngineConfig, Int4Options, SchedulerConfig
+    from pagoda.config import (
+        DISTRIBUTED_EXECUTOR_BACKENDS,
+        DTYPE_BYTES,
+        SCHEDULING_POLICIES,
+        CacheConfig,
+        EngineConfig,
+        Int4Options,
+        ParallelConfig,
+        SchedulerConfig,
+    )
 
     int4_defaults = json.dumps({key: getattr(Int4Options, key) for key in Int4Options.KEYS})
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: built-in)")
@@ -102,8 +111,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
                              '"num_speculative_tokens": 3}\' (docs/speculative.md)')
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int,
+                        help="processes each layer is split across, one rank each, on this machine "
+                             f"(default {ParallelConfig.tensor_parallel_size}; docs/parallelism.md)")
+    parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+                        help="mp: pagoda starts the ranks as processes; uni: one process (default: mp when "
+                             "--tensor-parallel-size > 1, else uni); external_launcher is not built yet")
     parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default: torch's choice, one per physical core)")
+                        help="torch intra-op threads, split evenly across the --tensor-parallel-size ranks "
+                             "(default: torch's choice, one per physical core)")
     add_grammar_limit_args(parser)
 
 

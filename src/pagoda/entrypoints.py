@@ -9,6 +9,7 @@ from typing import Any, TypeGuard, cast
 from pagoda.config import (
     CacheConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
     dtype_name,
     int4_options_from,
@@ -29,7 +30,8 @@ TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "quantization_co
 CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching")
 SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_step_ms",
                      "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s")
-ENGINE_OPTIONS = TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS + GRAMMAR_OPTIONS
+PARALLEL_OPTIONS = ("tensor_parallel_size", "distributed_executor_backend")
+ENGINE_OPTIONS = TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS + GRAMMAR_OPTIONS + PARALLEL_OPTIONS
 # Options whose config field has another name (grammar_X sets GrammarLimits.X).
 FIELD_NAMES = {"num_kv_blocks": "num_blocks", **{option: option.removeprefix("grammar_") for option in GRAMMAR_OPTIONS}}
 
@@ -54,6 +56,7 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
         cache=CacheConfig(**_given(options, CACHE_OPTIONS)),
         scheduler=SchedulerConfig(**_given(options, SCHEDULER_OPTIONS)),
         grammar=GrammarLimits(**_given(options, GRAMMAR_OPTIONS)),
+        parallel=ParallelConfig(**_given(options, PARALLEL_OPTIONS)),
     )
 
 
@@ -73,6 +76,17 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism); idempotent. Also on `with LLM(...)`'s exit,
+        and at the latest when the LLM is collected or the interpreter exits."""
+        self.engine.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def generate(
         self,

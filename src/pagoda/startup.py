@@ -19,6 +19,8 @@ def native_kernels_status(config: EngineConfig) -> str:
 
     if not config.use_kernels:
         return "off: --no-use-kernels"
+    if config.parallel.executor_backend == "mp":
+        return "off: a model split across ranks runs the torch path (docs/parallelism.md)"
     if torch.device(config.device).type != "cpu":
         return f"off: they are CPU kernels, the model is on {config.device}"
     if os.environ.get("PAGODA_DISABLE_KERNELS") == "1":
@@ -77,7 +79,8 @@ def startup_summary(engine: EngineDescription, config: EngineConfig, model_name:
                      f"{kv.num_bytes / 2**20:.1f} MiB ({kv.sizing_reason}); pages touched as they fill"),
         ("max_model_len", str(engine.max_model_len)),
         ("max_num_seqs", str(engine.max_num_seqs)),
-        ("threads", str(engine.num_threads)),
+        ("threads", str(engine.num_threads) if engine.tensor_parallel_size == 1
+         else f"{engine.num_threads} per rank x {engine.tensor_parallel_size} tensor-parallel ranks"),
         ("native kernels", native_kernels_status(config)),
     ]
     if url is not None:

@@ -139,8 +139,9 @@ class EngineDescription:
     quantized_matmul: str | None  # what the model's quantized layers run (None: no quantized layer)
     max_model_len: int  # after the clamp to the model's context and the KV pool
     max_num_seqs: int
-    num_threads: int  # the threads each step's tensor work runs on
+    num_threads: int  # the threads each step's tensor work runs on (on each rank)
     kv_cache: KVCacheDescription
+    tensor_parallel_size: int = 1  # the processes the model is split across
 
 
 # --- what the engine reports to -------------------------------------------------------------------------

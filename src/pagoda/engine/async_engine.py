@@ -122,6 +122,8 @@ class AsyncEngine:
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout)
+        if not self._thread.is_alive():  # a step still running keeps its ranks: they go when the process does
+            self._engine.shutdown()
 
     def _submit(self, command: Callable[[], None]) -> None:
         self._commands.put(command)

@@ -2,7 +2,8 @@
 
 The engine holds the parts engine_parts.py builds and steps them; input processing (input_processor.py),
 output processing (output_processor.py) and the fan-out and fan-in of `n` samples (parallel_sampling.py)
-are modules of their own. The runner is reached through one call, `execute_model`.
+are modules of their own. The model is reached through one call, the executor's `execute_model`
+(engine/executor.py): in this process, or split across tensor-parallel ranks, which the engine never sees.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class LLMEngine:
         self.draft_proposer = parts.draft_proposer
         self.speculator = parts.speculator
         self.scheduler = parts.scheduler
+        self.executor = parts.executor
         self.runner = parts.runner
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.scheduler, self.model_config.vocab_size, self.eos_token_ids,
@@ -93,7 +95,7 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
-        runner_output = self.runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
         self._record_prompt_logprobs(runner_output.prompt_logprobs)
         core_outputs = self.scheduler.update(scheduler_output, runner_output)
         processed = self.output_processor.process_outputs(core_outputs)
@@ -148,11 +150,16 @@ class LLMEngine:
                 num_bytes=self.kv_pool_bytes, sizing_reason=self.kv_pool.reason,
                 enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=config.dtype,
             ),
+            tensor_parallel_size=self.executor.tensor_parallel_size,
         )
 
     def reset_prefix_cache(self) -> int:
         """Forgets the prefix cache's free blocks (blocks in use keep theirs); returns how many."""
         return self.kv_cache.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stops what the engine started (tensor-parallel workers); idempotent. The engine cannot step after it."""
+        self.executor.shutdown()
 
     def pop_failures(self) -> dict[str, Exception]:
         """Requests that failed (and were aborted) during the last steps, with their errors."""

@@ -1,7 +1,9 @@
-"""Building an engine's parts: the model and tokenizer, the draft model, the KV pool, and what runs on them.
+"""Building an engine's parts: the tokenizer, the draft model, the KV pool, the executor that runs the model
+(in this process or split across several), and what runs on them.
 
 Construction happens once, here; LLMEngine then only steps them. The pool's size and the clamp of
-max_model_len to it are decided here, so that every part is built with the same, final values.
+max_model_len to it are decided here, from the checkpoint's config, before any weight is read or any worker
+started, so that every part (every rank included) is built with the same, final values.
 """
 
 from __future__ import annotations
@@ -18,11 +20,15 @@ from pagoda.engine.core.scheduler import Scheduler
 from pagoda.engine.core.speculative import Speculator
 from pagoda.engine.core.step_budget import StepCostModel
 from pagoda.engine.draft_model import DraftModelProposer, load_draft_model
+from pagoda.engine.executor import Executor, UniProcExecutor
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.kv_pool import KVPoolSize, kv_pool_size
-from pagoda.engine.runner import ModelRunner
+from pagoda.engine.model_step import ModelExecution, load_engine_model
+from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.model.llama import LlamaModel
-from pagoda.model.loader import TORCH_DTYPES, load_model
+from pagoda.model.loader import load_model_config
+from pagoda.model.parallel import check_divisible
+from pagoda.model_dir import ModelLoadError
 from pagoda.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,7 +48,8 @@ class EngineParts:
     draft_proposer: DraftModelProposer | None
     speculator: Speculator | None
     scheduler: Scheduler
-    runner: ModelRunner
+    executor: Executor
+    runner: ModelRunner  # rank 0's
 
 
 def build_engine_parts(
@@ -52,17 +59,19 @@ def build_engine_parts(
     kv_events: where the KV cache reports blocks stored and removed (default: nowhere)."""
     torch.manual_seed(config.seed)
     tokenizer: Tokenizer = load_tokenizer(config.model)
-    model, model_config = load_model(
-        config.model, dtype=TORCH_DTYPES[config.dtype], device=config.device, quantization=config.quantization,
-        use_kernels=config.use_kernels, quantization_config=config.quantization_config,
-    )
+    model_config = load_model_config(config.model)
+    tensor_parallel_size = config.parallel.tensor_parallel_size
+    if config.parallel.executor_backend == "mp":
+        _check_splittable(config, model_config)
     speculative = config.speculative_config
     draft = None
     if speculative is not None and speculative.method == "draft_model":
         draft, _ = load_draft_model(speculative, model_config, tokenizer, config.dtype, config.device,
                                     config.use_kernels)
-    # A draft model's KV mirrors the target's slot for slot: the pool's bytes pay for both.
-    bytes_per_token = model_config.kv_bytes_per_token(config.dtype) + (
+    # A draft model's KV mirrors the target's slot for slot: the pool's bytes pay for both, and for every rank's
+    # KV heads (a KV head on several ranks is paid for on each).
+    kv_heads_held = max(model_config.num_kv_heads, tensor_parallel_size)
+    bytes_per_token = model_config.kv_bytes_per_token(config.dtype) * kv_heads_held // model_config.num_kv_heads + (
         0 if draft is None else draft.config.kv_bytes_per_token(draft.dtype)
     )
     wanted_len = min(config.scheduler.max_model_len, model_config.max_position_embeddings)
@@ -79,17 +88,46 @@ def build_engine_parts(
         config.device,
     )
     speculator = None if speculative is None else Speculator(speculative, draft_proposer)
+    executor = build_executor(config, num_blocks, block_size, structured, draft_proposer)
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB; %s), max_model_len %d",
         num_blocks, block_size, kv_pool_bytes / 2**20, kv_pool.reason, max_model_len,
     )
     return EngineParts(
-        config=config, tokenizer=tokenizer, model=model, model_config=model_config, kv_pool=kv_pool,
+        config=config, tokenizer=tokenizer, model_config=model_config, kv_pool=kv_pool,
         kv_pool_bytes=kv_pool_bytes, kv_cache=kv_cache, eos_token_ids=eos_token_ids, structured=structured,
         draft_proposer=draft_proposer, speculator=speculator,
         scheduler=Scheduler(config.scheduler, kv_cache, speculator, step_cost),
-        runner=ModelRunner(model, num_blocks, block_size, config.device, structured, draft_proposer),
+        executor=executor, model=executor.runner.model, runner=executor.runner,
     )
+
+
+def build_executor(config: EngineConfig, num_blocks: int, block_size: int, structured: StructuredOutputs,
+                   draft: DraftModel | None) -> Executor:
+    """The executor config.parallel asks for, its model loaded (every rank's, under tensor parallelism)."""
+    if config.parallel.executor_backend == "uni":
+        model = load_engine_model(config)
+        return UniProcExecutor(ModelRunner(ModelExecution(model, num_blocks, block_size, config.device), structured,
+                                           draft))
+    from pagoda.engine.multiproc_executor import MultiprocExecutor
+
+    return MultiprocExecutor(config, num_blocks, block_size, structured, draft)
+
+
+def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
+    """What tensor parallelism does not take yet is refused before anything is loaded or started."""
+    size = config.parallel.tensor_parallel_size
+    check_divisible(model_config, size)
+    unsupported = [
+        reason for reason, applies in (
+            ("--quantization (int8 and int4 weights are not split across ranks yet)", config.quantization is not None),
+            ("a draft model (speculative decoding with method draft_model)",
+             config.speculative_config is not None and config.speculative_config.method == "draft_model"),
+            (f"--device {config.device} (the ranks run on the CPU, over gloo)", config.device != "cpu"),
+        ) if applies
+    ]
+    if unsupported:
+        raise ModelLoadError(f"tensor_parallel_size {size} does not run with {'; '.join(unsupported)} yet")
 
 
 def _fit_max_model_len(wanted: int, pool_tokens: int) -> int:

@@ -1,10 +1,12 @@
 """ModelRunner: SchedulerOutput -> flat batch tensors -> model forward -> sampled tokens -> accepted tokens.
 
-`execute_model` is the engine's one call into it (an executor over several ranks can take it over). Which
+`execute_model` is the engine's one call into it, through the executor (engine/executor.py). The forward
+itself is a `ModelStep` (engine/model_step.py) that the runner's `StepExecution` runs: on one process, or on
+every rank of a model split across processes. Which
 of a speculating request's drafts are kept is decided here, once (`accepted_rows`): the output carries
 each request's accepted drafts and the target's token after them, which the scheduler only appends.
 
-Owns the paged KV cache tensors. Logits are computed only for rows that sample: the last token of a
+Logits are computed only for rows that sample: the last token of a
 prefill chunk that reaches the end of the prompt, every decode, and a speculating request's last known
 token and each of its drafts and alternatives. A speculating request's tokens attend as that many one-token
 decodes, each seeing the keys up to its own position (an alternative: the keys before its position and its
@@ -35,9 +37,10 @@ from pagoda.engine.core.runner_output import ModelRunnerOutput, PromptLogprobsCh
 from pagoda.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.engine.core.speculative import accepted_rows
 from pagoda.engine.grammar_masks import GrammarMasks, StructuredOutputs
+from pagoda.engine.model_step import ModelStep, StepExecution
 from pagoda.engine.sampler import Proposal, SamplerOutput, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.model.attention import QueryLayout, slot_of
-from pagoda.model.llama import LlamaModel
+from pagoda.model.llama import KVCache
 
 
 class DraftModel(Protocol):
@@ -55,43 +58,42 @@ class DraftModel(Protocol):
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu",
-        structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
+        self, execution: StepExecution, structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
     ) -> None:
-        self.model = model
+        """execution: runs each step's ModelStep on the model (on every rank, under tensor parallelism)."""
+        self.execution = execution
+        self.model = execution.model
         self.structured = structured
         self.draft = draft  # None: no draft model (no speculation, or n-gram)
         # Grammar masks are filled here while the forward runs: step t's mask depends only on tokens known
         # before step t (llguidance releases the GIL while it computes).
         self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
-        self.block_size = block_size
-        self.device = device
-        config = model.config
-        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        # Not zero-filled: a page of the pool becomes resident when a token's K/V is first written there, so an
-        # idle engine's memory is its model's. Attention reads only slots it has written (build_metadata).
-        self.kv_caches = [
-            (torch.empty(shape, dtype=model.dtype, device=device), torch.empty(shape, dtype=model.dtype, device=device))
-            for _ in range(config.num_layers)
-        ]
-        self.windows = set(config.sliding_windows) or {None}
+
+    @property
+    def kv_caches(self) -> list[KVCache]:
+        return self.execution.kv_caches
+
+    @property
+    def block_size(self) -> int:
+        return self.execution.block_size
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step: the forward over the scheduled tokens, sampling, and the acceptance of drafts."""
         scheduled = scheduler_output.scheduled
-        input_ids = [token_id for item in scheduled for token_id in item.input_token_ids()]
         rows = self._sample_rows(scheduled)
         masks = self._start_grammar_masks(scheduled)
-        meta = _attention_layout(scheduled, self.block_size).metadata(self.block_size, self.windows)
-        input_ids_t = torch.tensor(input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids_t, meta.positions.to(self.device), self.kv_caches, meta)
-        prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
+        prompt_rows = _prompt_logprob_rows(scheduled)
+        logits_rows = [item_rows for _, item_rows in prompt_rows] + ([_sampling_indices(scheduled)] if rows else [])
+        step = ModelStep([token_id for item in scheduled for token_id in item.input_token_ids()],
+                         _attention_layout(scheduled, self.block_size), logits_rows)
+        all_logits = self.execution.run(step)
+        prompt_logprobs = _prompt_logprobs([item for item, _ in prompt_rows], all_logits)
         if not rows:
             if self.draft is not None:
                 self.draft.follow(scheduled, {})
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden[torch.tensor(_sampling_indices(scheduled), device=self.device)])
+        logits = all_logits[-1]
         failures: dict[str, Exception] = {}
         bitmask = None
         if masks is not None:
@@ -166,22 +168,6 @@ class ModelRunner:
         future = self._mask_worker.submit(self.structured.fill_bitmask, matchers, drafts)
         return future, [item.request.request_id for item in constrained]
 
-    def _prompt_logprobs(
-        self, scheduled: list[ScheduledRequest], hidden: torch.Tensor
-    ) -> dict[str, PromptLogprobsChunk]:
-        """For requests that asked: logprobs of each prompt token given the ones before it."""
-        result: dict[str, PromptLogprobsChunk] = {}
-        row = 0
-        for item in scheduled:
-            request, start, k = item.request, item.request.num_computed_tokens, item.request.params.prompt_logprobs
-            end = min(start + item.num_tokens, request.num_prompt_tokens - 1)  # positions with a next prompt token
-            if k is not None and start < end:
-                logits = self.model.compute_logits(hidden[row : row + end - start])
-                targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=logits.device)
-                result[request.request_id] = (start, top_logprobs(logits, targets, k))
-            row += item.num_tokens
-        return result
-
 
 def _sample_isolating(
     logits: torch.Tensor, rows: list[SampleRow], bitmask: torch.Tensor | None, failures: dict[str, Exception]
@@ -211,6 +197,33 @@ def _sample_isolating(
             raise batch_error
         failures.update(row_failures)
         return SamplerOutput(token_ids, logprobs)
+
+
+def _prompt_logprob_rows(scheduled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, list[int]]]:
+    """The requests that asked for prompt logprobs and have prompt positions in this step, each with the rows of
+    the flat batch at those positions (each followed by a prompt token)."""
+    result = []
+    row = 0
+    for item in scheduled:
+        request, start = item.request, item.request.num_computed_tokens
+        end = min(start + item.num_tokens, request.num_prompt_tokens - 1)  # positions with a next prompt token
+        if request.params.prompt_logprobs is not None and start < end:
+            result.append((item, list(range(row, row + end - start))))
+        row += item.num_tokens
+    return result
+
+
+def _prompt_logprobs(items: list[ScheduledRequest], logits: list[torch.Tensor]) -> dict[str, PromptLogprobsChunk]:
+    """For requests that asked: logprobs of each prompt token given the ones before it (logits: each item's
+    rows', in order)."""
+    result: dict[str, PromptLogprobsChunk] = {}
+    for item, item_logits in zip(items, logits):
+        request, start, k = item.request, item.request.num_computed_tokens, item.request.params.prompt_logprobs
+        assert k is not None
+        end = start + item_logits.shape[0]
+        targets = torch.tensor(request.prompt_token_ids[start + 1 : end + 1], device=item_logits.device)
+        result[request.request_id] = (start, top_logprobs(item_logits, targets, k))
+    return result
 
 
 def _attention_layout(scheduled: list[ScheduledRequest], block_size: int) -> QueryLayout:

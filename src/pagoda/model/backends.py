@@ -13,6 +13,7 @@ import torch
 from pagoda.config import ModelConfig
 from pagoda.model.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
 from pagoda.model.kernel_protocols import CpuKernels, QuantizedKernels
+from pagoda.model.parallel import TensorParallel
 from pagoda.model.quantization import gemv_takes
 
 
@@ -24,6 +25,7 @@ class ModelRuntime:
     kernels: CpuKernels | None = None  # the norms' fused residual add + RMSNorm and the MLP's SiLU gate
     gemv_kernels: CpuKernels | None = None  # the linears' GEMVs, for `prepare_linears`
     quantized_kernels: QuantizedKernels | None = None  # the quantized layers' integer matmuls (AVX2)
+    parallel: TensorParallel | None = None  # this rank's place when the model is split across ranks (None: whole)
 
 
 def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels | None,

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda.model.parallel import RowParallelLinear, TensorParallel
+
 if TYPE_CHECKING:
     from pagoda.model.kernel_protocols import CpuKernels
 
@@ -33,6 +35,13 @@ class RMSNorm(nn.Module):
         # HF's x * rsqrt(mean(x^2) + eps) in fp32, as one fused op instead of five.
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return torch.mul(self.weight, normed.to(x.dtype))
+
+
+def row_linear(in_features: int, out_features: int, bias: bool, parallel: TensorParallel | None) -> nn.Linear:
+    """A linear whose input is this rank's share of the features: across ranks, row-parallel (one all-reduce)."""
+    if parallel is None:
+        return nn.Linear(in_features, out_features, bias=bias)
+    return RowParallelLinear(in_features, out_features, bias, parallel)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -103,11 +112,13 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class GatedMLP(nn.Module):
     """SwiGLU with the gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, kernels: CpuKernels | None = None) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, kernels: CpuKernels | None = None,
+                 parallel: TensorParallel | None = None) -> None:
+        """intermediate_size: this rank's share of it; parallel: the ranks down's partial sums are added across."""
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = row_linear(intermediate_size, hidden_size, bias, parallel)
         self.kernels = kernels  # pagoda's CPU kernels, if the model runs them: the gate in one call
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

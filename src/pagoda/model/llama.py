@@ -16,7 +16,8 @@ from pagoda.config import ModelConfig
 from pagoda.model.attention import AttentionBackend, AttentionMetadata
 from pagoda.model.backends import ModelRuntime
 from pagoda.model.kernel_protocols import CpuKernels
-from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, row_linear
+from pagoda.model.parallel import TensorParallel, VocabParallelEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (keys, values), [num_slots, kv_heads, head_dim] each
 
@@ -31,7 +32,8 @@ def fused_row_offsets(config: ModelConfig) -> dict[str, dict[str, int]]:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, kernels: CpuKernels | None) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, kernels: CpuKernels | None,
+                 parallel: TensorParallel | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
@@ -41,7 +43,7 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.window = config.sliding_windows[layer_index] if config.sliding_windows else None
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.o_proj = row_linear(self.q_size, config.hidden_size, config.o_proj_bias, parallel)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -63,12 +65,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int, kernels: CpuKernels | None) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, kernels: CpuKernels | None,
+                 parallel: TensorParallel | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.self_attn = Attention(config, layer_index, kernels)
+        self.self_attn = Attention(config, layer_index, kernels, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, parallel)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -82,15 +85,22 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, runtime: ModelRuntime | None = None,
                  max_positions: int | None = None) -> None:
-        """runtime: the implementations to run (`backends.create_runtime`); by default the torch reference."""
+        """runtime: the implementations to run (`backends.create_runtime`); by default the torch reference.
+        config: the model's architecture, or with `runtime.parallel` this rank's share of it
+        (`parallel.shard_config`)."""
         super().__init__()
         runtime = runtime or ModelRuntime()
         self.config = config
+        self.parallel = parallel = runtime.parallel
         # No random init (the checkpoint overwrites it): on the meta device, nn.Embedding's normal_ imports
         # torch._dynamo, which stays resident (~70 MB, six times the built-in model).
-        embedding = torch.empty(config.vocab_size, config.hidden_size)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, runtime.kernels) for i in range(config.num_layers))
+        if parallel is None:
+            embedding = torch.empty(config.vocab_size, config.hidden_size)
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
+        else:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, runtime.kernels, parallel)
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_positions = max_positions or config.max_position_embeddings
@@ -122,7 +132,10 @@ class LlamaModel(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary: split across ranks, each rank's columns are gathered."""
         logits: torch.Tensor = self.lm_head(hidden)
+        if self.parallel is not None:
+            logits = self.parallel.gather_columns(logits)
         return logits.float()
 
     # --- weights -----------------------------------------------------------------------------------

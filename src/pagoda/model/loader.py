@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +22,10 @@ from pagoda.model_dir import ModelLoadError, read_json
 
 if TYPE_CHECKING:
     from pagoda.model.llama import LlamaModel
+    from pagoda.model.parallel import TensorParallel
+
+# name -> the slice of it to read, (dimension, start, stop), or None for the whole tensor.
+TensorSlicer = Callable[[str], "tuple[int, int, int] | None"]
 
 # The torch dtype of each dtype name config holds (its names are torch's own).
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
@@ -147,13 +153,20 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for every tensor in the checkpoint, on CPU, in its stored dtype."""
+def iter_weights(model_dir: str | Path, slicer: TensorSlicer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (name, tensor) for every tensor in the checkpoint, on CPU, in its stored dtype. slicer: which part
+    of each tensor to read (a tensor-parallel rank's shard), read through safetensors' slices: only those bytes."""
     for file in safetensors_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as reader:
                 for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    yield name, reader.get_tensor(name)
+                    part = None if slicer is None else slicer(name)
+                    if part is None:
+                        yield name, reader.get_tensor(name)
+                        continue
+                    dim, start, stop = part
+                    whole = reader.get_slice(name)
+                    yield name, whole[start:stop] if dim == 0 else whole[:, start:stop]
         except (SafetensorError, OSError) as error:
             raise ModelLoadError(f"{file}: cannot read safetensors ({error})") from error
 
@@ -175,13 +188,17 @@ def load_model(
     quantization: str | None = None,
     use_kernels: bool = True,
     quantization_config: Int4Options | None = None,
+    parallel: TensorParallel | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
-    """Builds the model for the directory and loads its weights. Returns (model, ModelConfig).
+    """Builds the model for the directory and loads its weights. Returns (model, ModelConfig), the config being
+    the whole model's even when the model is one rank's share.
 
     quantization: None, "int8" or "int4", applied at load; a GPTQ or AWQ checkpoint is int4 already (its own
     codes, repacked), and refuses the others. quantization_config: the int4 quantizer's options.
     use_kernels: pagoda's native CPU kernels where they apply (`backends.create_runtime` says where),
-    for a model on the CPU; without them, or elsewhere, the torch reference throughout."""
+    for a model on the CPU; without them, or elsewhere, the torch reference throughout.
+    parallel: this process's rank when the model is split across ranks (model/parallel.py): it builds and reads
+    only its shard, and runs the torch reference (the native decode stack is one process's whole stack)."""
     from pagoda.kernels import avx2_kernels, cpu_kernels
     from pagoda.model.backends import create_runtime
     from pagoda.model.llama import LlamaModel
@@ -194,14 +211,25 @@ def load_model(
     if prequantized is not None:
         _check_prequantized_request(model_dir, prequantized.method, quantization, quantization_config)
         quantization = "int4"
-    native = use_kernels and torch.device(device).type == "cpu"
+    slicer: TensorSlicer | None = None
+    model_config = config
+    if parallel is not None:
+        from pagoda.model.parallel import shard_config, shard_rows
+
+        if quantization is not None:
+            raise ModelLoadError(f"{model_dir}: quantized weights are not split across ranks yet "
+                                 f"(tensor_parallel_size {parallel.world_size} runs float32/bfloat16)")
+        model_config = shard_config(config, parallel)
+        slicer = partial(shard_rows, config=config, parallel=parallel)
+    native = use_kernels and torch.device(device).type == "cpu" and parallel is None
     kernels = cpu_kernels() if native else None
     # `create_runtime` decides which quantized layers take these; an unquantized model needs no AVX2 module.
     quantized_kernels = (kernels if kernels is not None else avx2_kernels()) if native and quantization else None
-    runtime = create_runtime(config, dtype, kernels, quantization, quantized_kernels)
+    runtime = replace(create_runtime(model_config, dtype, kernels, quantization, quantized_kernels),
+                      parallel=parallel)
     with torch.device("meta"):
-        model = LlamaModel(config, runtime)
-    weights = _with_progress(iter_weights(model_dir), model_dir)
+        model = LlamaModel(model_config, runtime)
+    weights = _with_progress(iter_weights(model_dir, slicer), model_dir)
     if prequantized is None:
         model.load_weights(weights, dtype=dtype, device=device)
         prepare_linears(model, quantization, runtime.gemv_kernels, quantization_config, runtime.quantized_kernels)

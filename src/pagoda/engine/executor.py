@@ -1,0 +1,39 @@
+"""The executor: what runs the model for the engine, in one process or across several.
+
+The engine core calls `execute_model(scheduler_output)` once per step and gets the runner's output back; it
+never knows how many processes hold the model. `UniProcExecutor` runs it in the engine's own process;
+`MultiprocExecutor` (engine/multiproc_executor.py) splits it across tensor-parallel ranks. Either way rank 0's
+`ModelRunner` (in the engine's process) samples, checks drafts and fills grammar masks.
+"""
+
+from __future__ import annotations
+
+from pagoda.engine.core.runner_output import ModelRunnerOutput
+from pagoda.engine.core.scheduler import SchedulerOutput
+from pagoda.engine.model_step import weight_bytes
+from pagoda.engine.runner import ModelRunner
+
+
+class Executor:
+    """Runs each scheduled step through rank 0's runner (and, in subclasses, the other ranks beside it)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return 1
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute_model(scheduler_output)
+
+    def weight_bytes_per_rank(self) -> list[int]:
+        """The bytes of the weights each rank holds, in rank order."""
+        return [weight_bytes(self.runner.model)]
+
+    def shutdown(self) -> None:
+        """Stops whatever the executor started (idempotent)."""
+
+
+class UniProcExecutor(Executor):
+    """The whole model in the engine's own process."""

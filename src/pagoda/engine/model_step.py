@@ -1,0 +1,86 @@
+"""One step as the model runs it: `ModelStep`, a compact description of it, and `ModelExecution`, one rank's
+model and KV cache running one.
+
+The runner turns the scheduler's output into a ModelStep: the step's token ids, its attention layout (query
+lengths, sequence lengths and block tables: integers only) and the rows whose logits it needs. That is all a
+rank needs to run its share of the forward, so under tensor parallelism it is what reaches the workers, once per
+step (engine/multiproc_executor.py); requests, sampling and grammars stay with the runner on rank 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.model.attention import QueryLayout
+from pagoda.model.llama import KVCache, LlamaModel
+from pagoda.model.loader import TORCH_DTYPES, load_model
+from pagoda.model.parallel import TensorParallel
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """What every rank computes in one step."""
+
+    input_ids: list[int]
+    layout: QueryLayout
+    # One compute_logits call per entry, in this order: the rows of the flat batch it takes. Split across
+    # ranks, each call gathers the vocabulary, so every rank makes the same calls.
+    logits_rows: list[list[int]]
+
+
+class StepExecution(Protocol):
+    """Runs ModelSteps on a model and its KV cache (on rank 0 under tensor parallelism: with the other ranks)."""
+
+    model: LlamaModel
+    kv_caches: list[KVCache]
+    block_size: int
+
+    def run(self, step: ModelStep) -> list[torch.Tensor]:
+        """The step's forward; returns the logits of each entry of step.logits_rows, fp32 [rows, vocab]."""
+        ...
+
+
+class ModelExecution:
+    """One rank's model and its paged KV cache: per layer `[num_blocks * block_size, kv_heads, head_dim]` for K
+    and for V, kv_heads being this rank's share."""
+
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        config = model.config
+        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        # Not zero-filled: a page of the pool becomes resident when a token's K/V is first written there, so an
+        # idle engine's memory is its model's. Attention reads only slots it has written (build_metadata).
+        self.kv_caches: list[KVCache] = [
+            (torch.empty(shape, dtype=model.dtype, device=device), torch.empty(shape, dtype=model.dtype, device=device))
+            for _ in range(config.num_layers)
+        ]
+        self.windows = set(config.sliding_windows) or {None}
+
+    @torch.inference_mode()
+    def run(self, step: ModelStep) -> list[torch.Tensor]:
+        meta = step.layout.metadata(self.block_size, self.windows)
+        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta)
+        return [self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+                for rows in step.logits_rows]
+
+
+def load_engine_model(config: EngineConfig, parallel: TensorParallel | None = None) -> LlamaModel:
+    """The engine's model as the config asks for it: whole, or one rank's shard of it."""
+    torch.manual_seed(config.seed)
+    model, _ = load_model(
+        config.model, dtype=TORCH_DTYPES[config.dtype], device=config.device, quantization=config.quantization,
+        use_kernels=config.use_kernels, quantization_config=config.quantization_config, parallel=parallel,
+    )
+    return model
+
+
+def weight_bytes(model: LlamaModel) -> int:
+    """The bytes of the model's parameters (a tied embedding and LM head counted once)."""
+    return sum(param.numel() * param.element_size() for param in model.parameters())

@@ -1,0 +1,154 @@
+"""MultiprocExecutor: one model split across N processes on this machine, one tensor-parallel rank each.
+
+Rank 0 is the engine's own process: the scheduler, KV manager, detokenizer, sampler and grammars stay there and
+never know N, and rank 0 runs its shard of every step beside the workers, ranks 1..N-1, which are started here
+(torch.multiprocessing, spawn; engine/tp_worker.py). The ranks meet as torch.distributed's env://
+rendezvous has them meet, on loopback (MASTER_ADDR, MASTER_PORT: a TCPStore rank 0 opens on a free port), and
+the forward's collectives run on gloo. `--threads` is split evenly across the ranks.
+
+Each step reaches the workers once: rank 0 pickles the step's ModelStep and writes it to each worker's pipe. A
+pipe rather than a broadcast, because a worker waiting for the next step then waits without a collective's
+timeout (an idle server would otherwise time its workers out), and sees the engine go (end of file) however it
+ends, killed included, so that no worker outlives it. Shutdown (`shutdown`, the executor's collection, or the
+interpreter's exit) asks each worker to stop, then kills any that has not within a few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import pickle
+import weakref
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
+
+from pagoda.config import EngineConfig
+from pagoda.engine.executor import Executor
+from pagoda.engine.grammar_masks import StructuredOutputs
+from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
+from pagoda.engine.runner import DraftModel, ModelRunner
+from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_worker
+from pagoda.model.llama import KVCache
+from pagoda.model.parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+STOP_TIMEOUT_S = 5.0  # a worker asked to stop that is still there after this is killed
+
+
+@dataclass
+class Worker:
+    rank: int
+    process: BaseProcess
+    connection: Connection
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
+                 structured: StructuredOutputs | None = None, draft: DraftModel | None = None) -> None:
+        world_size = config.parallel.tensor_parallel_size
+        if dist.is_initialized():
+            raise RuntimeError("this process already holds a torch.distributed process group (one tensor-parallel "
+                               "engine per process)")
+        self._world_size = world_size
+        self._workers: list[Worker] = []
+        threads_before = torch.get_num_threads()
+        self._stop = weakref.finalize(self, _stop_workers, self._workers, threads_before)
+        threads = max(1, threads_before // world_size)
+        try:
+            store = TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+            context = torch.multiprocessing.get_context("spawn")
+            for rank in range(1, world_size):
+                ours, theirs = context.Pipe()
+                spec = WorkerSpec(config, rank, world_size, LOOPBACK, store.port, threads, num_blocks, block_size)
+                process = context.Process(target=run_worker, args=(spec, theirs), name=f"pagoda-tp-rank{rank}",
+                                          daemon=True)
+                process.start()
+                theirs.close()  # the worker's end lives in the worker alone: its exit is our end of file
+                self._workers.append(Worker(rank, process, ours))
+            for worker in self._workers:
+                _receive(worker, "starting")
+            torch.set_num_threads(threads)
+            dist.init_process_group("gloo", store=store, rank=0, world_size=world_size)
+            model = load_engine_model(config, TensorParallel(0, world_size))
+            self._worker_weight_bytes = [int(_receive(worker, "loading its shard")) for worker in self._workers]
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks (rank 0 in this process), %d thread(s) each", world_size, threads)
+        execution = BroadcastExecution(ModelExecution(model, num_blocks, block_size, config.device),
+                                       [worker.connection for worker in self._workers])
+        super().__init__(ModelRunner(execution, structured, draft))
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._world_size
+
+    def weight_bytes_per_rank(self) -> list[int]:
+        return [weight_bytes(self.runner.model), *self._worker_weight_bytes]
+
+    def worker_pids(self) -> list[int]:
+        return [worker.process.pid for worker in self._workers if worker.process.pid is not None]
+
+    def shutdown(self) -> None:
+        self._stop()
+
+
+class BroadcastExecution:
+    """Rank 0's execution: each step goes to the workers, then rank 0 runs its own share of it with them."""
+
+    def __init__(self, local: ModelExecution, connections: list[Connection]) -> None:
+        self.local = local
+        self.model = local.model
+        self.kv_caches: list[KVCache] = local.kv_caches
+        self.block_size = local.block_size
+        self.connections = connections
+
+    def run(self, step: ModelStep) -> list[torch.Tensor]:
+        message = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        for connection in self.connections:
+            connection.send_bytes(message)
+        return self.local.run(step)
+
+
+def _receive(worker: Worker, doing: str) -> Any:
+    """The worker's next report; raises if it failed, or exited without one."""
+    exited = RuntimeError(f"tensor-parallel rank {worker.rank} exited while {doing} (a script that starts ranks "
+                          "needs `if __name__ == \"__main__\":` around its code, as with any spawned process)")
+    while not worker.connection.poll(0.2):
+        if not worker.process.is_alive():
+            raise exited
+    try:
+        status, payload = worker.connection.recv()
+    except EOFError:
+        raise exited from None
+    if status != "ok":
+        raise RuntimeError(f"tensor-parallel rank {worker.rank} failed while {doing}:\n{payload}")
+    return payload
+
+
+def _stop_workers(workers: list[Worker], threads_before: int) -> None:
+    """Asks every worker to stop, kills those still there after STOP_TIMEOUT_S, and leaves the process group."""
+    for worker in workers:
+        with contextlib.suppress(OSError):  # a worker that has gone has closed its end
+            worker.connection.send_bytes(STOP)
+    for worker in workers:
+        worker.process.join(STOP_TIMEOUT_S)
+        if worker.process.is_alive():
+            logger.warning("tensor-parallel rank %d did not stop: killed", worker.rank)
+            worker.process.kill()
+            worker.process.join()
+        worker.connection.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    torch.set_num_threads(threads_before)

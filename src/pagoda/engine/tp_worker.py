@@ -1,0 +1,76 @@
+"""A tensor-parallel worker process: ranks 1..N-1 of a model split across processes (rank 0 is the engine's).
+
+It loads its shard, then runs every ModelStep the engine sends down its pipe, with the other ranks (its
+collectives meet theirs inside the forward); rank 0 alone samples, so a worker's logits are dropped. It ends
+when the engine says so, or when its pipe closes: the engine has gone, however it ended.
+"""
+
+from __future__ import annotations
+
+import pickle
+import signal
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
+
+from pagoda.config import EngineConfig
+from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
+from pagoda.model.parallel import TensorParallel
+
+STOP = pickle.dumps(None)  # the engine's last message to a worker
+STARTUP_TIMEOUT_S = 120.0  # for the ranks to start and meet; loading then takes what it takes
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a worker needs to start: the engine's config, its rank, the rendezvous, and its KV pool's size."""
+
+    config: EngineConfig
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    num_threads: int
+    num_blocks: int
+    block_size: int
+
+
+def run_worker(spec: WorkerSpec, connection: Connection) -> None:
+    """The worker's whole life. It reports on the pipe: ("ok", None) once started, ("ok", its weight bytes) once
+    loaded, or ("error", the traceback) instead of either."""
+    # A terminal's Ctrl-C reaches the whole process group: the engine decides when its ranks stop, not the key.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        torch.set_num_threads(spec.num_threads)
+        connection.send(("ok", None))
+        # env:// style: rank 0's TCPStore at MASTER_ADDR:MASTER_PORT, as torchrun or a Kubernetes pod would give.
+        store = TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
+                              timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
+        model = load_engine_model(spec.config, TensorParallel(spec.rank, spec.world_size))
+        execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device)
+        connection.send(("ok", weight_bytes(model)))
+    except BaseException:
+        connection.send(("error", traceback.format_exc()))
+        raise
+    run_steps(execution, connection)
+    dist.destroy_process_group()
+
+
+def run_steps(execution: ModelExecution, connection: Connection) -> None:
+    """Runs the steps the engine sends until it says stop or goes away. A step that raises ends the process
+    (the exception propagates): its sockets close, so rank 0's collective fails at once instead of waiting."""
+    while True:
+        try:
+            message = pickle.loads(connection.recv_bytes())
+        except EOFError:
+            return  # the engine's end of the pipe closed: it has gone
+        if message is None:
+            return
+        assert isinstance(message, ModelStep)
+        execution.run(message)
