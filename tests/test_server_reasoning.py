@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from server_fixtures import start_server
+from server_fixtures import assert_openai_error, start_server
 
 from pagoda.testing.checkpoints import make_checkpoint
 
@@ -101,10 +101,15 @@ def test_streamed_deltas_carry_the_reasoning_then_the_content_without_tags(clien
     assert not any("<" in piece or ">" in piece for piece in reasoning + content), (reasoning, content)
 
 
-def test_enable_thinking_false_reaches_the_template_and_the_answer_is_all_content(client, model):
+def test_enable_thinking_false_reaches_the_template_and_the_answer_is_all_content(server, client, model):
     thinking = ask(client, model, "It is four\\.")
     answering = ask(client, model, "It is four\\.", extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert answering.usage.prompt_tokens > thinking.usage.prompt_tokens  # the empty thinking in the prompt
+    rendered = server.post("/tokenize", {"messages": QUESTION,
+                                         "chat_template_kwargs": {"enable_thinking": False}}).json()["tokens"]
+    assert len(rendered) == answering.usage.prompt_tokens
+    assert server.post("/detokenize", {"tokens": rendered}).json()["prompt"].endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
     message = answering.choices[0].message
     assert message.content == "It is four." and (message.model_extra or {}).get("reasoning") is None
     reasoning, content, _ = streamed_parts(client, model, "It is four\\.",
@@ -138,6 +143,13 @@ def test_a_tool_call_written_while_thinking_is_reasoning_not_a_call(client, mode
     assert not choice.message.tool_calls and choice.finish_reason == "stop"
     assert choice.message.content == "Done."
     assert (choice.message.model_extra or {})["reasoning"].startswith("<tool_call>")
+
+
+def test_the_renderers_own_arguments_are_not_template_kwargs(server, model):
+    for path, body in [("/v1/chat/completions", {"model": model, "messages": QUESTION}),
+                       ("/tokenize", {"messages": QUESTION})]:
+        response = server.post(path, {**body, "chat_template_kwargs": {"add_generation_prompt": False}})
+        assert_openai_error(response, 400, param="chat_template_kwargs", contains=["add_generation_prompt"])
 
 
 def test_include_reasoning_false_leaves_the_reasoning_out(client, model):

@@ -158,7 +158,8 @@ def build_app(state: ServerState) -> FastAPI:
         loaded = state.require_ready()
         if body.messages is not None:
             conversation = conversation_of(state, loaded, body.messages)
-            tokens = await render_chat_prompt(state, loaded, conversation, body.add_generation_prompt)
+            tokens = await render_chat_prompt(state, loaded, conversation, body.add_generation_prompt,
+                                              template_kwargs=body.chat_template_kwargs)
         else:
             text, special = body.prompt or "", body.add_special_tokens
             check_prompt_chars(state, loaded, len(text), "prompt")
