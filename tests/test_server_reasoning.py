@@ -35,7 +35,8 @@ MAX_TOKENS = 200  # a forced output may take a token per character
 QUESTION = [{"role": "user", "content": "What is 2 and 2?"}]
 WEATHER = {"type": "function", "function": {
     "name": "get_weather",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]}},
+                   "required": ["city"], "additionalProperties": False}}}
 HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Oslo"\}\}\n</tool_call>'
 
 
@@ -157,15 +158,31 @@ def test_include_reasoning_false_leaves_the_reasoning_out(client, model):
     assert message.content == "answer" and "reasoning" not in (message.model_extra or {})
 
 
-def test_deepseek_r1_output_starts_inside_the_thinking(tmp_path):
-    model_dir = thinking_checkpoint(tmp_path / "model", R1_TEMPLATE)
-    server = start_server(model_dir, tmp_path, "--reasoning-parser", "deepseek_r1")
+@pytest.fixture(scope="module")
+def r1_client(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("server-reasoning-r1")
+    model_dir = thinking_checkpoint(directory / "model", R1_TEMPLATE)
+    server = start_server(model_dir, directory, "--reasoning-parser", "deepseek_r1")
     try:
         with server.client() as client:
-            model = client.models.list().data[0].id
-            message = ask(client, model, "abc\n</think>\n\nanswer").choices[0].message
-            assert ((message.model_extra or {}).get("reasoning"), message.content) == ("abc", "answer")
-            reasoning, content, _ = streamed_parts(client, model, "abc\n</think>\n\nanswer")
-            assert ("".join(reasoning), "".join(content)) == ("abc", "answer")
+            yield client
     finally:
         server.stop()
+
+
+def test_deepseek_r1_output_starts_inside_the_thinking(r1_client):
+    model = r1_client.models.list().data[0].id
+    message = ask(r1_client, model, "abc\n</think>\n\nanswer").choices[0].message
+    assert ((message.model_extra or {}).get("reasoning"), message.content) == ("abc", "answer")
+    reasoning, content, _ = streamed_parts(r1_client, model, "abc\n</think>\n\nanswer")
+    assert ("".join(reasoning), "".join(content)) == ("abc", "answer")
+
+
+def test_a_forced_call_is_not_read_as_thinking(r1_client):
+    """A grammar writes a forced call from the first token: there is no thinking before it."""
+    model = r1_client.models.list().data[0].id
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    choice = r1_client.chat.completions.create(model=model, messages=QUESTION, tools=[WEATHER], tool_choice=named,
+                                               max_tokens=MAX_TOKENS, seed=0).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert json.loads(choice.message.tool_calls[0].function.arguments)["city"] in ("Oslo", "Rome")
