@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from pagoda.api_keys import add_api_key_arguments
 from pagoda.engine_args import add_engine_args, engine_config_from, is_builtin_model, model_to_load, served_model_name
 from pagoda.flag_values import format_bytes, json_object, parse_bytes, show_default
+from pagoda.text.reasoning import REASONING_PARSERS
 
 if TYPE_CHECKING:
     from pagoda.wire.kv_events import KVEventsConfig
@@ -50,6 +51,7 @@ def run_serve(args: argparse.Namespace) -> int:
         max_waiting_requests=args.max_waiting_requests, drain_timeout=args.shutdown_timeout,
         log_level=args.uvicorn_log_level,
         tool_call_parser=tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         web_ui=not args.disable_web_ui,
         builtin_model=is_builtin_model(args.model),
         kv_events=kv_events,
@@ -196,6 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: on for the built-in model, in the form it was trained on; off otherwise)")
     serve.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                        help="the model's tool-call format, as its chat template teaches it")
+    serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="split a thinking model's output: the thinking goes to message.reasoning (and "
+                            "reasoning_content), the answer to content; tool calls are read from the answer "
+                            "(default: no split)")
     serve.add_argument("--data-parallel-size", "-dp", type=_positive_int, default=1,
                        help="engine processes on this machine, behind pagoda's router on --port; --threads is "
                             "split evenly between them (docs/router.md)")

@@ -25,12 +25,14 @@ from pagoda.engine.api import RequestRejected
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
+from pagoda.server.chat_output import ChatOutputFormat
 from pagoda.server.generation import Generation
 from pagoda.server.openapi import install_openapi
 from pagoda.server.prompts import check_prompt_chars, conversation_of, echo_texts, encode_prompts, render_chat_prompt
 from pagoda.server.state import LoadedModel, ServerState
 from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
 from pagoda.server.web import mount_web_ui
+from pagoda.text.reasoning import REASONING_PARSERS
 from pagoda.version import __version__
 from pagoda.wire import (
     WIRE_LIMITS,
@@ -146,7 +148,8 @@ def build_app(state: ServerState) -> FastAPI:
                 kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name,
                 engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
                 prompts=[prompt], params=params, include_usage=body.include_usage, cache_salt=body.cache_salt,
-                tool_reader=tool_reader, deadline=state.deadline(arrival), priority=body.priority,
+                chat_output=_chat_output(state, body, tool_reader), deadline=state.deadline(arrival),
+                priority=body.priority,
             )
         return await _respond(generation, body.stream, raw)
 
@@ -155,7 +158,8 @@ def build_app(state: ServerState) -> FastAPI:
         loaded = state.require_ready()
         if body.messages is not None:
             conversation = conversation_of(state, loaded, body.messages)
-            tokens = await render_chat_prompt(state, loaded, conversation, body.add_generation_prompt)
+            tokens = await render_chat_prompt(state, loaded, conversation, body.add_generation_prompt,
+                                              template_kwargs=body.chat_template_kwargs)
         else:
             text, special = body.prompt or "", body.add_special_tokens
             check_prompt_chars(state, loaded, len(text), "prompt")
@@ -225,6 +229,12 @@ def _tool_reader(state: ServerState, body: ChatCompletionRequest) -> ToolCallRea
                                    'and --tool-call-parser', "tool_choice")
         return ToolCallReader(parser=TOOL_CALL_PARSERS[state.tool_call_parser]())
     return ToolCallReader(forced_choice=choice)
+
+
+def _chat_output(state: ServerState, body: ChatCompletionRequest,
+                 tool_reader: ToolCallReader | None) -> ChatOutputFormat:
+    parser = REASONING_PARSERS[state.reasoning_parser]() if state.reasoning_parser is not None else None
+    return ChatOutputFormat(tools=tool_reader, reasoning=parser, include_reasoning=body.include_reasoning)
 
 
 def _openai_call(function: Callable[[], _T]) -> _T:

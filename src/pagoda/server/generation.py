@@ -19,11 +19,10 @@ from pagoda.engine.api import CompletionOutput, RequestFailed, RequestOutput, be
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
+from pagoda.server.chat_output import ChatOutputFormat, ChoiceReader, ChoiceReading, chat_deltas, reasoning_fields
 from pagoda.server.metrics import ServerMetrics
-from pagoda.server.tools import ToolCallReader
 from pagoda.text.tokenizer import Tokenizer
 from pagoda.wire import ERROR_SCOPE_HEADER, REQUEST_SCOPE, Kind, OpenAIError, now, usage
-from pagoda.wire.tool_calls import ToolCall
 
 logger = logging.getLogger(__name__)
 # What a request's pump puts on the merged queue: (prompt index, an output, an engine failure, or None at its end).
@@ -33,6 +32,8 @@ Item = tuple[int, "RequestOutput | Exception | None"]
 class ChoiceProgress:
     """What has been sent of one choice so far (streaming sends deltas)."""
 
+    reader: ChoiceReader | None = None  # chat: its text read into reasoning, content and tool calls
+    reasoning_length: int = 0  # of the reasoning sent
     text_length: int = 0  # of the content sent (chat with tools: the text that is not a tool call)
     num_tokens: int = 0
     num_tool_calls: int = 0
@@ -79,7 +80,7 @@ class Generation:
         echo_texts: list[str] | None = None,
         include_usage: bool = False,
         cache_salt: str | None = None,
-        tool_reader: ToolCallReader | None = None,
+        chat_output: ChatOutputFormat | None = None,
         deadline: float | None = None,
         priority: int = 0,
     ) -> None:
@@ -90,7 +91,7 @@ class Generation:
         self.include_usage = include_usage
         self.cache_salt = cache_salt
         self.priority = priority
-        self.tool_reader = tool_reader  # chat with tools: which text is a tool call
+        self.chat_output = chat_output or ChatOutputFormat()  # chat: which text is reasoning, a tool call
         self.created = now()
         self.finals: dict[int, RequestOutput] = {}
         arrival = time.monotonic()
@@ -222,20 +223,16 @@ class Generation:
             prefix = self.echo_texts[prompt_index] if self.echo_texts else ""
             return {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
-        content, calls = self._read_choice(completion)
+        reading = self.chat_output.reader().read(completion.text, completion.finish_reason is not None)
+        content, calls = reading.content, reading.tool_calls
         message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+        if self.chat_output.splits_reasoning:
+            message.update(reasoning_fields(reading.reasoning or None))
         if calls:
             message["tool_calls"] = [call.as_openai() for call in calls]
         return {"index": index, "message": message, "logprobs": logprobs,
                 "finish_reason": _finish_reason(completion.finish_reason, bool(calls)),
                 "stop_reason": completion.stop_reason}
-
-    def _read_choice(self, completion: CompletionOutput) -> tuple[str, list[ToolCall]]:
-        """The choice's content and tool calls so far (all its text is content without tools)."""
-        if self.tool_reader is None:
-            return completion.text, []
-        parsed = self.tool_reader.read(completion.text, completion.finish_reason is not None)
-        return parsed.content, parsed.tool_calls
 
     def _usage(self) -> dict[str, Any]:
         prompt_tokens = sum(len(p) for p in self.prompts)
@@ -251,7 +248,10 @@ class Generation:
         try:
             async for prompt_index, output in self._outputs():
                 for completion in output.outputs:
-                    state = progress.setdefault((prompt_index, completion.index), ChoiceProgress())
+                    key = (prompt_index, completion.index)
+                    if key not in progress:
+                        progress[key] = ChoiceProgress(self.chat_output.reader() if self.kind == "chat" else None)
+                    state = progress[key]
                     for chunk in self._delta_chunks(prompt_index, completion, state):
                         yield _event(chunk)
         except OpenAIError as error:
@@ -267,15 +267,20 @@ class Generation:
 
     def _delta_chunks(self, prompt_index: int, completion: CompletionOutput,
                       state: ChoiceProgress) -> list[dict[str, Any]]:
-        """What the choice has new since the last chunks: its text, then, for each new tool call, a chunk
-        with its id and name and one with its arguments (the shape OpenAI's stream helpers assemble)."""
+        """What the choice has new since the last chunks: its text (chat: its reasoning, its content and its new
+        tool calls, see chat_deltas)."""
         if state.finished:
             return []
-        content, calls = self._read_choice(completion)
-        text, new_calls = content[state.text_length :], calls[state.num_tool_calls :]
         finish = completion.finish_reason
-        if not text and not new_calls and finish is None:
-            # Nothing to show yet (no token, a character still incomplete, a tool call being written): no
+        if state.reader is None:
+            reading = ChoiceReading("", completion.text, [])
+        else:
+            reading = state.reader.read(completion.text, finish is not None)
+        content, calls = reading.content, reading.tool_calls
+        reasoning = reading.reasoning[state.reasoning_length :]
+        text, new_calls = content[state.text_length :], calls[state.num_tool_calls :]
+        if not reasoning and not text and not new_calls and finish is None:
+            # Nothing to show yet (no token, a character still incomplete, a tag or tool call being written): no
             # empty chunk, and no role-only chat chunk before there is content (clients time TTFT from the
             # first chunk). The held tokens' logprobs go out with the next chunk, from state.num_tokens.
             return []
@@ -288,33 +293,19 @@ class Generation:
         if self.kind == "completion":
             choices = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
         else:
-            choices = self._chat_deltas(index, text, new_calls, state)
+            choices = chat_deltas(index, ChoiceReading(reasoning, text, new_calls), state.num_tool_calls,
+                                  state.started)
             choices[0]["logprobs"] = logprobs
             choices[-1]["finish_reason"] = _finish_reason(finish, state.num_tool_calls + len(new_calls) > 0)
         if finish is not None:
             choices[-1]["stop_reason"] = completion.stop_reason
         state.started = True
+        state.reasoning_length = len(reading.reasoning)
         state.text_length = len(content)
         state.num_tokens = len(completion.token_ids)
         state.num_tool_calls = len(calls)
         state.finished = finish is not None
         return [self._chunk([choice]) for choice in choices]
-
-    def _chat_deltas(self, index: int, text: str, new_calls: list[ToolCall],
-                     state: ChoiceProgress) -> list[dict[str, Any]]:
-        """One choice's deltas: the text (with the role, first), then two per new tool call."""
-        delta: dict[str, Any] = {"content": text} if text else {}
-        if not state.started:
-            delta = {"role": "assistant", **delta}
-        deltas = [delta] if delta or not new_calls else []
-        for position, call in enumerate(new_calls, start=state.num_tool_calls):
-            named = {"index": position, "id": call.id, "type": "function",
-                     "function": {"name": call.name, "arguments": ""}}
-            deltas += [{"tool_calls": [named]},
-                       {"tool_calls": [{"index": position, "function": {"arguments": call.arguments}}]}]
-        if deltas and not state.started and "role" not in deltas[0]:
-            deltas[0] = {"role": "assistant", **deltas[0]}
-        return [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None} for delta in deltas]
 
     def _chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
         chunk: dict[str, Any] = {

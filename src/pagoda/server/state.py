@@ -44,6 +44,8 @@ class ServerState:
     load_error: str | None = None
     # `tool_choice: "auto"`: the parser of the model's own tool-call format (None: auto tool choice is off)
     tool_call_parser: str | None = None
+    # the thinking model's format: its output split into reasoning and answer (None: all of it is content)
+    reasoning_parser: str | None = None
     json_decoder: JsonDecoder = field(default_factory=JsonDecoder)
     web_ui: bool = True  # the chat page at / and the dashboard (server/web.py); --disable-web-ui
     builtin_model: bool = False  # pagoda's own demo model: the chat page introduces it (server/web.py)

@@ -67,7 +67,7 @@ class ChatCompletionRequest(SamplingRequest):
     functions: list[dict[str, Any]] | None = None  # OpenAI's deprecated forms of tools and tool_choice
     function_call: Literal["none", "auto"] | dict[str, Any] | None = None
     modalities: list[Literal["text", "audio"]] | None = None  # only ["text"] is supported
-    include_reasoning: bool = True  # vLLM's; there is no reasoning parser, so nothing to include or leave out
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out (the answer is still split from it)
     # vLLM's: extra variables for the chat template (Qwen3's enable_thinking, ...); never the renderer's own
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's and vLLM's, not implemented: refused unless at their defaults (UNSUPPORTED)
