@@ -5,7 +5,7 @@ share of that floor is what this measures: for every linear shape of a model (qk
 head; bench-1b's by default), each kernel at 1 and 4 rows of x, with the weights coming from memory:
 copies of the weight are cycled until the working set is several times the last-level cache, and the time
 per call is turned into weight bytes (scales included) per second and a fraction of the streaming-read
-bandwidth (`common.StreamingReader`, best reader) measured just before, in every repeat: the kinds are
+bandwidth (`bandwidth.StreamingReader`, best reader) measured just before, in every repeat: the kinds are
 interleaved, so a host whose bandwidth drifts (a neighbour's memory traffic) hits them alike.
 
 Kernels: fp32, bf16 and int8 GEMVs (the AVX-512 full set), and the int4 matmul at group sizes 32, 64 and 128
@@ -25,8 +25,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bandwidth import StreamingReader
 from common import (
-    StreamingReader,
     add_common_args,
     environment,
     load_average,

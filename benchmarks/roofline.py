@@ -24,11 +24,11 @@ import gc
 import statistics
 import time
 
+from bandwidth import StreamingReader, read_bandwidth
 from common import (
     CONFIGS,
     TORCH_DTYPES,
     GiB,
-    StreamingReader,
     add_common_args,
     attention_flops,
     environment,
@@ -40,7 +40,6 @@ from common import (
     make_llm,
     make_prompts,
     matmul_floor,
-    read_bandwidth,
     run_engine,
     save_bar_png,
     set_threads,

@@ -30,6 +30,7 @@ import time
 from collections import defaultdict
 
 import torch
+from bandwidth import read_bandwidth
 from common import (
     CONFIGS,
     TORCH_DTYPES,
@@ -44,7 +45,6 @@ from common import (
     make_llm,
     make_prompts,
     model_gemms,
-    read_bandwidth,
     set_threads,
     weight_bytes,
     write_json,
