@@ -155,6 +155,7 @@ class AsyncEngine:
             while not self._stopped:
                 self._drain_commands()
                 if not self._engine.has_unfinished_requests():
+                    self._engine.check_health()  # idle too: a lost rank turns health to 503 within a wait
                     self._update_stats()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()
@@ -162,6 +163,8 @@ class AsyncEngine:
                 try:
                     outputs = self._engine.step()
                     failures = 0
+                except EngineDeadError:  # nothing to retry: the loop ends, and every stream with it
+                    raise
                 except Exception as error:
                     failures += 1
                     logger.exception("engine step failed (%d in a row)", failures)

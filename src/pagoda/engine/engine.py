@@ -153,6 +153,10 @@ class LLMEngine:
             tensor_parallel_size=self.executor.tensor_parallel_size,
         )
 
+    def check_health(self) -> None:
+        """Raises EngineDeadError when no step can run any more (a tensor-parallel rank has gone)."""
+        self.executor.check_health()
+
     def reset_prefix_cache(self) -> int:
         """Forgets the prefix cache's free blocks (blocks in use keep theirs); returns how many."""
         return self.kv_cache.reset_prefix_cache()

@@ -31,6 +31,9 @@ class Executor:
         """The bytes of the weights each rank holds, in rank order."""
         return [weight_bytes(self.runner.model)]
 
+    def check_health(self) -> None:
+        """Raises EngineDeadError when the executor can run no step any more (a rank has gone)."""
+
     def shutdown(self) -> None:
         """Stops whatever the executor started (idempotent)."""
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing.connection
 import pickle
 import weakref
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ import torch.multiprocessing
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
 
 from pagoda.config import EngineConfig
+from pagoda.engine.api import EngineDeadError
+from pagoda.engine.core.runner_output import ModelRunnerOutput
+from pagoda.engine.core.scheduler import SchedulerOutput
 from pagoda.engine.executor import Executor
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
@@ -43,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
 STOP_TIMEOUT_S = 5.0  # a worker asked to stop that is still there after this is killed
+# After a failed step: how long a rank whose sockets closed may take to be seen as exited (it closes them
+# while exiting, a moment before it is reaped).
+RANK_EXIT_WAIT_S = 1.0
 
 
 @dataclass
@@ -96,6 +103,26 @@ class MultiprocExecutor(Executor):
 
     def weight_bytes_per_rank(self) -> list[int]:
         return [weight_bytes(self.runner.model), *self._worker_weight_bytes]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        try:
+            return super().execute_model(scheduler_output)
+        except Exception:
+            # A rank that has gone explains any failure of the step (its sockets and pipe close as it
+            # exits), and no later step can succeed: say so, so that the engine stops rather than retries.
+            self.check_health(wait_s=RANK_EXIT_WAIT_S)
+            raise
+
+    def check_health(self, wait_s: float = 0.0) -> None:
+        """Raises EngineDeadError if a worker has exited, waiting up to wait_s for one that is exiting."""
+        sentinels = [worker.process.sentinel for worker in self._workers]
+        if not multiprocessing.connection.wait(sentinels, timeout=wait_s):
+            return
+        gone = [worker for worker in self._workers if not worker.process.is_alive()]
+        if gone:
+            worker = gone[0]
+            raise EngineDeadError(f"tensor-parallel rank {worker.rank} exited (exit code "
+                                  f"{worker.process.exitcode}): the model is incomplete")
 
     def worker_pids(self) -> list[int]:
         return [worker.process.pid for worker in self._workers if worker.process.pid is not None]
