@@ -27,7 +27,7 @@ from pagoda.engine.model_step import ModelExecution, load_engine_model
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model_config
-from pagoda.model.parallel import check_divisible
+from pagoda.model.parallel import check_divisible, kv_heads_per_rank
 from pagoda.model_dir import ModelLoadError
 from pagoda.text.tokenizer import Tokenizer, load_tokenizer
 
@@ -70,7 +70,7 @@ def build_engine_parts(
                                     config.use_kernels)
     # A draft model's KV mirrors the target's slot for slot: the pool's bytes pay for both, and for every rank's
     # KV heads (a KV head on several ranks is paid for on each).
-    kv_heads_held = max(model_config.num_kv_heads, tensor_parallel_size)
+    kv_heads_held = kv_heads_per_rank(model_config.num_kv_heads, tensor_parallel_size) * tensor_parallel_size
     bytes_per_token = model_config.kv_bytes_per_token(config.dtype) * kv_heads_held // model_config.num_kv_heads + (
         0 if draft is None else draft.config.kv_bytes_per_token(draft.dtype)
     )

@@ -50,7 +50,7 @@ def run_worker(spec: WorkerSpec, connection: Connection) -> None:
         connection.send(("ok", None))
         # env:// style: rank 0's TCPStore at MASTER_ADDR:MASTER_PORT, as torchrun or a Kubernetes pod would give.
         store = TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
-                              timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+                         timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
         model = load_engine_model(spec.config, TensorParallel(spec.rank, spec.world_size))
         execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device)

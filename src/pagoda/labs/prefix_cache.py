@@ -27,13 +27,12 @@ def run(model: str, quick: bool) -> LabResult:
     from pagoda import LLM, SamplingParams
 
     num_requests, prefix_len, suffix_len = (8, 200, 20) if quick else (32, 400, 40)
-    rng = random.Random(0)
     rows: list[dict[str, Cell]] = []
     for caching in (False, True):
         llm = LLM(model, enable_prefix_caching=caching, max_num_batched_tokens=8192)
         block = llm.engine.describe().kv_cache.block_size
         vocab = len(llm.get_tokenizer())
-        rng.seed(0)  # the same prompts in both runs
+        rng = random.Random(0)  # the same prompts in both runs
         shared = [rng.randrange(10, vocab) for _ in range(prefix_len)]
         prompts = [shared + [rng.randrange(10, vocab) for _ in range(suffix_len)] for _ in range(num_requests)]
         params = SamplingParams(max_tokens=1, ignore_eos=True)

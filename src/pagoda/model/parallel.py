@@ -61,11 +61,17 @@ def check_divisible(config: ModelConfig, world_size: int) -> None:
         raise ShardError(f"tensor_parallel_size {world_size} cannot split this model: {'; '.join(problems)}")
 
 
+def kv_heads_per_rank(num_kv_heads: int, world_size: int) -> int:
+    """The KV heads one rank holds: its share, or one (replicated) when the ranks outnumber them."""
+    return max(1, num_kv_heads // world_size)
+
+
 def shard_config(config: ModelConfig, parallel: TensorParallel) -> ModelConfig:
     """The architecture of one rank's share: its heads, KV heads, intermediate width and vocabulary slice."""
     size = parallel.world_size
     check_divisible(config, size)
-    return replace(config, num_heads=config.num_heads // size, num_kv_heads=max(1, config.num_kv_heads // size),
+    return replace(config, num_heads=config.num_heads // size,
+                   num_kv_heads=kv_heads_per_rank(config.num_kv_heads, size),
                    intermediate_size=config.intermediate_size // size, vocab_size=config.vocab_size // size)
 
 
@@ -98,7 +104,7 @@ def shard_rows(hf_name: str, config: ModelConfig, parallel: TensorParallel) -> t
         return 0, rank * rows, (rank + 1) * rows
     if which in ("k", "v"):
         start = first_kv_head(config, parallel) * head_dim
-        return 0, start, start + max(1, config.num_kv_heads // size) * head_dim
+        return 0, start, start + kv_heads_per_rank(config.num_kv_heads, size) * head_dim
     if which in ("gate", "up"):
         rows = config.intermediate_size // size
         return 0, rank * rows, (rank + 1) * rows
