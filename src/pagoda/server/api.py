@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.api_keys import ApiKeyGuard
@@ -29,6 +30,7 @@ from pagoda.server.chat_output import ChatOutputFormat
 from pagoda.server.generation import Generation
 from pagoda.server.openapi import install_openapi
 from pagoda.server.prompts import check_prompt_chars, conversation_of, echo_texts, encode_prompts, render_chat_prompt
+from pagoda.server.responses import ResponseAnswer
 from pagoda.server.state import LoadedModel, ServerState
 from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
 from pagoda.server.web import mount_web_ui
@@ -46,6 +48,7 @@ from pagoda.wire import (
 )
 from pagoda.wire.base import error_message
 from pagoda.wire.guards import BodySizeLimit, JsonDecoder, error_response
+from pagoda.wire.responses import CHAT_TO_RESPONSES_FIELD, ResponsesChatRequest, ResponsesRequest
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -136,22 +139,23 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         arrival, loaded = time.monotonic(), _admit(state, body.model)
-        params = _sampling_params(body, body.num_logprobs())
-        tool_reader = _tool_reader(state, body)
-        tools = body.tool_dicts() if tool_reader is not None else None  # tool_choice "none": answer in text
-        conversation = conversation_of(state, loaded, body.messages)
-        with _holding(_reserve(state, 1, params.n)) as slots:
-            prompt = await render_chat_prompt(state, loaded, conversation, body.add_generation_prompt, tools,
-                                        body.chat_template_kwargs)
-            await _validate(state, loaded.engine, [prompt], params, body.priority)
-            generation = Generation(
-                kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name,
-                engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
-                prompts=[prompt], params=params, include_usage=body.include_usage, cache_salt=body.cache_salt,
-                chat_output=_chat_output(state, body, tool_reader), deadline=state.deadline(arrival),
-                priority=body.priority,
-            )
+        generation = await _chat_generation(state, loaded, body, arrival, body.include_usage)
         return await _respond(generation, body.stream, raw)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        arrival, loaded = time.monotonic(), _admit(state, body.model)
+        history = [] if body.previous_response_id is None else \
+            state.responses.get(body.previous_response_id, "previous_response_id").conversation
+        chat = _responses_chat_request(body, history)
+        answer = ResponseAnswer(body, state.model_name, history + body.input_messages(), state.responses)
+        generation = await _chat_generation(state, loaded, chat, arrival, include_usage=True)
+        return await _respond(generation, body.stream, raw, answer)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str) -> dict[str, Any]:
+        state.require_ready()
+        return state.responses.get(response_id).response
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -266,11 +270,45 @@ def _validate_all(engine: AsyncEngine, prompts: list[list[int]], params: Samplin
         engine.validate(prompt, params, priority)
 
 
-async def _respond(generation: Generation, stream: bool, raw: Request) -> Response:
+async def _chat_generation(state: ServerState, loaded: LoadedModel, body: ChatCompletionRequest, arrival: float,
+                           include_usage: bool) -> Generation:
+    params = _sampling_params(body, body.num_logprobs())
+    tool_reader = _tool_reader(state, body)
+    tools = body.tool_dicts() if tool_reader is not None else None  # tool_choice "none": answer in text
+    conversation = conversation_of(state, loaded, body.messages)
+    with _holding(_reserve(state, 1, params.n)) as slots:
+        prompt = await render_chat_prompt(state, loaded, conversation, body.add_generation_prompt, tools,
+                                          body.chat_template_kwargs)
+        await _validate(state, loaded.engine, [prompt], params, body.priority)
+        return Generation(
+            kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name,
+            engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
+            prompts=[prompt], params=params, include_usage=include_usage, cache_salt=body.cache_salt,
+            chat_output=_chat_output(state, body, tool_reader), deadline=state.deadline(arrival),
+            priority=body.priority,
+        )
+
+
+def _responses_chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ResponsesChatRequest:
+    """The chat request a Responses request is; a 400 names the Responses field at fault."""
+    fields = _openai_call(lambda: body.chat_fields(history))
+    try:
+        return ResponsesChatRequest.model_validate(fields)
+    except ValidationError as error:
+        first = error.errors()[0]
+        param = CHAT_TO_RESPONSES_FIELD.get(str(first["loc"][0]), str(first["loc"][0])) if first["loc"] else None
+        raise OpenAIError(400, f"{param}: {error_message(first)}" if param else error_message(first),
+                          param) from error
+
+
+async def _respond(generation: Generation, stream: bool, raw: Request,
+                   answer: ResponseAnswer | None = None) -> Response:
+    """The generation's answer: chat or completion chunks, or (with `answer`) the Responses API's shape."""
     if stream:  # Starlette cancels the body iterator when the client goes away: that aborts the requests
-        return StreamingResponse(generation.sse(), media_type="text/event-stream")
+        events = generation.sse() if answer is None else answer.events(generation.chunks())
+        return StreamingResponse(events, media_type="text/event-stream")
     # Non-streamed: race the work against the client's disconnect, which Starlette does not watch here.
-    work = asyncio.create_task(generation.response())
+    work = asyncio.create_task(generation.response() if answer is None else _as_response(generation, answer))
     disconnect = asyncio.create_task(_client_gone(raw))
     done, _ = await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     if work in done:
@@ -278,6 +316,10 @@ async def _respond(generation: Generation, stream: bool, raw: Request) -> Respon
         return JSONResponse(work.result())
     work.cancel()  # Generation's cleanup aborts its engine requests
     return Response(status_code=499)
+
+
+async def _as_response(generation: Generation, answer: ResponseAnswer) -> dict[str, Any]:
+    return answer.from_completion(await generation.response())
 
 
 async def _client_gone(raw: Request) -> None:

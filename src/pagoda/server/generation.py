@@ -244,6 +244,13 @@ class Generation:
 
     async def sse(self) -> AsyncIterator[str]:
         """Server-sent events: one chunk per choice that changed, then usage (if asked) and [DONE]."""
+        async for chunk in self.chunks():
+            yield _event(chunk)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chunks: one per choice that changed, then usage (if asked); a failure ends it with an
+        OpenAI error body (with its scope), as the stream is already under way."""
         progress: dict[tuple[int, int], ChoiceProgress] = {}
         try:
             async for prompt_index, output in self._outputs():
@@ -253,17 +260,15 @@ class Generation:
                         progress[key] = ChoiceProgress(self.chat_output.reader() if self.kind == "chat" else None)
                     state = progress[key]
                     for chunk in self._delta_chunks(prompt_index, completion, state):
-                        yield _event(chunk)
+                        yield chunk
         except OpenAIError as error:
             body = error.body()
             if error.headers and ERROR_SCOPE_HEADER in error.headers:
                 body["error"]["scope"] = error.headers[ERROR_SCOPE_HEADER]
-            yield _event(body)
-            yield "data: [DONE]\n\n"
+            yield body
             return
         if self.include_usage:
-            yield _event(self._chunk([], usage=self._usage()))
-        yield "data: [DONE]\n\n"
+            yield self._chunk([], usage=self._usage())
 
     def _delta_chunks(self, prompt_index: int, completion: CompletionOutput,
                       state: ChoiceProgress) -> list[dict[str, Any]]:

@@ -38,13 +38,15 @@ _ERROR_TEXT = {
 _ROUTE_ERRORS = {
     "/v1/completions": (400, 404, 413, 429, 503, 504),
     "/v1/chat/completions": (400, 404, 413, 429, 503, 504),
+    "/v1/responses": (400, 404, 413, 429, 503, 504),
+    "/v1/responses/{response_id}": (404, 503),
     "/tokenize": (400, 404, 413, 503),
     "/detokenize": (400, 404, 413, 503),
     "/v1/models": (503,),
     "/reset_prefix_cache": (503,),
 }
 _OPEN_ROUTES = ("/health", "/version")  # /metrics too, unless --guard-metrics: its 401 is documented
-_STREAMING_ROUTES = ("/v1/completions", "/v1/chat/completions")
+_STREAMING_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 def install_openapi(app: FastAPI) -> None:
@@ -74,7 +76,8 @@ def rewrite(document: dict[str, Any]) -> dict[str, Any]:
             if path in _STREAMING_ROUTES:
                 # Untyped: tools read a stream's schema as each event's, and the events are not all alike.
                 responses["200"].setdefault("content", {})["text/event-stream"] = {
-                    "schema": {"description": "Server-sent events: a JSON chunk each, then data: [DONE]"}}
+                    "schema": {"description": "Server-sent events: a JSON chunk each, then data: [DONE] (/v1/responses: "
+                                              "typed events, the last response.completed)"}}
     _plain_responses(document)
     return document
 

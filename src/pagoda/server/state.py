@@ -12,6 +12,7 @@ from pagoda.engine.async_engine import AsyncEngine
 from pagoda.server.admission import Admission
 from pagoda.server.generation import TokenTexts
 from pagoda.server.metrics import ServerMetrics
+from pagoda.server.responses import ResponseStore
 from pagoda.text.pool import TokenizerPool
 from pagoda.text.tokenizer import Tokenizer
 from pagoda.wire import OpenAIError, WireLimits
@@ -49,6 +50,7 @@ class ServerState:
     json_decoder: JsonDecoder = field(default_factory=JsonDecoder)
     web_ui: bool = True  # the chat page at / and the dashboard (server/web.py); --disable-web-ui
     builtin_model: bool = False  # pagoda's own demo model: the chat page introduces it (server/web.py)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept to be continued
 
     @property
     def engine(self) -> AsyncEngine | None:
