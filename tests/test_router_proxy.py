@@ -231,3 +231,31 @@ def test_health_models_tokenize_and_metrics():
         assert_openai_error(await client.post("/v1/completions", json=BODY), 503)
 
     run(fleet, requests)
+
+
+RESPONSE_ID = "resp_" + "0" * 32
+RESPONSE = {"id": RESPONSE_ID, "object": "response", "output": [], "usage": None}
+
+
+def test_a_continued_response_is_pinned_to_its_replica_and_fails_clearly_when_it_is_down():
+    fleet = Fleet(a=answer(body=RESPONSE), b=answer(body={**RESPONSE, "id": "resp_" + "1" * 32}))
+
+    async def requests(client: httpx.AsyncClient, router: Router) -> None:
+        first = await client.post("/v1/responses", json={"model": "m", "input": "hi"})
+        assert first.json()["id"] == RESPONSE_ID and fleet.calls == ["a"]
+        body = {"model": "m", "input": "more", "previous_response_id": RESPONSE_ID}
+        for _ in range(3):  # round robin would alternate; the continuation stays on a
+            assert (await client.post("/v1/responses", json=body)).status_code == 200
+        assert fleet.calls == ["a"] * 4
+        assert (await client.get(f"/v1/responses/{RESPONSE_ID}")).json()["id"] == RESPONSE_ID
+        assert fleet.calls[-1] == "a"
+        assert_openai_error(await client.get("/v1/responses/resp_unknown"), 404)
+        fleet.handlers["a"] = refuse(httpx.ConnectError)
+        error = assert_openai_error(await client.post("/v1/responses", json=body), 502)
+        assert "no replica answered" in error["message"]
+        assert fleet.calls[-1] == "a", "never sent to a replica that lacks the conversation"
+        router.set_health(router.replicas[0], False)
+        error = assert_openai_error(await client.post("/v1/responses", json=body), 503)
+        assert "http://a" in error["message"]
+
+    run(fleet, requests)

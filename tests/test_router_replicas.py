@@ -255,3 +255,25 @@ def test_the_router_tokenizes_chat_exactly_as_a_replica(fleet):
     assert list(text.token_ids) == expected
     unreadable = asyncio.run(reader.chat({"model": MODEL, "messages": "not a list"}))
     assert unreadable.token_ids is None, "routed by load; the replica answers the 400"
+
+
+def test_a_continued_response_reaches_the_replica_that_stored_it(fleet):
+    """Round robin would send each turn to another replica, which does not hold the conversation (a 404): the
+    router sends a previous_response_id to the replica that answered it, streamed or not."""
+    replicas, routers, _ = fleet
+    router = routers["round_robin"]
+    with router.client() as client:
+        response = client.responses.create(model=MODEL, input="river stone", max_output_tokens=4, temperature=0.0)
+        for turn in range(4):
+            if turn % 2:
+                events = list(client.responses.create(model=MODEL, input="cloud", previous_response_id=response.id,
+                                                      max_output_tokens=4, temperature=0.0, stream=True))
+                response = events[-1].response
+            else:
+                response = client.responses.create(model=MODEL, input="cloud", previous_response_id=response.id,
+                                                   max_output_tokens=4, temperature=0.0)
+            assert response.previous_response_id and response.status in ("completed", "incomplete")
+        assert client.responses.retrieve(response.id).output_text == response.output_text
+    alive = [r for r in replicas if r.process.poll() is None]
+    owners = [r for r in alive if r.get(f"/v1/responses/{response.id}").status_code == 200]
+    assert len(owners) == 1

@@ -26,7 +26,7 @@ from pagoda.router.faults import Outcome, classify_answer
 from pagoda.router.policies import RoutedPrompt
 from pagoda.router.poller import poll_forever
 from pagoda.router.proxy import Forwarder, error_response
-from pagoda.router.tokens import PromptReader
+from pagoda.router.tokens import PromptReader, responses_as_chat
 from pagoda.version import __version__
 from pagoda.wire import OpenAIError
 from pagoda.wire.guards import BodySizeLimit, JsonDecoder
@@ -114,7 +114,12 @@ def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncCl
         if not isinstance(parsed, dict):
             raise OpenAIError(400, "the request body must be a JSON object")
         prompt = await read(parsed)
-        work = forwarder.dispatch(path, body, headers_of(raw), prompt, stream=parsed.get("stream") is True)
+        # A continued response is served where its conversation is stored; an unknown id goes anywhere,
+        # and that replica's 404 says so.
+        previous = parsed.get("previous_response_id") if path == "/v1/responses" else None
+        pinned = router.response_owners.get(previous) if isinstance(previous, str) else None
+        work = forwarder.dispatch(path, body, headers_of(raw), prompt, stream=parsed.get("stream") is True,
+                                  pinned=pinned)
         return await _unless_client_leaves(raw, work)
 
     @app.post("/v1/completions")
@@ -124,6 +129,22 @@ def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncCl
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
         return await proxied(raw, "/v1/chat/completions", reader.chat)
+
+    @app.post("/v1/responses")
+    async def responses(raw: Request) -> Response:
+        return await proxied(raw, "/v1/responses", lambda body: reader.chat(responses_as_chat(body)))
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str, raw: Request) -> Response:
+        owner = router.response_owners.get(response_id)
+        if owner is None:
+            raise OpenAIError(404, f"no stored response with id {response_id!r} is known to this router")
+        try:
+            upstream = await client.get(f"{owner.url}/v1/responses/{response_id}", headers=headers_of(raw))
+        except httpx.HTTPError as error:
+            return error_response(502, f"the replica that holds it did not answer ({type(error).__name__})")
+        return Response(upstream.content, status_code=upstream.status_code,
+                        headers=Forwarder._returned_headers(upstream))
 
     return app
 

@@ -9,6 +9,7 @@ through the `record_*` / `observe_*` methods; `router/faults.py` says what each 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -17,6 +18,9 @@ from pagoda.router.faults import Outcome
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policies import RoutedPrompt, RoutingPolicy, make_policy
 from pagoda.router.replica import PolledStats, Replica
+
+# As many response ids as a replica keeps (server/responses.py's MAX_STORED_RESPONSES), times a fleet's worth.
+MAX_REMEMBERED_RESPONSES = 65536
 
 
 class NoReplicaAvailable(Exception):
@@ -98,14 +102,21 @@ class Router:
         self.policy = policy or make_policy(config)
         self.clock = clock
         self.metrics = RouterMetrics(lambda: self.replicas, clock)
+        # Which replica answered each recent /v1/responses call: a continuation (previous_response_id) needs
+        # the replica that stored it. Bounded, oldest forgotten first, as the replicas' own stores are.
+        self.response_owners: OrderedDict[str, Replica] = OrderedDict()
 
     # --- decisions ---------------------------------------------------------------------------------
 
-    def choose(self, prompt: RoutedPrompt, exclude: Sequence[Replica] = ()) -> Decision:
+    def choose(self, prompt: RoutedPrompt, exclude: Sequence[Replica] = (), pinned: Replica | None = None) -> Decision:
+        """pinned: the one replica that can serve the request (it holds state the others lack)."""
         now = self.clock()
-        up = [r for r in self.replicas if r not in exclude and r.routable(now)]
+        up = [r for r in self.replicas if r not in exclude and r.routable(now) and pinned in (None, r)]
         if not up:
             self.metrics.rejected.labels("503").inc()
+            if pinned is not None:
+                raise NoReplicaAvailable(503, f"the replica that holds this request's earlier response "
+                                              f"({pinned.url}) is not available")
             raise NoReplicaAvailable(503, "no replica is available (all are down or ejected)")
         candidates = [r for r in up if not r.saturated(now)]
         if not candidates:
@@ -179,6 +190,12 @@ class Router:
         if decision.matched_blocks > 0 and cached_tokens < replica.block_size:
             self.reset_index(replica)
             replica.index.insert(decision.prompt.block_hashes(replica.block_size), self.clock())
+
+    def remember_response(self, response_id: str, replica: Replica) -> None:
+        self.response_owners[response_id] = replica
+        self.response_owners.move_to_end(response_id)
+        while len(self.response_owners) > MAX_REMEMBERED_RESPONSES:
+            self.response_owners.popitem(last=False)
 
     def set_health(self, replica: Replica, healthy: bool) -> None:
         if not healthy and replica.healthy:

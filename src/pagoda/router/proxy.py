@@ -31,6 +31,7 @@ logger = logging.getLogger("pagoda.route")
 
 RETURNED_HEADERS = ("content-type", "retry-after", "x-request-id", ERROR_SCOPE_HEADER)
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9a-f]{32})"')  # server/responses.py's ids
 SSE_EVENT = b"data:"
 
 
@@ -71,15 +72,16 @@ class Forwarder:
         self.rng = rng
 
     async def dispatch(self, path: str, body: bytes, headers: dict[str, str], prompt: RoutedPrompt,
-                       stream: bool) -> Response:
-        """Tries replicas until one answers (or none is left): the answer, or the last failure's."""
+                       stream: bool, pinned: Replica | None = None) -> Response:
+        """Tries replicas until one answers (or none is left): the answer, or the last failure's. pinned: the
+        only replica that may answer (it holds the response the request continues)."""
         tried: list[Replica] = []
         last: Response | None = None
         for attempt in range(self.router.config.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self._backoff(attempt))
             try:
-                decision = self.router.choose(prompt, exclude=tried)
+                decision = self.router.choose(prompt, exclude=tried, pinned=pinned)
             except NoReplicaAvailable as refusal:
                 return last if last is not None else _error(refusal.status, str(refusal), refusal.retry_after_s)
             tried.append(decision.replica)
@@ -199,9 +201,14 @@ class Forwarder:
         return Attempt(self._relayed(upstream, content), retry=True)
 
     def _observe_usage(self, decision: Decision, content: bytes) -> None:
+        """What an answer tells the router: the replica's cached tokens, and the id of a Responses API
+        response it now stores (a whole answer's, or a stream's, whose first event carries it)."""
         match = CACHED_TOKENS.search(content)
         if match is not None:
             self.router.observe_cached_tokens(decision, int(match.group(1)))
+        stored = RESPONSE_ID.search(content)
+        if stored is not None:
+            self.router.remember_response(stored.group(1).decode(), decision.replica)
 
     async def _read_and_close(self, upstream: httpx.Response) -> bytes:
         try:

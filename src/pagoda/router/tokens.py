@@ -18,6 +18,7 @@ from pagoda.router.policies import RoutedPrompt
 from pagoda.text.pool import TokenizerPool
 from pagoda.text.tokenizer import render_chat
 from pagoda.wire import ChatCompletionRequest, CompletionRequest
+from pagoda.wire.responses import ResponsesRequest
 
 
 class PromptReader(Protocol):
@@ -29,6 +30,15 @@ class PromptReader(Protocol):
 def _cache_salt(body: dict[str, Any]) -> str | None:
     salt = body.get("cache_salt")
     return salt if isinstance(salt, str) and salt else None
+
+
+def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
+    """A /v1/responses body as the chat body it is (wire/responses.py), for routing by its prompt; {} (no
+    prompt: route by load) when it does not validate. A continuation's earlier turns are the replica's."""
+    try:
+        return ResponsesRequest.model_validate(body).chat_fields([])
+    except (ValidationError, ValueError):
+        return {}
 
 
 class LoadOnlyReader:

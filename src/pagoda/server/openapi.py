@@ -75,9 +75,9 @@ def rewrite(document: dict[str, Any]) -> dict[str, Any]:
                 responses[str(code)] = _error_response(code)
             if path in _STREAMING_ROUTES:
                 # Untyped: tools read a stream's schema as each event's, and the events are not all alike.
-                responses["200"].setdefault("content", {})["text/event-stream"] = {
-                    "schema": {"description": "Server-sent events: a JSON chunk each, then data: [DONE] (/v1/responses: "
-                                              "typed events, the last response.completed)"}}
+                responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": {"description": (
+                    "Server-sent events: a JSON chunk each, then data: [DONE] (/v1/responses: typed events, the "
+                    "last response.completed)")}}
     _plain_responses(document)
     return document
 
