@@ -1,10 +1,11 @@
-"""Screenshots of the web UI for docs/: the chat page with real answers and the dashboard under load.
+"""Screenshots of the web UI for docs/: the chat page with real answers, the dashboard under load, the calculator.
 
 Starts `pagoda serve` on the built-in model (a free loopback port), asks the chat page a question at
 temperature 0, then keeps a few streamed requests running for --load-seconds and photographs the dashboard
 while they run. Needs Playwright (the `dev` extra) and a Chromium binary (Debian: `apt-get install chromium`).
 
-    .venv/bin/python scripts/screenshots.py            # writes docs/web-ui-chat.png, docs/web-ui-dashboard.png
+    .venv/bin/python scripts/screenshots.py            # writes docs/web-ui-{chat,dashboard,calc}.png
+    .venv/bin/python scripts/screenshots.py --pages calc
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ LOAD_SYSTEM = "You are pagoda's demo model. Answer the user's question."
 LOAD_QUESTIONS = ("Count the items: pony, figs, parrot", "Copy this text: perth", "Add 405 and 60.")
 CHAT_VIEWPORT = {"width": 1280, "height": 600}
 DASHBOARD_VIEWPORT = {"width": 1280, "height": 720}  # the whole dashboard: tiles and six charts
+CALC_VIEWPORT = {"width": 1280, "height": 900}
+CALC_BATCH = "32"
+PAGES = ("chat", "dashboard", "calc")
 
 
 def free_port() -> int:
@@ -101,13 +105,28 @@ def dashboard_screenshot(page: Page, url: str, out: Path, load_seconds: float, w
         thread.join(30)
 
 
+def calc_screenshot(page: Page, url: str, out: Path) -> None:
+    page.set_viewport_size(CALC_VIEWPORT)
+    page.goto(f"{url}/calc")
+    page.wait_for_function("() => document.body.dataset.calcSequence !== undefined")
+    page.locator("#batch").evaluate(f"(slider) => {{ slider.value = '{CALC_BATCH}'; "
+                                    "slider.dispatchEvent(new Event('input', {bubbles: true})); }")
+    page.wait_for_function("(batch) => [...document.querySelectorAll('.calc-part h2')]"
+                           ".some((h) => h.textContent === `Roofline (decode, batch ${batch})`)", arg=CALC_BATCH)
+    page.screenshot(path=str(out))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs")
     parser.add_argument("--chromium", default=shutil.which("chromium") or shutil.which("chromium-browser"))
     parser.add_argument("--load-seconds", type=float, default=60.0)
     parser.add_argument("--workers", type=int, default=3, help="concurrent streamed requests for the dashboard")
+    parser.add_argument("--pages", default=",".join(PAGES), help=f"which, comma-separated ({', '.join(PAGES)})")
     args = parser.parse_args()
+    pages = args.pages.split(",")
+    if set(pages) - set(PAGES):
+        raise SystemExit(f"--pages: choose among {', '.join(PAGES)}")
     if not args.chromium:
         raise SystemExit("no chromium binary: apt-get install chromium, or pass --chromium")
     port = free_port()
@@ -119,13 +138,18 @@ def main() -> None:
             browser = playwright.chromium.launch(executable_path=args.chromium, headless=True)
             page = browser.new_page(viewport=CHAT_VIEWPORT)
             page.set_default_timeout(120_000)
-            chat_screenshot(page, url, args.out_dir / "web-ui-chat.png")
-            dashboard_screenshot(page, url, args.out_dir / "web-ui-dashboard.png", args.load_seconds, args.workers)
+            if "chat" in pages:
+                chat_screenshot(page, url, args.out_dir / "web-ui-chat.png")
+            if "dashboard" in pages:
+                dashboard_screenshot(page, url, args.out_dir / "web-ui-dashboard.png", args.load_seconds,
+                                     args.workers)
+            if "calc" in pages:
+                calc_screenshot(page, url, args.out_dir / "web-ui-calc.png")
             browser.close()
     finally:
         server.terminate()
         server.wait(30)
-    print(f"wrote {args.out_dir / 'web-ui-chat.png'} and {args.out_dir / 'web-ui-dashboard.png'}")
+    print("wrote " + ", ".join(str(args.out_dir / f"web-ui-{name}.png") for name in pages))
 
 
 if __name__ == "__main__":

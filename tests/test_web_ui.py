@@ -317,3 +317,55 @@ def test_the_stats_route_needs_the_key(server):
     assert stats["model"] == server.get("/v1/models").json()["data"][0]["id"]
     assert {"running", "waiting", "kv_cache_usage", "prefix_cache_hits", "prefix_cache_queries", "recent"} <= set(stats)
     assert httpx.get(f"{server.url}/", timeout=10).status_code == 200  # the page itself needs no key
+
+
+def calc_rows(page: Page) -> list[tuple[str, str]]:
+    """The calculator page's figures as shown: (label, value) of every section row."""
+    return [(row.locator("th").text_content() or "", row.locator("td.value").text_content() or "")
+            for row in page.locator(".calc-part tr[data-key]").all()]
+
+
+def cli_line_of(text: str, label: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(f"  {label}  "))
+
+
+def test_the_calculators_batch_slider_shows_the_clis_figures_for_that_batch(page: Page):
+    import io
+    from contextlib import redirect_stdout
+
+    from pagoda.calc.cli import main as calc_main
+
+    def cli(*argv: str) -> str:
+        out = io.StringIO()
+        with redirect_stdout(out):
+            calc_main(list(argv))
+        return out.getvalue()
+
+    page.goto("/calc")
+    page.wait_for_function("() => document.body.dataset.calcSequence !== undefined")
+    before = calc_rows(page)
+    page.locator("#batch").evaluate("(slider) => { slider.value = '64'; "
+                                    "slider.dispatchEvent(new Event('input', {bubbles: true})); }")
+    page.wait_for_function("() => [...document.querySelectorAll('.calc-part h2')]"
+                           ".some((h) => h.textContent === 'Roofline (decode, batch 64)')")
+    after = calc_rows(page)
+    assert after != before
+    expected = cli("--batch", "64")
+    for label, value in after:
+        line = cli_line_of(expected, label)
+        assert line[2:].split("  ", 1)[1].strip().startswith(value), (label, value, line)
+    assert page.locator("#roofline circle.chosen").count() == 1
+    assert page.locator("#batch-value").text_content() == "64"
+
+
+def test_the_calculator_knows_the_served_model(page: Page, server):
+    page.goto("/calc")
+    page.wait_for_function("() => document.body.dataset.calcSequence !== undefined")
+    page.select_option("#model", "served")
+    page.wait_for_function("() => [...document.querySelectorAll('.calc-part th')]"
+                           ".some((th) => th.textContent === 'architecture')"
+                           " && document.querySelector('tr[data-key=model] td.value').textContent === "
+                           "'the served model'")
+    for path, method in (("/calc/presets", "GET"), ("/calc/report", "POST")):  # guarded like the API
+        assert httpx.request(method, f"{server.url}{path}", json={}, timeout=10).status_code == 401
+    assert httpx.get(f"{server.url}/calc", timeout=10).status_code == 200

@@ -1,4 +1,4 @@
-"""The web UI: a chat page at /, a live dashboard at /dashboard, and the JSON the dashboard polls.
+"""The web UI: a chat page at /, a live dashboard at /dashboard, the calculator at /calc, and their JSON.
 
 The pages are static files shipped in the package (pagoda/server/web/), read once when the app is built and
 served from memory under fixed paths: no CDN, no build step, no path taken from the request. They hold no
@@ -16,11 +16,13 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 from fastapi.responses import Response
 
+from pagoda.server.calc_page import mount_calc
+
 if TYPE_CHECKING:
     from pagoda.server.state import ServerState
 
 WEB_DIR = Path(__file__).resolve().parent / "web"
-PAGES = {"/": "index.html", "/dashboard": "dashboard.html"}
+PAGES = {"/": "index.html", "/dashboard": "dashboard.html", "/calc": "calc.html"}
 ASSETS_PATH = "/web"  # every other file of WEB_DIR is served at /web/<name>
 STATS_PATH = "/dashboard/stats"
 INTRO_PATH = "/chat/intro"  # what the chat page says about the model before the first question
@@ -61,6 +63,7 @@ def mount_web_ui(app: FastAPI, state: ServerState) -> frozenset[str]:
 
     app.add_api_route(STATS_PATH, dashboard_stats, methods=["GET"], include_in_schema=False)
     app.add_api_route(INTRO_PATH, model_intro, methods=["GET"], include_in_schema=False)
+    mount_calc(app, state)
     return frozenset(files)
 
 
