@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.bench.client import APIS, Endpoint, RequestOptions
 from pagoda.bench.load import ARRIVALS, LoadSpec
-from pagoda.bench.metrics import parse_slo
+from pagoda.bench.metrics import PERCENTILES, parse_slo
 from pagoda.bench.session import BenchConfig, bench_endpoint
 from pagoda.bench.sweep import doubling_levels, parse_levels
-from pagoda.bench.workloads import KINDS, LENGTH_DISTRIBUTIONS, WorkloadSpec
+from pagoda.bench.workloads import KINDS, LENGTH_DISTRIBUTIONS, WorkloadSpec, parse_priority_mix
 
 if TYPE_CHECKING:
     from pagoda.bench.tokens import ClientTokenizer
@@ -59,6 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--num-prefix-groups", type=int, default=4, help="shared-prefix: groups (4)")
     work.add_argument("--prefix-len", type=int, default=64, help="shared-prefix: tokens shared in a group (64)")
     work.add_argument("--num-turns", type=int, default=3, help="multi-turn: user turns per conversation (3)")
+    work.add_argument("--priority-mix", help="send vLLM's priority, drawn per conversation from PRIORITY=WEIGHT "
+                                             "pairs, e.g. 0=3,1=1 (the server needs --scheduling-policy priority)")
     work.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM extension)")
     work.add_argument("--temperature", type=float, default=0.0)
     work.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
@@ -88,6 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--slo-min-fraction", type=float, default=0.9,
                      help="a sweep's capacity at the SLO is the highest level where at least this fraction of "
                           "requests met it (0.9)")
+    out.add_argument("--slo-percentile", type=int, choices=PERCENTILES,
+                     help="... or where this percentile of each SLO metric is within its bound (failed requests "
+                          "count as misses), e.g. 99")
     out.add_argument("--lag-tolerance-ms", type=float, default=20.0,
                      help="client lag (dispatch or event loop, p99) above which the run says it fell behind (20)")
     out.add_argument("--lag-relative", type=float, default=0.05,
@@ -137,12 +142,12 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         kind=args.workload, input_len=args.input_len, input_dist=args.input_dist, input_spread=args.input_spread,
         output_len=args.output_len, output_dist=args.output_dist, output_spread=args.output_spread,
         num_prefix_groups=args.num_prefix_groups, prefix_len=args.prefix_len, num_turns=args.num_turns,
-        path=args.dataset,
+        path=args.dataset, priority_mix=parse_priority_mix(args.priority_mix),
     )
     return BenchConfig(
         workload=workload, loads=loads_from(args), num_requests=args.num_requests, waves=args.waves,
         warmup=args.warmup, seed=args.seed,
-        slo=parse_slo(args.slo), slo_min_fraction=args.slo_min_fraction,
+        slo=parse_slo(args.slo), slo_min_fraction=args.slo_min_fraction, slo_percentile=args.slo_percentile,
         options=RequestOptions(args.temperature, args.ignore_eos, args.extra_body),
         timeout_s=args.timeout, lag_tolerance_s=args.lag_tolerance_ms / 1e3,
         lag_relative=args.lag_relative,

@@ -69,6 +69,8 @@ def request_body(endpoint: Endpoint, conversation: Conversation, turn_index: int
                             "stream_options": {"include_usage": True}}
     if options.ignore_eos:
         body["ignore_eos"] = True  # a vLLM extension: sent only when asked, a strict server may refuse it
+    if turn.priority is not None:
+        body["priority"] = turn.priority  # vLLM's; the server must run --scheduling-policy priority
     if endpoint.api == "completions":
         if is_messages(turn.prompt):
             raise ValueError("chat messages need --api chat")
@@ -194,7 +196,7 @@ def make_sender(http: httpx.AsyncClient, endpoint: Endpoint, options: RequestOpt
                      origin: float) -> tuple[RequestRecord, str]:
         turn = conversation.turns[turn_index]
         record = RequestRecord(f"c{conversation.index}-t{turn_index}", conversation.index, turn_index,
-                               max_tokens=turn.max_tokens,
+                               max_tokens=turn.max_tokens, priority=turn.priority,
                                expected_prompt_tokens=turn.expected_prompt_tokens if turn_index == 0 else None)
         try:
             body = request_body(endpoint, conversation, turn_index, earlier_outputs, options)

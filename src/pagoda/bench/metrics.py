@@ -5,7 +5,7 @@
 - TPOT: (E2E - TTFT) / (n - 1) per request, n = output tokens (server usage); undefined for n < 2.
 - ITL: every gap between consecutive content chunks of a request (a chunk may hold several tokens).
 - Throughputs: totals over successful requests divided by the measured duration (first send to last end).
-- Goodput: successful requests that meet every SLO, per second of the same duration.
+- Goodput: successful requests that meet every SLO, and their output tokens, per second of the same duration.
 Distributions report mean, p50, p90, p95, p99 (linear interpolation between order statistics), min, max.
 """
 
@@ -161,14 +161,30 @@ def summarize(records: Sequence[RequestRecord], duration: float | None = None,
         "tokens": token_checks(records),
     }
     if slo:
-        good = sum(1 for r in records if meets_slo(r, slo))
+        good = [r for r in records if meets_slo(r, slo)]
         summary["goodput"] = {
             "slo_s": dict(slo),
-            "good_requests": good,
-            "requests_per_s": per_second(good),
-            "fraction": good / len(records) if records else None,
+            "good_requests": len(good),
+            "requests_per_s": per_second(len(good)),
+            "output_tokens_per_s": per_second(sum(r.num_output_tokens or 0 for r in good)),
+            "fraction": len(good) / len(records) if records else None,
+            "slo_percentiles": slo_percentiles(records, slo),
         }
     return summary
+
+
+def slo_percentiles(records: Sequence[RequestRecord], slo: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Each bounded metric's percentiles over every request, a failed one counting as infinitely slow and a
+    metric a request does not have (TPOT of one token) as 0, as meets_slo treats them: `p99 TTFT <= 500 ms`
+    then says 99% of requests got their first token within 500 ms."""
+    per_metric: dict[str, list[float]] = {name: [] for name in slo}
+    for record in records:
+        values = request_values(record) if record.ok else {}
+        for name in slo:
+            value = values.get(name, math.inf) if record.ok else math.inf
+            per_metric[name].append(0.0 if value is None else value)
+    return {f"p{q}": {name: percentile(sorted(data), q) for name, data in per_metric.items() if data}
+            for q in PERCENTILES}
 
 
 # --- the client's own honesty --------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)  # after `sent`: each chunk that carried content
     end: float | None = None  # after `sent`: when the response was over (stream closed, [DONE])
     max_tokens: int = 0  # output tokens asked for
+    priority: int | None = None  # vLLM's request priority, when the workload sends one (lower runs first)
     prompt_tokens: int | None = None  # server's usage.prompt_tokens
     output_tokens: int | None = None  # server's usage.completion_tokens
     cached_tokens: int | None = None  # server's usage.prompt_tokens_details.cached_tokens (prefix cache hits)

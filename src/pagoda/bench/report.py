@@ -59,6 +59,30 @@ def detail_table(point: dict[str, Any]) -> str:
     return format_table(("metric (ms)", "n", *STATS), rows)
 
 
+CLASS_COLUMNS = ("class", "n", "ok", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50",
+                 "E2E p99", "out tok/s", "goodput")
+CLASS_DIMENSIONS = {"priority": "priority", "prompt_len": "prompt tokens"}
+
+
+def class_tables(point: dict[str, Any]) -> list[str]:
+    """Latency per request class of one level (bench/classes.py), for each dimension with several classes."""
+    tables = []
+    for dimension, classes in point["summary"].get("by_class", {}).items():
+        if len(classes) < 2:
+            continue
+        rows = []
+        for label, c in classes.items():
+            goodput = c.get("goodput")
+            good = "-" if not goodput else (f"{_num(goodput['requests_per_s'])}/s, "
+                                            f"{_num(goodput['output_tokens_per_s'])} tok/s")
+            rows.append([f"{CLASS_DIMENSIONS.get(dimension, dimension)} {label}", str(c["num_requests"]),
+                         str(c["num_ok"]), _ms(c["ttft"]["p50"]), _ms(c["ttft"]["p90"]), _ms(c["ttft"]["p99"]),
+                         _ms(c["tpot"]["p50"]), _ms(c["tpot"]["p99"]), _num(c["e2e"]["p50"]), _num(c["e2e"]["p99"]),
+                         _num(c["output_throughput"]), good])
+        tables.append(format_table(CLASS_COLUMNS, rows))
+    return tables
+
+
 def spec_row(endpoint_name: str, point: dict[str, Any]) -> list[str]:
     spec = point["speculative"]
     rate = spec["acceptance_rate"]
@@ -133,7 +157,11 @@ def capacity_line(endpoint: dict[str, Any]) -> str:
     """`capacity at SLO ...: 4 req/s` (the sweep's highest level where enough requests met the SLO)."""
     capacity = endpoint["slo_capacity"]
     bounds = ", ".join(f"{name} <= {_ms(value)} ms" for name, value in capacity["slo_s"].items())
-    share = f">= {capacity['min_fraction']:.0%} of requests within {bounds}"
+    if capacity.get("percentile") is not None:
+        share = f"p{capacity['percentile']} " + ", ".join(
+            f"{name} <= {_ms(value)} ms" for name, value in capacity["slo_s"].items())
+    else:
+        share = f">= {capacity['min_fraction']:.0%} of requests within {bounds}"
     if capacity["level"] is None:
         return f"{endpoint['name']}: capacity at the SLO ({share}): none; even the lowest level missed it"
     return (f"{endpoint['name']}: capacity at the SLO ({share}): {capacity['level']:g} {capacity['unit']} "
@@ -145,6 +173,7 @@ def render(endpoints: list[dict[str, Any]]) -> str:
     single = [(e, p) for e in endpoints for p in e["levels"]]
     if len(single) == 1:
         parts.append(detail_table(single[0][1]))
+        parts += class_tables(single[0][1])
     speculative = spec_table(endpoints)
     if speculative:
         parts.append(speculative)

@@ -63,9 +63,11 @@ def saturation_reason(points: list[dict[str, Any]], min_gain: float, max_error_f
     return None
 
 
-def slo_capacity(points: list[dict[str, Any]], min_fraction: float) -> dict[str, Any] | None:
-    """The highest load level at which at least `min_fraction` of the requests met the SLO, counting only
-    levels below the first one that missed it (a noisy pass above a failure is no capacity). None when no
+def slo_capacity(points: list[dict[str, Any]], min_fraction: float,
+                 percentile: int | None = None) -> dict[str, Any] | None:
+    """The highest load level at which at least `min_fraction` of the requests met the SLO (with `percentile`:
+    at which that percentile of each bounded metric is within its bound, failures counting as misses), counting
+    only levels below the first one that missed it (a noisy pass above a failure is no capacity). None when no
     SLO was given; level None when even the lowest level missed it.
 
     Each point is {"level", "load": {"mode"}, "summary": {"goodput": {"fraction", "requests_per_s"}}}; a
@@ -76,15 +78,22 @@ def slo_capacity(points: list[dict[str, Any]], min_fraction: float) -> dict[str,
         return None
     best = None
     for point in sorted(measured, key=lambda p: math.inf if p["level"] is None else p["level"]):
-        fraction = point["summary"]["goodput"]["fraction"]
-        if point["level"] is None or fraction is None or fraction < min_fraction:
+        if point["level"] is None or not _meets(point["summary"]["goodput"], min_fraction, percentile):
             break
         best = point
     closed = measured[0]["load"]["mode"] == "closed"
     return {
         "min_fraction": min_fraction,
+        "percentile": percentile,
         "unit": "concurrency" if closed else "req/s",
         "level": None if best is None else best["level"],
         "goodput_requests_per_s": None if best is None else best["summary"]["goodput"]["requests_per_s"],
         "slo_s": measured[0]["summary"]["goodput"]["slo_s"],
     }
+
+
+def _meets(goodput: dict[str, Any], min_fraction: float, percentile: int | None) -> bool:
+    if percentile is None:
+        return goodput["fraction"] is not None and goodput["fraction"] >= min_fraction
+    at = goodput["slo_percentiles"].get(f"p{percentile}", {})
+    return bool(at) and all(at[name] <= bound for name, bound in goodput["slo_s"].items())

@@ -9,7 +9,11 @@ prompt is token ids (exact length; completions only), text, or a list of chat me
 - multi-turn: conversations of `num_turns` user turns of random text; each turn resends the conversation
   so far, with the server's earlier answers in it.
 - jsonl: one JSON object a line: {"prompt": text} or {"prompt_token_ids": [...]} or {"messages": [...]},
-  optionally with "max_tokens"; lines are used in order, cycling when there are fewer than requests.
+  optionally with "max_tokens" and "priority"; lines are used in order, cycling when there are fewer than
+  requests.
+
+With a priority mix (`--priority-mix 0=3,1=1`), each conversation draws a priority, sent as vLLM's `priority`
+field; `pagoda bench` then reports latencies per priority (bench/classes.py).
 
 For chat, token ids are decoded to text (random ids do not survive decode -> encode), so chat prompt lengths
 come from the server's `usage` (or its `/tokenize`), not from the asked length.
@@ -41,6 +45,7 @@ class Turn:
     prompt: Prompt
     max_tokens: int
     expected_prompt_tokens: int | None = None  # the client's count of what the server will see
+    priority: int | None = None  # vLLM's request priority (None: not sent)
 
 
 @dataclass
@@ -63,6 +68,8 @@ class WorkloadSpec:
     prefix_len: int = 64
     num_turns: int = 3
     path: str | None = None
+    # (priority, weight) pairs: each conversation draws its priority from them (a JSONL line's own wins)
+    priority_mix: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -74,6 +81,8 @@ class WorkloadSpec:
             raise ValueError("input and output lengths must be at least 1")
         if self.kind == "jsonl" and not self.path:
             raise ValueError("the jsonl workload needs a file (--dataset)")
+        if any(weight <= 0 for _, weight in self.priority_mix):
+            raise ValueError("priority weights must be > 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -91,9 +100,38 @@ def sample_lengths(count: int, mean: int, dist: str, spread: float, rng: random.
     raise ValueError(f"unknown length distribution {dist!r}")
 
 
+def parse_priority_mix(text: str | None) -> tuple[tuple[int, float], ...]:
+    """`0=3,1=1` -> ((0, 3.0), (1, 1.0)): priorities and their relative weights."""
+    mix = []
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        priority, _, weight = part.partition("=")
+        try:
+            mix.append((int(priority), float(weight or 1)))
+        except ValueError:
+            raise ValueError(f"bad priority mix entry {part!r}: expected PRIORITY=WEIGHT, e.g. 0=3,1=1") from None
+    return tuple(mix)
+
+
 def build_workload(spec: WorkloadSpec, num_requests: int, tokenizer: ClientTokenizer | None, api: str,
                    seed: int) -> list[Conversation]:
-    """Conversations holding `num_requests` turns in all (multi-turn: the last conversation may be shorter)."""
+    """Conversations holding `num_requests` turns in all (multi-turn: the last conversation may be shorter),
+    each conversation's turns at the priority it drew from the mix (when there is one)."""
+    conversations = _conversations(spec, num_requests, tokenizer, api, seed)
+    if spec.priority_mix:
+        rng = random.Random(f"priority-{seed}")  # its own stream: the prompts do not change with the mix
+        priorities = [p for p, _ in spec.priority_mix]
+        weights = [w for _, w in spec.priority_mix]
+        for conversation in conversations:
+            drawn = rng.choices(priorities, weights)[0]
+            for turn in conversation.turns:
+                turn.priority = drawn if turn.priority is None else turn.priority
+    return conversations
+
+
+def _conversations(spec: WorkloadSpec, num_requests: int, tokenizer: ClientTokenizer | None, api: str,
+                   seed: int) -> list[Conversation]:
     rng = random.Random(seed)
     if spec.kind == "jsonl":
         return _jsonl(spec, num_requests, tokenizer, api)
@@ -152,6 +190,14 @@ def _jsonl(spec: WorkloadSpec, num_requests: int, tokenizer: ClientTokenizer | N
 def _jsonl_turn(entry: dict[str, Any], spec: WorkloadSpec, tokenizer: ClientTokenizer | None, api: str,
                 where: str) -> Turn:
     max_tokens = int(entry.get("max_tokens", entry.get("output_len", spec.output_len)))
+    priority = int(entry["priority"]) if entry.get("priority") is not None else None
+    turn = _jsonl_prompt(entry, max_tokens, tokenizer, api, where)
+    turn.priority = priority
+    return turn
+
+
+def _jsonl_prompt(entry: dict[str, Any], max_tokens: int, tokenizer: ClientTokenizer | None, api: str,
+                  where: str) -> Turn:
     if "prompt_token_ids" in entry:
         ids = [int(t) for t in entry["prompt_token_ids"]]
         if api == "completions":
