@@ -55,3 +55,25 @@ def test_the_list_names_every_lab(capsys):
     assert main(["lab", "--list"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in LABS)
+
+
+def test_priority_lets_urgent_requests_skip_the_queue(tmp_path, capsys):
+    result = run_lab("priority", tmp_path, capsys)
+    fcfs, priority = result["rows"]
+    settings = result["settings"]
+    # FCFS: every background request finishes before any urgent one starts; priority: none does.
+    assert fcfs["pairs"] == fcfs["predicted_pairs"] == settings["background"] * settings["urgent"]
+    assert priority["pairs"] == priority["predicted_pairs"] == 0
+
+
+def test_each_accepted_draft_token_saves_one_step_and_the_conditional_rate_predicts_it(tmp_path, capsys):
+    result = run_lab("speculative", tmp_path, capsys)
+    plain, *drafted = result["rows"]
+    assert plain["k"] == 0 and plain["accepted"] == 0
+    for row in drafted:
+        assert row["same_output"] and row["accepted"] > 0  # an engine that never accepts cannot pass
+        assert row["steps"] == plain["steps"] - row["accepted"]
+        # The truncated geometric's estimate reproduces the measured tokens per step; the raw ratio does not.
+        assert abs(row["calc_from_conditional"] - row["tokens_per_step"]) < 0.1
+        if row["k"] >= 2:  # with one draft token the two rates are the same count
+            assert row["calc_from_rate"] < row["tokens_per_step"] - 0.1

@@ -4,6 +4,6 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from pagoda.labs import kv_capacity, prefix_cache
+from pagoda.labs import kv_capacity, prefix_cache, priority, speculative
 
-LABS: dict[str, ModuleType] = {lab.NAME: lab for lab in (kv_capacity, prefix_cache)}
+LABS: dict[str, ModuleType] = {lab.NAME: lab for lab in (kv_capacity, prefix_cache, priority, speculative)}
