@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pagoda.api_keys import add_api_key_arguments
@@ -55,6 +57,7 @@ def run_serve(args: argparse.Namespace) -> int:
         web_ui=not args.disable_web_ui,
         builtin_model=is_builtin_model(args.model),
         kv_events=kv_events,
+        profile_dir=args.profile_dir,
     )
     exit_now(code)
 
@@ -144,6 +147,8 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"pagoda generate: plain completion ({why})", file=sys.stderr)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.gen_seed,
                             max_tokens=args.max_tokens)
+    if args.trace_file is not None:
+        engine.trace.start()
     engine.add_request("cli", prompt, params)
     printed = 0
     try:
@@ -156,6 +161,9 @@ def run_generate(args: argparse.Namespace) -> int:
     finally:
         engine.shutdown()
     sys.stdout.write("\n")
+    if args.trace_file is not None:
+        args.trace_file.write_text(json.dumps(engine.trace.stop()), encoding="utf-8")
+        print(f"pagoda generate: wrote the steps' timeline to {args.trace_file}", file=sys.stderr)
     return 0
 
 
@@ -208,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--kv-events-config", type=json_object, default=None,
                        help='publish KV cache events as vLLM does (docs/router.md), vLLM\'s JSON: '
                             '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}\'')
+    serve.add_argument("--profile-dir", type=Path, default=None,
+                       help="enable POST /start_profile and /stop_profile (vLLM's routes): the engine's steps "
+                            "between them, written here as a Chrome trace (docs/step-timeline.md)")
     serve.set_defaults(func=run_serve)
 
     generate = commands.add_parser("generate", help="stream one completion to the terminal")
@@ -223,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--top-p", type=float, default=1.0)
     generate.add_argument("--top-k", type=int, default=0)
     generate.add_argument("--gen-seed", type=int, default=None, help="sampling seed")
+    generate.add_argument("--trace-file", type=Path, default=None,
+                          help="write the generation's engine steps here as a Chrome trace (docs/step-timeline.md)")
     generate.set_defaults(func=run_generate)
 
     from pagoda.calc.cli import add_parser as add_calc

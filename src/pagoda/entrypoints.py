@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, TypeGuard, cast
 
 from pagoda.config import (
@@ -76,6 +78,19 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def start_profile(self) -> None:
+        """Begins recording the engine's steps as a timeline (vLLM's name; pagoda records its own steps, not a
+        torch profile)."""
+        self.engine.trace.start()
+
+    def stop_profile(self, path: str | Path | None = None) -> dict[str, Any]:
+        """The timeline since start_profile as a Chrome Trace Event Format document (written to `path` when
+        given: open it in Perfetto or chrome://tracing); recording ends."""
+        document = self.engine.trace.stop()
+        if path is not None:
+            Path(path).write_text(json.dumps(document), encoding="utf-8")
+        return document
 
     def close(self) -> None:
         """Stops the engine's worker processes (tensor parallelism); idempotent. Also on `with LLM(...)`'s exit,

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--tokenizer", help="local tokenizer directory (tokenizer.json): exact-length prompts, "
                         "token cross-checks (default: --model when it is a local directory)")
     target.add_argument("--no-server-tokenize", action="store_true", help="do not use the server's /tokenize")
+    target.add_argument("--profile", action="store_true",
+                        help="POST /start_profile and /stop_profile around each level's measured requests (pagoda "
+                             "serve --profile-dir; vLLM with its profiler directory): the trace file in the JSON")
     target.add_argument("--reset-prefix-cache", action="store_true",
                         help="POST /reset_prefix_cache before each level (pagoda; vLLM in dev mode): cold prefills")
 
@@ -154,6 +157,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         stop_at_saturation=not args.no_stop_at_saturation, min_gain=args.saturation_gain,
         patience=args.saturation_patience,
         use_server_tokenize=not args.no_server_tokenize, reset_prefix_cache=args.reset_prefix_cache,
+        profile=args.profile,
         progress=not args.no_progress,
     )
 

@@ -180,6 +180,10 @@ def render(endpoints: list[dict[str, Any]]) -> str:
     notes = [note for e, p in single for note in warnings_of(e, p)]
     notes += [note for e in endpoints if (note := token_count_note(e))]
     notes += [f"{e['name']}: sweep stopped: {e['stop_reason']}" for e in endpoints if e.get("stop_reason")]
+    notes += [f"{e['name']} {p['label']}: the server's step timeline is in {p['profile'].get('trace_file')}"
+              if p["profile"] else f"{e['name']} {p['label']}: no profile: the server has no /start_profile "
+                                   "(pagoda serve --profile-dir)"
+              for e in endpoints for p in e["levels"] if "profile" in p]
     capacities = [capacity_line(e) for e in endpoints if e.get("slo_capacity") and len(e["levels"]) > 1]
     if capacities:
         parts.append("\n".join(capacities))

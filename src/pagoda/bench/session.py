@@ -59,6 +59,7 @@ class BenchConfig:
     max_error_fraction: float = 0.1
     use_server_tokenize: bool = True
     reset_prefix_cache: bool = False
+    profile: bool = False  # each level's measured requests between /start_profile and /stop_profile
     progress: bool = True
 
     def requests_at(self, load: LoadSpec) -> int:
@@ -77,6 +78,7 @@ class BenchConfig:
             "lag_tolerance_s": self.lag_tolerance_s, "lag_relative": self.lag_relative,
             "stop_at_saturation": self.stop_at_saturation, "min_gain": self.min_gain, "patience": self.patience,
             "max_error_fraction": self.max_error_fraction, "reset_prefix_cache": self.reset_prefix_cache,
+            "profile": self.profile,
         }
 
 
@@ -149,20 +151,37 @@ def level_result(load: LoadSpec, seed: int, result: LoadResult, config: BenchCon
     }
 
 
+async def profile(http: httpx.AsyncClient, endpoint: Endpoint, action: str) -> dict[str, Any] | None:
+    """POST /start_profile or /stop_profile (vLLM's; pagoda serve with --profile-dir): the answer, or None when
+    the server refuses (its routes are off)."""
+    try:
+        response = await http.post(f"{endpoint.root}/{action}", headers=endpoint.headers)
+    except httpx.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    answer = response.json() if response.content else {}
+    return answer if isinstance(answer, dict) else {}
+
+
 async def run_measured(http: httpx.AsyncClient, endpoint: Endpoint, sender: Sender,
                        conversations: list[Conversation], load: LoadSpec, seed: int, warmup: list[Conversation],
-                       on_done: Callable[[RequestRecord], None]) -> tuple[LoadResult, dict[str, object] | None]:
+                       on_done: Callable[[RequestRecord], None],
+                       profiled: bool = False) -> tuple[LoadResult, dict[str, object] | None, dict[str, Any] | None]:
     """One level's run, with the server's speculative-decoding figures over its measured requests (None
-    when it exports none). /metrics is read after the warm-up and after the last response: outside the
-    measured window, so scraping costs the measured requests nothing."""
+    when it exports none), and with `profiled` the server's answer to /stop_profile (its trace file). /metrics
+    is read, and the profile started, after the warm-up; both end after the last response."""
     before: list[str | None] = []
 
     async def scrape_before() -> None:
         before.append(await scrape_metrics(http, endpoint))
+        if profiled:
+            await profile(http, endpoint, "start_profile")
 
     result = await run_load(sender, conversations, load, seed=seed, warmup=warmup, on_done=on_done,
                             before_measured=scrape_before)
-    return result, spec_decode_window(before[0], await scrape_metrics(http, endpoint))
+    trace = await profile(http, endpoint, "stop_profile") if profiled else None
+    return result, spec_decode_window(before[0], await scrape_metrics(http, endpoint)), trace
 
 
 async def bench_endpoint(endpoint: Endpoint, config: BenchConfig, tokenizer: ClientTokenizer | None,
@@ -186,12 +205,15 @@ async def bench_endpoint(endpoint: Endpoint, config: BenchConfig, tokenizer: Cli
                 await fill_prompt_counts(conversations, server, endpoint.api)
             reset = await reset_prefix_cache(http, endpoint) if config.reset_prefix_cache else None
             with _progress(config, num_requests, f"{endpoint.name} {load.label()}") as bar:
-                result, speculative = await run_measured(
-                    http, endpoint, sender, conversations, load, seed, warmup, lambda record: bar.update(1))
+                result, speculative, trace = await run_measured(
+                    http, endpoint, sender, conversations, load, seed, warmup, lambda record: bar.update(1),
+                    config.profile)
             count_outputs(result, tokenizer)
             point = level_result(load, seed, result, config)
             point["prefix_cache_reset"] = reset
             point["speculative"] = speculative
+            if config.profile:
+                point["profile"] = trace  # None: the server has no profiling routes
             levels.append(point)
             if on_level is not None:
                 on_level(endpoint, point)

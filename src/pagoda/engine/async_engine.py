@@ -14,6 +14,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagoda.engine.api import EngineDeadError, EngineDescription, EngineStats, RequestFailed, RequestOutput
 from pagoda.engine.engine import LLMEngine
@@ -102,6 +103,14 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self.abort(request_id)
 
+    def start_trace(self) -> None:
+        """Begins recording the engine's steps as a timeline (engine/step_trace.py); thread-safe."""
+        self._engine.trace.start()
+
+    def stop_trace(self) -> dict[str, Any]:
+        """The timeline since start_trace, as a Trace Event Format document; recording ends."""
+        return self._engine.trace.stop()
+
     async def reset_prefix_cache(self) -> int:
         """Forgets the prefix cache's free blocks (on the engine thread); returns how many."""
         loop = asyncio.get_running_loop()
@@ -175,7 +184,8 @@ class AsyncEngine:
                 for request_id, failure in self._engine.pop_failures().items():
                     self._fail(request_id, RequestFailed(f"request failed: {failure}", alone=True,
                                                          by_constraint=isinstance(failure, GrammarStateError)))
-                self._dispatch(outputs)
+                with self._engine.trace.span("publish"):  # the outputs handed to their streams
+                    self._dispatch(outputs)
                 self._update_stats()
         except BaseException as error:
             self.dead_error = error

@@ -53,6 +53,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.executor = parts.executor
         self.runner = parts.runner
+        self.trace = parts.trace  # records steps as a timeline while started (step_trace.py)
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.scheduler, self.model_config.vocab_size, self.eos_token_ids,
             self.structured, self.config.seed,
@@ -92,12 +93,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        self.trace.begin_step()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
+        self.trace.phase("execute")
+        self.trace.describe_step(requests=len(scheduler_output.scheduled),
+                                 tokens=scheduler_output.num_batched_tokens)
         runner_output = self.executor.execute_model(scheduler_output)
+        self.trace.phase("update")
         self._record_prompt_logprobs(runner_output.prompt_logprobs)
         core_outputs = self.scheduler.update(scheduler_output, runner_output)
+        self.trace.phase("outputs")
         processed = self.output_processor.process_outputs(core_outputs)
         self.scheduler.finish_requests(processed.stopped, FinishReason.STOP)
         for group in processed.failed:
@@ -107,6 +114,7 @@ class LLMEngine:
             self.scheduler.add_request(request, front=True)
         # The whole step, as a decoding stream waits for it, teaches the scheduler's step-time model.
         self.scheduler.observe_step(scheduler_output, time.perf_counter() - started)
+        self.trace.end_step(processed.request_outputs)
         return processed.request_outputs
 
     def _record_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:

@@ -25,6 +25,7 @@ from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.kv_pool import KVPoolSize, kv_pool_size
 from pagoda.engine.model_step import ModelExecution, load_engine_model
 from pagoda.engine.runner import DraftModel, ModelRunner
+from pagoda.engine.step_trace import StepTrace
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import check_divisible, kv_heads_per_rank
@@ -50,6 +51,7 @@ class EngineParts:
     scheduler: Scheduler
     executor: Executor
     runner: ModelRunner  # rank 0's
+    trace: StepTrace  # the steps' timeline, shared by the engine and rank 0's runner
 
 
 def build_engine_parts(
@@ -88,7 +90,8 @@ def build_engine_parts(
         config.device,
     )
     speculator = None if speculative is None else Speculator(speculative, draft_proposer)
-    executor = build_executor(config, num_blocks, block_size, structured, draft_proposer)
+    trace = StepTrace()
+    executor = build_executor(config, num_blocks, block_size, structured, draft_proposer, trace)
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB; %s), max_model_len %d",
         num_blocks, block_size, kv_pool_bytes / 2**20, kv_pool.reason, max_model_len,
@@ -98,20 +101,20 @@ def build_engine_parts(
         kv_pool_bytes=kv_pool_bytes, kv_cache=kv_cache, eos_token_ids=eos_token_ids, structured=structured,
         draft_proposer=draft_proposer, speculator=speculator,
         scheduler=Scheduler(config.scheduler, kv_cache, speculator, step_cost),
-        executor=executor, model=executor.runner.model, runner=executor.runner,
+        executor=executor, model=executor.runner.model, runner=executor.runner, trace=trace,
     )
 
 
 def build_executor(config: EngineConfig, num_blocks: int, block_size: int, structured: StructuredOutputs,
-                   draft: DraftModel | None) -> Executor:
+                   draft: DraftModel | None, trace: StepTrace | None = None) -> Executor:
     """The executor config.parallel asks for, its model loaded (every rank's, under tensor parallelism)."""
     if config.parallel.executor_backend == "uni":
         model = load_engine_model(config)
         return UniProcExecutor(ModelRunner(ModelExecution(model, num_blocks, block_size, config.device), structured,
-                                           draft))
+                                           draft, trace))
     from pagoda.engine.multiproc_executor import MultiprocExecutor
 
-    return MultiprocExecutor(config, num_blocks, block_size, structured, draft)
+    return MultiprocExecutor(config, num_blocks, block_size, structured, draft, trace)
 
 
 def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:

@@ -39,6 +39,7 @@ from pagoda.engine.executor import Executor
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
 from pagoda.engine.runner import DraftModel, ModelRunner
+from pagoda.engine.step_trace import StepTrace
 from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_worker
 from pagoda.model.llama import KVCache
 from pagoda.model.parallel import TensorParallel
@@ -61,7 +62,8 @@ class Worker:
 
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
-                 structured: StructuredOutputs | None = None, draft: DraftModel | None = None) -> None:
+                 structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
+                 trace: StepTrace | None = None) -> None:
         world_size = config.parallel.tensor_parallel_size
         if dist.is_initialized():
             raise RuntimeError("this process already holds a torch.distributed process group (one tensor-parallel "
@@ -95,7 +97,7 @@ class MultiprocExecutor(Executor):
         logger.info("tensor parallel: %d ranks (rank 0 in this process), %d thread(s) each", world_size, threads)
         execution = BroadcastExecution(ModelExecution(model, num_blocks, block_size, config.device),
                                        [worker.connection for worker in self._workers])
-        super().__init__(ModelRunner(execution, structured, draft))
+        super().__init__(ModelRunner(execution, structured, draft, trace))
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -39,6 +39,7 @@ from pagoda.engine.core.speculative import accepted_rows
 from pagoda.engine.grammar_masks import GrammarMasks, StructuredOutputs
 from pagoda.engine.model_step import ModelStep, StepExecution
 from pagoda.engine.sampler import Proposal, SamplerOutput, SampleRow, build_sampling_metadata, sample, top_logprobs
+from pagoda.engine.step_trace import StepTrace
 from pagoda.model.attention import QueryLayout, slot_of
 from pagoda.model.llama import KVCache
 
@@ -59,9 +60,12 @@ class DraftModel(Protocol):
 class ModelRunner:
     def __init__(
         self, execution: StepExecution, structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
+        trace: StepTrace | None = None,
     ) -> None:
-        """execution: runs each step's ModelStep on the model (on every rank, under tensor parallelism)."""
+        """execution: runs each step's ModelStep on the model (on every rank, under tensor parallelism).
+        trace: the engine's step timeline, which the runner's parts of a step are recorded on."""
         self.execution = execution
+        self.trace = trace or StepTrace()
         self.model = execution.model
         self.structured = structured
         self.draft = draft  # None: no draft model (no speculation, or n-gram)
@@ -81,13 +85,16 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """One step: the forward over the scheduled tokens, sampling, and the acceptance of drafts."""
         scheduled = scheduler_output.scheduled
-        rows = self._sample_rows(scheduled)
-        masks = self._start_grammar_masks(scheduled)
-        prompt_rows = _prompt_logprob_rows(scheduled)
-        logits_rows = [item_rows for _, item_rows in prompt_rows] + ([_sampling_indices(scheduled)] if rows else [])
-        step = ModelStep([token_id for item in scheduled for token_id in item.input_token_ids()],
-                         _attention_layout(scheduled, self.block_size), logits_rows)
-        all_logits = self.execution.run(step)
+        with self.trace.span("prepare"):
+            rows = self._sample_rows(scheduled)
+            masks = self._start_grammar_masks(scheduled)
+            prompt_rows = _prompt_logprob_rows(scheduled)
+            logits_rows = [item_rows for _, item_rows in prompt_rows] + (
+                [_sampling_indices(scheduled)] if rows else [])
+            step = ModelStep([token_id for item in scheduled for token_id in item.input_token_ids()],
+                             _attention_layout(scheduled, self.block_size), logits_rows)
+        with self.trace.span("forward"):
+            all_logits = self.execution.run(step)
         prompt_logprobs = _prompt_logprobs([item for item, _ in prompt_rows], all_logits)
         if not rows:
             if self.draft is not None:
@@ -98,10 +105,12 @@ class ModelRunner:
         bitmask = None
         if masks is not None:
             future, constrained_ids = masks
-            grammar_masks: GrammarMasks = future.result()
+            with self.trace.span("grammar masks"):  # computed during the forward: this is the wait left over
+                grammar_masks: GrammarMasks = future.result()
             bitmask = grammar_masks.bitmask
             failures.update((constrained_ids[index], error) for index, error in grammar_masks.failures.items())
-        result = _sample_isolating(logits, rows, bitmask, failures)
+        with self.trace.span("sample"):
+            result = _sample_isolating(logits, rows, bitmask, failures)
         sampled: dict[str, list[int]] = {}
         sampled_logprobs: dict[str, list[dict[int, float]]] = {}
         for row, token_id, row_logprobs in zip(rows, result.token_ids, result.logprobs):

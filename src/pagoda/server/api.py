@@ -29,6 +29,7 @@ from pagoda.server.admission import WaitingSlots
 from pagoda.server.chat_output import ChatOutputFormat
 from pagoda.server.generation import Generation
 from pagoda.server.openapi import install_openapi
+from pagoda.server.profile import mount_profile
 from pagoda.server.prompts import check_prompt_chars, conversation_of, echo_texts, encode_prompts, render_chat_prompt
 from pagoda.server.responses import ResponseAnswer
 from pagoda.server.state import LoadedModel, ServerState
@@ -92,6 +93,8 @@ def build_app(state: ServerState) -> FastAPI:
     _install_error_handlers(app)
     install_openapi(app)
     web_pages = mount_web_ui(app, state) if state.web_ui else frozenset()  # static: served without a key
+    if state.profile_dir is not None:
+        mount_profile(app, state, state.profile_dir)
     app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_request_body_bytes)
     # outermost: a request without a key is not read
     app.add_middleware(ApiKeyGuard, keys=state.api_keys, error_response=error_response, public_paths=web_pages)

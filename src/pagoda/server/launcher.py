@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import NoReturn
 
@@ -113,11 +114,12 @@ def _warm_up(engine: LLMEngine) -> None:
 def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int, api_keys: ApiKeys,
           limits: ServerLimits, max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info",
           tool_call_parser: str | None = None, reasoning_parser: str | None = None, web_ui: bool = True,
-          kv_events: KVEventsConfig | None = None, builtin_model: bool = False) -> int:
+          kv_events: KVEventsConfig | None = None, builtin_model: bool = False, profile_dir: Path | None = None) -> int:
     limit_malloc_arenas()  # before the serving threads start (server/memory.py)
     state = ServerState(model_name=model_name, api_keys=api_keys, limits=limits,
                         admission=Admission(max_waiting_requests), tool_call_parser=tool_call_parser,
-                        reasoning_parser=reasoning_parser, web_ui=web_ui, builtin_model=builtin_model)
+                        reasoning_parser=reasoning_parser, web_ui=web_ui, builtin_model=builtin_model,
+                        profile_dir=profile_dir)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
                             http=read_deadline_protocol(limits.request_read_timeout))

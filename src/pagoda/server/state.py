@@ -6,6 +6,7 @@ Routes (api.py), prompt preparation (prompts.py) and the web UI (web.py) all rea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from pagoda.api_keys import ApiKeys
 from pagoda.engine.async_engine import AsyncEngine
@@ -51,6 +52,7 @@ class ServerState:
     web_ui: bool = True  # the chat page at / and the dashboard (server/web.py); --disable-web-ui
     builtin_model: bool = False  # pagoda's own demo model: the chat page introduces it (server/web.py)
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept to be continued
+    profile_dir: Path | None = None  # --profile-dir: where /stop_profile writes step timelines (None: no routes)
 
     @property
     def engine(self) -> AsyncEngine | None:
