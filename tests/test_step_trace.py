@@ -29,7 +29,7 @@ def check_document(document: dict) -> tuple[list[dict], list[dict], list[dict]]:
     events = document["traceEvents"]
     assert events and all({"ph", "pid", "name"} <= set(e) for e in events)
     complete = [e for e in events if e["ph"] == "X"]
-    assert all(COMPLETE_FIELDS <= set(e) and e["dur"] >= 0 for e in complete)
+    assert all(set(e) >= COMPLETE_FIELDS and e["dur"] >= 0 for e in complete)
     json.dumps(document)  # plain JSON
     steps = [e for e in complete if e["cat"] == "step"]
     phases = [e for e in complete if e["cat"] == "phase"]
