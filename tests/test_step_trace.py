@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -108,7 +109,7 @@ def test_serve_profile_routes_record_streams_and_bench_drives_them(tmp_path):
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(stream, range(NUM_STREAMS)))
         answer = server.post("/stop_profile").json()
-        document = json.loads(open(answer["trace_file"]).read())
+        document = json.loads(Path(answer["trace_file"]).read_text())
         check_document(document)
         assert len(request_events(document)) == NUM_STREAMS
         assert any(e.get("name") == "publish" for e in document["traceEvents"])
@@ -118,7 +119,7 @@ def test_serve_profile_routes_record_streams_and_bench_drives_them(tmp_path):
                                "--output-len", "4", "--num-requests", "4", "--warmup", "0", "--no-progress",
                                "--no-plot", "--profile", "--out", str(out)]) == 0
         [level] = json.loads(out.read_text())["endpoints"][0]["levels"]
-        traced = json.loads(open(level["profile"]["trace_file"]).read())
+        traced = json.loads(Path(level["profile"]["trace_file"]).read_text())
         assert len(request_events(traced)) == 4
     finally:
         server.stop()
