@@ -30,6 +30,9 @@ MODES = {
     "chunked": dict(block_size=4, num_kv_blocks=256, max_num_batched_tokens=7),
     "preemption": dict(block_size=4, num_kv_blocks=16),
     "prefix-cached": dict(block_size=4, num_kv_blocks=256),
+    # n-gram drafts (n = 1: some are proposed on these prompts), each checked as a one-token decode row.
+    "speculative": dict(block_size=4, num_kv_blocks=256,
+                        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1}),
 }
 ARCHS = ["llama", "qwen2", "qwen3"]
 
@@ -95,6 +98,8 @@ def test_mixed_batch_matches_peft(arch, mode, checkpoint, adapters, make_llm):
     scheduler = llm.engine.scheduler
     if mode == "preemption":
         assert scheduler.num_preemptions > 0
+    if mode == "speculative":
+        assert scheduler.spec_decode.num_drafts > 0
     if mode == "prefix-cached":
         assert all(o.num_cached_tokens == (len(p) - 1) // 4 * 4 for o, p in zip(outputs, PROMPTS)), \
             "each request should hit its own earlier run's blocks, adapter or base"
@@ -223,3 +228,15 @@ def test_the_adapter_enters_the_first_blocks_hash_and_base_hashes_are_unchanged(
     assert hash_block(None, tokens, f"lora:{first}") != hash_block(None, tokens, None, first)
     assert hash_block(base, tokens, None, first) == hash_block(base, tokens), "later blocks chain the first's hash"
     assert ROOT_SEED == b"pagoda-root"
+
+
+def test_running_requests_pin_their_adapters():
+    from pagoda.engine.core.lora import AdapterId, adapter_fits
+
+    a, b, a_reloaded = AdapterId("a", 0), AdapterId("b", 0), AdapterId("a", 1)
+    assert adapter_fits(None, [a], 1), "the base model takes no slot"
+    assert adapter_fits(a, [a, None, a], 1)
+    assert not adapter_fits(b, [a, None], 1)
+    assert not adapter_fits(a_reloaded, [a], 1), "a reloaded name is another adapter"
+    assert adapter_fits(b, [a], 2) and adapter_fits(b, [None], 1)
+    assert adapter_fits(b, [a], None), "no bound without LoRA"
