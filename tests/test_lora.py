@@ -19,11 +19,12 @@ from pagoda.kernels import available_targets
 MAX_NEW_TOKENS = 12
 PROMPTS = random_prompts([1, 6, 13, 22, 31, 40], seed=3)
 PROMPTS.append(PROMPTS[-1][:28] + random_prompts([7], seed=4)[0])  # shares a 28-token prefix with the one before
-# name -> (rank, alpha, target modules, rsLoRA): different ranks and module sets, one rsLoRA.
+# name -> (rank, alpha, target modules, rsLoRA, other LoraConfig fields): different ranks and module sets, one
+# rsLoRA, one on the last layer only.
 ADAPTERS = {
-    "attn": (8, 16, ("q_proj", "v_proj", "o_proj"), False),
-    "mlp": (4, 8, ("gate_proj", "up_proj", "down_proj"), True),
-    "all": (16, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False),
+    "attn": (8, 16, ("q_proj", "v_proj", "o_proj"), False, {"layers_to_transform": [1]}),
+    "mlp": (4, 8, ("gate_proj", "up_proj", "down_proj"), True, {}),
+    "all": (16, 8, ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), False, {}),
 }
 MODES = {
     "all-at-once": dict(block_size=16, num_kv_blocks=128),
@@ -47,8 +48,8 @@ def adapters(checkpoint, tmp_path_factory):
             base = checkpoint(arch)
             made[arch] = {
                 name: str(make_adapter(base, tmp_path_factory.mktemp(f"{arch}-{name}"), r=r, alpha=alpha,
-                                       targets=targets, rslora=rslora, seed=index + 1))
-                for index, (name, (r, alpha, targets, rslora)) in enumerate(ADAPTERS.items())
+                                       targets=targets, rslora=rslora, seed=index + 1, **fields))
+                for index, (name, (r, alpha, targets, rslora, fields)) in enumerate(ADAPTERS.items())
             }
         return made[arch]
 
