@@ -241,3 +241,17 @@ def test_running_requests_pin_their_adapters():
     assert not adapter_fits(a_reloaded, [a], 1), "a reloaded name is another adapter"
     assert adapter_fits(b, [a], 2) and adapter_fits(b, [None], 1)
     assert adapter_fits(b, [a], None), "no bound without LoRA"
+
+
+def test_parallel_samples_and_prompt_logprobs_on_an_adapter(checkpoint, adapters, make_llm):
+    """n samples of one adapter request all run on it (the deferred ones too); prompt logprobs are its own."""
+    base, paths = checkpoint("llama"), adapters("llama")
+    llm = make_llm(base, enable_lora=True)
+    request = LoRARequest("mlp", 1, paths["mlp"])
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, n=2, prompt_logprobs=0)
+    [output] = llm.generate([PROMPTS[3]], params, use_tqdm=False, lora_request=request)
+    reference = peft_reference(base, paths["mlp"], PROMPTS[3], MAX_NEW_TOKENS)
+    for sample in output.outputs:
+        compare_with_reference(sample.token_ids, reference, "n=2 on an adapter")
+    [plain] = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    assert output.prompt_logprobs[1:] != plain.prompt_logprobs[1:], "prompt logprobs should be the adapter's"
