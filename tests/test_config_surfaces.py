@@ -10,7 +10,15 @@ import pytest
 import torch
 
 from pagoda.cli import build_parser
-from pagoda.config import CacheConfig, EngineConfig, Int4Options, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from pagoda.config import (
+    CacheConfig,
+    EngineConfig,
+    Int4Options,
+    LoRAConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from pagoda.engine_args import engine_config_from
 from pagoda.entrypoints import ENGINE_OPTIONS, FIELD_NAMES, build_engine_config
 from pagoda.structured.limits import GrammarLimits
@@ -42,6 +50,10 @@ OPTIONS = {
     **{f"grammar_{f.name}": 2 * f.default for f in dataclasses.fields(GrammarLimits)},
     "tensor_parallel_size": 2,
     "distributed_executor_backend": "mp",
+    "enable_lora": True,
+    "max_loras": 2,
+    "max_cpu_loras": 3,
+    "max_lora_rank": 32,
 }
 FLAGS = [
     "--dtype", "bfloat16", "--device", "meta", "--seed", "7", "--quantization", "int4",
@@ -54,6 +66,7 @@ FLAGS = [
     *[text for f in dataclasses.fields(GrammarLimits) for text in (f"--grammar-{f.name.replace('_', '-')}",
                                                                     str(2 * f.default))],
     "-tp", "2", "--distributed-executor-backend", "mp",
+    "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "32",
 ]
 
 
@@ -84,6 +97,7 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
                                                          prompt_lookup_max=4, disable_by_batch_size=8)
     assert given.grammar == GrammarLimits(**{f.name: 2 * f.default for f in dataclasses.fields(GrammarLimits)})
     assert given.parallel == ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert given.lora == LoRAConfig(max_loras=2, max_cpu_loras=3, max_lora_rank=32)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "BFloat16", torch.bfloat16])
@@ -104,6 +118,7 @@ def test_every_config_field_has_an_option():
     fields |= {f.name for f in dataclasses.fields(CacheConfig)}
     fields |= {f.name for f in dataclasses.fields(GrammarLimits)}
     fields |= {f.name for f in dataclasses.fields(SchedulerConfig)}
+    fields |= {f.name for f in dataclasses.fields(LoRAConfig)}  # and `lora` itself, which enable_lora sets
     assert {FIELD_NAMES.get(name, name) for name in ENGINE_OPTIONS} == fields
     assert set(OPTIONS) == set(ENGINE_OPTIONS)
 
@@ -170,3 +185,14 @@ def test_speculative_config_flag_takes_only_a_json_object(capsys):
         with pytest.raises(SystemExit):
             cli_config("serve", "--speculative-config", text)
         assert "--speculative-config" in capsys.readouterr().err
+
+
+def test_lora_options_need_enable_lora_and_max_cpu_loras_holds_max_loras():
+    assert build_engine_config(MODEL).lora is None
+    assert build_engine_config(MODEL, enable_lora=True).lora == LoRAConfig(max_loras=1, max_lora_rank=16)
+    with pytest.raises(ValueError, match="max_loras apply to LoRA adapters only: give enable_lora=True"):
+        build_engine_config(MODEL, max_loras=2)
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be at least max_loras \(2\)"):
+        build_engine_config(MODEL, enable_lora=True, max_loras=2, max_cpu_loras=1)
+    with pytest.raises(ValueError, match="max_lora_rank must be positive"):
+        cli_config("serve", "--enable-lora", "--max-lora-rank", "0")

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagoda.lora_request import LoRARequest
 from pagoda.sampling import SamplingParams
 from pagoda.version import __version__
 
 if TYPE_CHECKING:
     from pagoda.entrypoints import LLM
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str) -> type[LLM]:

@@ -1,7 +1,9 @@
 """Prefix-cache block hashes: the one definition the engine's KV cache and the router both import.
 
 A full block's hash chains its parent block's hash, its token ids and, for a first block, the request's
-extra key (the cache salt: tenants never share a first block, hence no later one). sha256 over the
+extra keys: the cache salt (tenants never share a first block, hence no later one) and the LoRA adapter's
+identity (an adapter's blocks are never the base model's, nor another adapter's). A request with neither
+hashes exactly as before either existed, so the router's hashes of base-model prompts stay the engine's. sha256 over the
 tokens' little-endian bytes, never Python's hash(): another process computes the same values.
 
 Imports nothing but the standard library, so the router (which knows no engine and no torch) can use it.
@@ -16,9 +18,15 @@ ROOT_SEED = b"pagoda-root"
 TOKEN_BYTES = 4  # token ids are written as unsigned 32-bit little-endian integers
 
 
-def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None = None) -> bytes:
-    """A stable hash (sha256) chaining the parent block's hash, this block's tokens and extra keys."""
+def hash_block(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: str | None = None,
+               adapter: str | None = None) -> bytes:
+    """A stable hash (sha256) chaining the parent block's hash, this block's tokens and extra keys (the cache
+    salt; the adapter's identity, engine/core/lora.py's AdapterId.key)."""
     hasher = hashlib.sha256(parent_hash or ROOT_SEED)
+    if adapter is not None and parent_hash is None:
+        # Length-prefixed, and before the salt: no salt, adapter or token bytes can spell another's.
+        key = adapter.encode()
+        hasher.update(b"lora:" + len(key).to_bytes(8, "little") + key)
     if extra_key is not None and parent_hash is None:
         hasher.update(b"salt:" + extra_key.encode())
     hasher.update(b"".join(t.to_bytes(TOKEN_BYTES, "little", signed=False) for t in token_ids))

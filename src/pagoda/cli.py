@@ -15,6 +15,7 @@ from pagoda.flag_values import format_bytes, json_object, parse_bytes, show_defa
 from pagoda.text.reasoning import REASONING_PARSERS
 
 if TYPE_CHECKING:
+    from pagoda.lora_request import LoRARequest
     from pagoda.wire.kv_events import KVEventsConfig
 
 # What `pagoda bench` imports beyond serving's dependencies: the `bench` extra.
@@ -40,6 +41,7 @@ def run_serve(args: argparse.Namespace) -> int:
         given = {name: getattr(args, name) for name in SERVER_LIMITS if getattr(args, name) is not None}
         limits = ServerLimits(**given)
         kv_events = kv_events_config(args.kv_events_config)
+        lora_modules = lora_modules_of(args)
     except (OSError, ValueError) as error:
         raise SystemExit(f"pagoda serve: {error}") from None
     args.model = model_to_load(args.model, "serve")
@@ -58,8 +60,23 @@ def run_serve(args: argparse.Namespace) -> int:
         builtin_model=is_builtin_model(args.model),
         kv_events=kv_events,
         profile_dir=args.profile_dir,
+        lora_modules=lora_modules,
     )
     exit_now(code)
+
+
+def lora_modules_of(args: argparse.Namespace) -> list[LoRARequest]:
+    """--lora-modules, each entry the adapter a request's `model` may name; they need --enable-lora."""
+    from pagoda.lora_request import parse_lora_module
+
+    entries: list[str] = args.lora_modules or []
+    if entries and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    modules = [parse_lora_module(entry, index) for index, entry in enumerate(entries, 1)]
+    names = [module.lora_name for module in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--lora-modules: each name may be given once, got {', '.join(names)}")
+    return modules
 
 
 def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
@@ -176,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters a request's model may name, with --enable-lora: name=path, or vLLM's JSON "
+                            '\'{"name": ..., "path": ..., "base_model_name": ...}\' (docs/lora.md)')
     add_api_key_arguments(serve)
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 429 to a request whose sequences (prompts x n) would take the waiting queue "

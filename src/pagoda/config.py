@@ -300,6 +300,29 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """Serving LoRA adapters (docs/lora.md), with vLLM's names; present only with enable_lora.
+
+    max_loras: distinct adapters one step may hold (each a slot of the stacked adapter weights); a request whose
+    adapter would pass it waits. max_cpu_loras: adapters kept loaded in memory, least recently used dropped
+    beyond (None: max_loras). max_lora_rank: the highest rank an adapter may have.
+    """
+
+    max_loras: int = 1
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+
+    def __post_init__(self) -> None:
+        _require_positive(self, "max_loras", "max_lora_rank")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str
     dtype: str = "float32"  # a DTYPE_BYTES name: LLM(...) and the CLI pass what they are given through dtype_name
@@ -313,6 +336,7 @@ class EngineConfig:
     quantization_config: Int4Options | None = None  # int4's quantizer options (None: its defaults)
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # what one output constraint may cost
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how the model is split across processes
+    lora: LoRAConfig | None = None  # None: no LoRA adapters (enable_lora off)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:

@@ -64,6 +64,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         CacheConfig,
         EngineConfig,
         Int4Options,
+        LoRAConfig,
         ParallelConfig,
         SchedulerConfig,
     )
@@ -117,6 +118,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                         help="mp: pagoda starts the ranks as processes; uni: one process (default: mp when "
                              "--tensor-parallel-size > 1, else uni); external_launcher is not built yet")
+    parser.add_argument("--enable-lora", action="store_true", default=None,
+                        help="serve LoRA adapters (PEFT directories) beside the base model (docs/lora.md)")
+    parser.add_argument("--max-loras", type=int,
+                        help=f"LoRA adapters one step may hold (default {LoRAConfig.max_loras})")
+    parser.add_argument("--max-cpu-loras", type=int,
+                        help="LoRA adapters kept loaded, least recently used dropped beyond (default: --max-loras)")
+    parser.add_argument("--max-lora-rank", type=int,
+                        help=f"highest LoRA rank an adapter may have (default {LoRAConfig.max_lora_rank})")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads, split evenly across the --tensor-parallel-size ranks "
                              "(default: torch's choice, one per physical core)")

@@ -11,6 +11,7 @@ from typing import Any, TypeGuard, cast
 from pagoda.config import (
     CacheConfig,
     EngineConfig,
+    LoRAConfig,
     ParallelConfig,
     SchedulerConfig,
     dtype_name,
@@ -19,6 +20,7 @@ from pagoda.config import (
 )
 from pagoda.engine.api import RequestOutput
 from pagoda.engine.engine import LLMEngine
+from pagoda.lora_request import LoRARequest
 from pagoda.sampling import SamplingParams
 from pagoda.structured.limits import GRAMMAR_OPTIONS, GrammarLimits
 from pagoda.text.tokenizer import Tokenizer
@@ -33,9 +35,12 @@ CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable
 SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_step_ms",
                      "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s")
 PARALLEL_OPTIONS = ("tensor_parallel_size", "distributed_executor_backend")
-ENGINE_OPTIONS = TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS + GRAMMAR_OPTIONS + PARALLEL_OPTIONS
+LORA_OPTIONS = ("max_loras", "max_cpu_loras", "max_lora_rank")  # with enable_lora=True only
+ENGINE_OPTIONS = (TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS + GRAMMAR_OPTIONS + PARALLEL_OPTIONS
+                  + ("enable_lora",) + LORA_OPTIONS)
 # Options whose config field has another name (grammar_X sets GrammarLimits.X).
-FIELD_NAMES = {"num_kv_blocks": "num_blocks", **{option: option.removeprefix("grammar_") for option in GRAMMAR_OPTIONS}}
+FIELD_NAMES = {"num_kv_blocks": "num_blocks", "enable_lora": "lora",
+               **{option: option.removeprefix("grammar_") for option in GRAMMAR_OPTIONS}}
 
 
 def build_engine_config(model: str, **options: Any) -> EngineConfig:
@@ -52,6 +57,11 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
         options["speculative_config"] = speculative_config_from(options["speculative_config"])
     if "quantization_config" in options:  # a JSON object of int4 options, or Int4Options
         options["quantization_config"] = int4_options_from(options["quantization_config"])
+    lora = None
+    if options.get("enable_lora"):
+        lora = LoRAConfig(**_given(options, LORA_OPTIONS))
+    elif given_lora := [name for name in LORA_OPTIONS if name in options]:
+        raise ValueError(f"{', '.join(given_lora)} apply to LoRA adapters only: give enable_lora=True (--enable-lora)")
     return EngineConfig(
         model=str(model),
         **_given(options, TOP_LEVEL_OPTIONS),
@@ -59,6 +69,7 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
         scheduler=SchedulerConfig(**_given(options, SCHEDULER_OPTIONS)),
         grammar=GrammarLimits(**_given(options, GRAMMAR_OPTIONS)),
         parallel=ParallelConfig(**_given(options, PARALLEL_OPTIONS)),
+        lora=lora,
     )
 
 
@@ -109,9 +120,11 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids. `priority`
-        (vLLM's): one per prompt, lower first; only with scheduling_policy="priority"."""
+        (vLLM's): one per prompt, lower first; only with scheduling_policy="priority". `lora_request` (vLLM's):
+        the LoRA adapter of every prompt, or one per prompt (None: the base model); only with enable_lora=True."""
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
         prompts = cast(Sequence[Prompt], prompts)  # not one prompt, so a sequence of them
@@ -122,12 +135,16 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError("need one priority per prompt")
+        adapters = (list(lora_request) if isinstance(lora_request, Sequence)
+                    else [lora_request] * len(prompts))
+        if len(adapters) != len(prompts):
+            raise ValueError("need one LoRARequest, or one per prompt")
         ids = []
         try:
-            for prompt, p, level in zip(prompts, params_list, priorities):
+            for prompt, p, level, adapter in zip(prompts, params_list, priorities, adapters):
                 request_id = f"offline-{self._counter}"
                 self._counter += 1
-                self.engine.add_request(request_id, prompt, p, priority=level)
+                self.engine.add_request(request_id, prompt, p, priority=level, lora_request=adapter)
                 ids.append(request_id)
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: a rejected prompt leaves no orphans behind

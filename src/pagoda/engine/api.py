@@ -101,6 +101,16 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class LoRAStats:
+    """The adapters of the running and waiting requests, by name (vLLM's vllm:lora_requests_info)."""
+
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    max_lora: int  # max_loras: adapters one step may hold
+    updated: float  # wall-clock time (time.time()) of the snapshot: the gauge's value, as vLLM sets it
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's gauges and counters, for metrics."""
 
@@ -115,6 +125,7 @@ class EngineStats:
     iteration_token_buckets: tuple[int, ...] = ()
     iteration_token_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
+    lora: LoRAStats | None = None  # None: LoRA adapters are off
 
 
 @dataclass(frozen=True)

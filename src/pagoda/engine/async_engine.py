@@ -18,6 +18,7 @@ from typing import Any
 
 from pagoda.engine.api import EngineDeadError, EngineDescription, EngineStats, RequestFailed, RequestOutput
 from pagoda.engine.engine import LLMEngine
+from pagoda.lora_request import LoRARequest
 from pagoda.sampling import SamplingParams
 from pagoda.structured.interface import GrammarStateError
 
@@ -74,14 +75,15 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields cumulative RequestOutputs until the last (finished) one. Closing the iterator aborts."""
+        """Yields cumulative RequestOutputs until the last (finished) one. Closing the iterator aborts.
+        lora_request: the LoRA adapter to run it with (None: the base model)."""
         if self.is_dead:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._submit(lambda: self._add(request_id, prompt, params, cache_salt, priority))
+        self._submit(lambda: self._add(request_id, prompt, params, cache_salt, priority, lora_request))
         finished = False
         try:
             while True:
@@ -141,10 +143,11 @@ class AsyncEngine:
     # --- engine thread -----------------------------------------------------------------------------
 
     def _add(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, priority: int
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, priority: int,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         try:
-            self._engine.add_request(request_id, prompt, params, cache_salt, priority)
+            self._engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
         except Exception as error:  # a bad request must not touch the loop
             self._fail(request_id, RequestFailed(f"request failed: {error}", alone=True))
 

@@ -18,9 +18,12 @@ from pagoda.engine.api import (
     EngineStats,
     KVCacheDescription,
     KVEventSink,
+    LoRAStats,
     RequestOutput,
+    RequestRejected,
     SpecDecodeStats,
 )
+from pagoda.engine.core.lora import AdapterId, distinct_adapters
 from pagoda.engine.core.request import FinishReason
 from pagoda.engine.core.runner_output import PromptLogprobsChunk
 from pagoda.engine.core.step_budget import StepCostModel
@@ -28,7 +31,9 @@ from pagoda.engine.engine_parts import build_engine_parts
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor, SequenceText
 from pagoda.engine.parallel_sampling import RequestGroup
+from pagoda.lora_request import LoRARequest
 from pagoda.model.loader import checkpoint_num_parameters
+from pagoda.model.lora_checkpoint import LoRALoadError
 from pagoda.model.quantization import quantized_matmul_name
 from pagoda.sampling import SamplingParams
 
@@ -54,6 +59,7 @@ class LLMEngine:
         self.executor = parts.executor
         self.runner = parts.runner
         self.trace = parts.trace  # records steps as a timeline while started (step_trace.py)
+        self.lora = parts.runner.lora  # None: LoRA adapters are off
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.scheduler, self.model_config.vocab_size, self.eos_token_ids,
             self.structured, self.config.seed,
@@ -69,14 +75,26 @@ class LLMEngine:
 
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-        priority: int = 0,
+        priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> None:
+        """lora_request: the LoRA adapter to run the request with (None: the base model)."""
         if request_id in self.output_processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        inputs = self.input_processor.process_inputs(request_id, prompt, params, cache_salt, priority)
+        adapter = None if lora_request is None else self.add_lora(lora_request)
+        inputs = self.input_processor.process_inputs(request_id, prompt, params, cache_salt, priority, adapter)
         group = self.output_processor.add_request(request_id, inputs.prompt, inputs.samples)
         for request in group.start(defer=self.kv_cache.enable_prefix_caching):
             self.scheduler.add_request(request)
+
+    def add_lora(self, lora_request: LoRARequest) -> AdapterId:
+        """Loads and checks an adapter (or finds it loaded); RequestRejected says why it cannot be served."""
+        if self.lora is None:
+            raise RequestRejected(f"LoRA adapter {lora_request.lora_name!r} asked for, but LoRA is not enabled "
+                                  "(enable_lora=True, --enable-lora)", "model")
+        try:
+            return self.lora.resolve(lora_request)
+        except LoRALoadError as error:
+            raise RequestRejected(str(error), "model") from error
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raises RequestRejected for a request that can never run. Thread-safe (input_processor.py)."""
@@ -138,7 +156,17 @@ class LLMEngine:
             iteration_token_buckets=scheduler.iteration_tokens.bounds,
             iteration_token_counts=tuple(scheduler.iteration_tokens.counts),
             iteration_tokens_sum=scheduler.iteration_tokens.total,
+            lora=self._lora_stats(),
         )
+
+    def _lora_stats(self) -> LoRAStats | None:
+        if self.lora is None:
+            return None
+        scheduler = self.scheduler
+        running = distinct_adapters(request.lora for request in scheduler.running)
+        waiting = distinct_adapters(request.lora for request in scheduler.waiting)
+        return LoRAStats(tuple(dict.fromkeys(a.name for a in running)), tuple(dict.fromkeys(a.name for a in waiting)),
+                         self.lora.max_loras, time.time())
 
     def _spec_decode_stats(self) -> SpecDecodeStats | None:
         if self.speculator is None:

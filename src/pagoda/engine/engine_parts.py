@@ -23,11 +23,13 @@ from pagoda.engine.draft_model import DraftModelProposer, load_draft_model
 from pagoda.engine.executor import Executor, UniProcExecutor
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.kv_pool import KVPoolSize, kv_pool_size
+from pagoda.engine.lora_manager import LoRAManager
 from pagoda.engine.model_step import ModelExecution, load_engine_model
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model_config
+from pagoda.model.lora import attach_lora
 from pagoda.model.parallel import check_divisible, kv_heads_per_rank
 from pagoda.model_dir import ModelLoadError
 from pagoda.text.tokenizer import Tokenizer, load_tokenizer
@@ -100,7 +102,8 @@ def build_engine_parts(
         config=config, tokenizer=tokenizer, model_config=model_config, kv_pool=kv_pool,
         kv_pool_bytes=kv_pool_bytes, kv_cache=kv_cache, eos_token_ids=eos_token_ids, structured=structured,
         draft_proposer=draft_proposer, speculator=speculator,
-        scheduler=Scheduler(config.scheduler, kv_cache, speculator, step_cost),
+        scheduler=Scheduler(config.scheduler, kv_cache, speculator, step_cost,
+                            None if config.lora is None else config.lora.max_loras),
         executor=executor, model=executor.runner.model, runner=executor.runner, trace=trace,
     )
 
@@ -110,8 +113,10 @@ def build_executor(config: EngineConfig, num_blocks: int, block_size: int, struc
     """The executor config.parallel asks for, its model loaded (every rank's, under tensor parallelism)."""
     if config.parallel.executor_backend == "uni":
         model = load_engine_model(config)
+        lora = None if config.lora is None else LoRAManager(
+            config.lora, attach_lora(model, config.lora.max_loras, config.lora.max_lora_rank), model.config)
         return UniProcExecutor(ModelRunner(ModelExecution(model, num_blocks, block_size, config.device), structured,
-                                           draft, trace))
+                                           draft, lora, trace))
     from pagoda.engine.multiproc_executor import MultiprocExecutor
 
     return MultiprocExecutor(config, num_blocks, block_size, structured, draft, trace)
@@ -127,6 +132,7 @@ def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
             ("a draft model (speculative decoding with method draft_model)",
              config.speculative_config is not None and config.speculative_config.method == "draft_model"),
             (f"--device {config.device} (the ranks run on the CPU, over gloo)", config.device != "cpu"),
+            ("--enable-lora (LoRA adapters)", config.lora is not None),
         ) if applies
     ]
     if unsupported:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.api import RequestRejected
+from pagoda.engine.core.lora import AdapterId
 from pagoda.engine.core.request import Request
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.parallel_sampling import sample_request_id, sample_seed
@@ -43,7 +44,7 @@ class InputProcessor:
 
     def process_inputs(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-        priority: int = 0,
+        priority: int = 0, lora: AdapterId | None = None,
     ) -> ProcessedInputs:
         """Tokenizes, validates (RequestRejected) and builds the request's samples."""
         prompt_ids, prompt_text = self._tokenize(prompt)
@@ -62,6 +63,7 @@ class InputProcessor:
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
                 cache_salt=cache_salt,
+                lora=lora,
                 priority=priority,
                 grammar=None if grammar is None else grammar.matcher(),
             )

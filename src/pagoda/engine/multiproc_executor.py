@@ -97,7 +97,7 @@ class MultiprocExecutor(Executor):
         logger.info("tensor parallel: %d ranks (rank 0 in this process), %d thread(s) each", world_size, threads)
         execution = BroadcastExecution(ModelExecution(model, num_blocks, block_size, config.device),
                                        [worker.connection for worker in self._workers])
-        super().__init__(ModelRunner(execution, structured, draft, trace))
+        super().__init__(ModelRunner(execution, structured, draft, trace=trace))
 
     @property
     def tensor_parallel_size(self) -> int:

@@ -37,6 +37,7 @@ from pagoda.engine.core.runner_output import ModelRunnerOutput, PromptLogprobsCh
 from pagoda.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.engine.core.speculative import accepted_rows
 from pagoda.engine.grammar_masks import GrammarMasks, StructuredOutputs
+from pagoda.engine.lora_manager import LoRAManager
 from pagoda.engine.model_step import ModelStep, StepExecution
 from pagoda.engine.sampler import Proposal, SamplerOutput, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.step_trace import StepTrace
@@ -60,15 +61,17 @@ class DraftModel(Protocol):
 class ModelRunner:
     def __init__(
         self, execution: StepExecution, structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
-        trace: StepTrace | None = None,
+        lora: LoRAManager | None = None, trace: StepTrace | None = None,
     ) -> None:
         """execution: runs each step's ModelStep on the model (on every rank, under tensor parallelism).
+        lora: the LoRA adapters, placed in the model's slots before each forward (None: adapters are off).
         trace: the engine's step timeline, which the runner's parts of a step are recorded on."""
         self.execution = execution
         self.trace = trace or StepTrace()
         self.model = execution.model
         self.structured = structured
         self.draft = draft  # None: no draft model (no speculation, or n-gram)
+        self.lora = lora
         # Grammar masks are filled here while the forward runs: step t's mask depends only on tokens known
         # before step t (llguidance releases the GIL while it computes).
         self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
@@ -93,6 +96,8 @@ class ModelRunner:
                 [_sampling_indices(scheduled)] if rows else [])
             step = ModelStep([token_id for item in scheduled for token_id in item.input_token_ids()],
                              _attention_layout(scheduled, self.block_size), logits_rows)
+            if self.lora is not None:
+                self.lora.begin_step(scheduled)
         with self.trace.span("forward"):
             all_logits = self.execution.run(step)
         prompt_logprobs = _prompt_logprobs([item for item, _ in prompt_rows], all_logits)

@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pagoda.api_keys import ApiKeyGuard
 from pagoda.engine.api import RequestRejected
 from pagoda.engine.async_engine import AsyncEngine
+from pagoda.lora_request import LoRARequest
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
 from pagoda.server.chat_output import ChatOutputFormat
@@ -115,13 +116,19 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         loaded = state.require_ready()
-        card = {"id": state.model_name, "object": "model", "created": now(), "owned_by": "pagoda",
-                "root": state.model_name, "max_model_len": loaded.engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        created, max_model_len = now(), loaded.engine.max_model_len
+        card = {"id": state.model_name, "object": "model", "created": created, "owned_by": "pagoda",
+                "root": state.model_name, "max_model_len": max_model_len}
+        # vLLM's adapter cards: the adapter's path as root, the base model as parent.
+        adapters = [{"id": name, "object": "model", "created": created, "owned_by": "pagoda",
+                     "root": adapter.lora_path, "parent": adapter.base_model_name or state.model_name,
+                     "max_model_len": max_model_len} for name, adapter in state.lora_modules.items()]
+        return {"object": "list", "data": [card, *adapters]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         arrival, loaded = time.monotonic(), _admit(state, body.model)
+        model_name, adapter = _served(state, body.model)
         inputs = body.prompts()
         for text in inputs:
             if isinstance(text, str):
@@ -132,7 +139,7 @@ def build_app(state: ServerState) -> FastAPI:
             await _validate(state, loaded.engine, prompts, params, body.priority)
             echo = await echo_texts(loaded, inputs) if body.echo else None
             generation = Generation(
-                kind="completion", response_id=random_id("cmpl"), model_name=state.model_name,
+                kind="completion", response_id=random_id("cmpl"), model_name=model_name, lora_request=adapter,
                 engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
                 prompts=prompts, params=params, echo_texts=echo, include_usage=body.include_usage,
                 cache_salt=body.cache_salt, deadline=state.deadline(arrival), priority=body.priority,
@@ -142,7 +149,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         arrival, loaded = time.monotonic(), _admit(state, body.model)
-        generation = await _chat_generation(state, loaded, body, arrival, body.include_usage)
+        generation = await _chat_generation(state, loaded, body, arrival, body.include_usage,
+                                            _served(state, body.model))
         return await _respond(generation, body.stream, raw)
 
     @app.post("/v1/responses")
@@ -151,8 +159,9 @@ def build_app(state: ServerState) -> FastAPI:
         history = [] if body.previous_response_id is None else \
             state.responses.get(body.previous_response_id, "previous_response_id").conversation
         chat = _responses_chat_request(body, history)
-        answer = ResponseAnswer(body, state.model_name, history + body.input_messages(), state.responses)
-        generation = await _chat_generation(state, loaded, chat, arrival, include_usage=True)
+        served = _served(state, body.model)
+        answer = ResponseAnswer(body, served[0], history + body.input_messages(), state.responses)
+        generation = await _chat_generation(state, loaded, chat, arrival, True, served)
         return await _respond(generation, body.stream, raw, answer)
 
     @app.get("/v1/responses/{response_id}")
@@ -196,9 +205,14 @@ def build_app(state: ServerState) -> FastAPI:
 
 def _admit(state: ServerState, model: str | None) -> LoadedModel:
     loaded = state.require_ready()
-    if model is not None and model != state.model_name:
-        raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+    state.adapter(model)  # a name that is neither the model's nor an adapter's: 404
     return loaded
+
+
+def _served(state: ServerState, model: str | None) -> tuple[str, LoRARequest | None]:
+    """The name the answer carries, and the LoRA adapter the request's model names (None: the base model)."""
+    adapter = state.adapter(model)
+    return (state.model_name, None) if adapter is None else (adapter.lora_name, adapter)
 
 
 def _reserve(state: ServerState, num_prompts: int, n: int) -> WaitingSlots:
@@ -274,7 +288,7 @@ def _validate_all(engine: AsyncEngine, prompts: list[list[int]], params: Samplin
 
 
 async def _chat_generation(state: ServerState, loaded: LoadedModel, body: ChatCompletionRequest, arrival: float,
-                           include_usage: bool) -> Generation:
+                           include_usage: bool, served: tuple[str, LoRARequest | None]) -> Generation:
     params = _sampling_params(body, body.num_logprobs())
     tool_reader = _tool_reader(state, body)
     tools = body.tool_dicts() if tool_reader is not None else None  # tool_choice "none": answer in text
@@ -284,7 +298,7 @@ async def _chat_generation(state: ServerState, loaded: LoadedModel, body: ChatCo
                                           body.chat_template_kwargs)
         await _validate(state, loaded.engine, [prompt], params, body.priority)
         return Generation(
-            kind="chat", response_id=random_id("chatcmpl"), model_name=state.model_name,
+            kind="chat", response_id=random_id("chatcmpl"), model_name=served[0], lora_request=served[1],
             engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
             prompts=[prompt], params=params, include_usage=include_usage, cache_salt=body.cache_salt,
             chat_output=_chat_output(state, body, tool_reader), deadline=state.deadline(arrival),

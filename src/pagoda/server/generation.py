@@ -17,6 +17,7 @@ from typing import Any
 
 from pagoda.engine.api import CompletionOutput, RequestFailed, RequestOutput, best_logprobs
 from pagoda.engine.async_engine import AsyncEngine
+from pagoda.lora_request import LoRARequest
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
 from pagoda.server.chat_output import ChatOutputFormat, ChoiceReader, ChoiceReading, chat_deltas, reasoning_fields
@@ -83,8 +84,10 @@ class Generation:
         chat_output: ChatOutputFormat | None = None,
         deadline: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.kind, self.response_id, self.model_name = kind, response_id, model_name
+        self.lora_request = lora_request  # the adapter the request's model named (None: the base model)
         self.engine, self.token_text, self.metrics = engine, token_texts, metrics
         self.prompts, self.params = prompts, params
         self.echo_texts = echo_texts
@@ -111,7 +114,7 @@ class Generation:
             try:
                 request_id = f"{self.response_id}-{index}"
                 async for output in self.engine.generate(request_id, prompt, self.params, self.cache_salt,
-                                                           self.priority):
+                                                           self.priority, self.lora_request):
                     self._slots.release(index)
                     finished = output.finished
                     await queue.put((index, output))

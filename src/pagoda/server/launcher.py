@@ -24,9 +24,10 @@ import uvicorn
 
 from pagoda.api_keys import ApiKeys
 from pagoda.config import EngineConfig
-from pagoda.engine.api import KVEventSink
+from pagoda.engine.api import KVEventSink, RequestRejected
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import LLMEngine
+from pagoda.lora_request import LoRARequest
 from pagoda.model_dir import ModelLoadError
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import Admission
@@ -84,6 +85,8 @@ def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Calla
     try:
         started = time.monotonic()
         engine = LLMEngine(engine_config, kv_events=kv_events)
+        for adapter in state.lora_modules.values():  # each --lora-modules entry loaded and checked before serving
+            engine.add_lora(adapter)
         tokenizer = load_tokenizer(engine_config.model)
         _warm_up(engine)  # before the engine thread exists: only one thread may ever step an engine
         async_engine = AsyncEngine(engine)
@@ -94,7 +97,7 @@ def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Calla
         freeze_startup_objects()  # the model, torch and the app: later collections only walk what requests made
         logger.info("model %s ready in %.1f s\n%s", state.model_name, time.monotonic() - started,
                     startup_summary(description, engine_config, state.model_name, url))
-    except ModelLoadError as error:  # the checkpoint's fault, named in the message: no traceback to read
+    except (ModelLoadError, RequestRejected) as error:  # the checkpoint's or an adapter's fault, named in the message
         logger.error("model load failed: %s", error)
         state.load_error = f"model load failed: {error}"
         on_error()
@@ -114,11 +117,13 @@ def _warm_up(engine: LLMEngine) -> None:
 def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int, api_keys: ApiKeys,
           limits: ServerLimits, max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info",
           tool_call_parser: str | None = None, reasoning_parser: str | None = None, web_ui: bool = True,
-          kv_events: KVEventsConfig | None = None, builtin_model: bool = False, profile_dir: Path | None = None) -> int:
+          kv_events: KVEventsConfig | None = None, builtin_model: bool = False,
+          lora_modules: list[LoRARequest] | None = None, profile_dir: Path | None = None) -> int:
     limit_malloc_arenas()  # before the serving threads start (server/memory.py)
     state = ServerState(model_name=model_name, api_keys=api_keys, limits=limits,
                         admission=Admission(max_waiting_requests), tool_call_parser=tool_call_parser,
                         reasoning_parser=reasoning_parser, web_ui=web_ui, builtin_model=builtin_model,
+                        lora_modules={module.lora_name: module for module in lora_modules or []},
                         profile_dir=profile_dir)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from pagoda.engine.api import EngineStats, KVCacheDescription, RequestTimeline, SpecDecodeStats
+from pagoda.engine.api import EngineStats, KVCacheDescription, LoRAStats, RequestTimeline, SpecDecodeStats
 from pagoda.server.activity import RecentActivity
 
 # vLLM's buckets, trimmed: CPU latencies run longer, so the top buckets go further.
@@ -60,6 +60,8 @@ class _EngineCollector:
         ))
         if stats.spec_decode is not None:
             yield from self._spec_decode(stats.spec_decode)
+        if stats.lora is not None:
+            yield _lora_requests_info(stats.lora)
         yield self._iteration_tokens(stats)
 
     def _iteration_tokens(self, stats: EngineStats) -> HistogramMetricFamily:
@@ -94,6 +96,15 @@ class _EngineCollector:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self.model_name], value)
             yield counter
+
+
+def _lora_requests_info(lora: LoRAStats) -> GaugeMetricFamily:
+    """vLLM's vllm:lora_requests_info: its labels the adapters of the running and waiting requests (names, comma
+    separated) and max_lora, its value the time they were read (vLLM sets it to the time of each update)."""
+    gauge = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                              labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+    gauge.add_metric([str(lora.max_lora), ",".join(lora.waiting), ",".join(lora.running)], lora.updated)
+    return gauge
 
 
 def cache_config_info(kv_cache: KVCacheDescription) -> dict[str, str]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pagoda.api_keys import ApiKeys
 from pagoda.engine.async_engine import AsyncEngine
+from pagoda.lora_request import LoRARequest
 from pagoda.server.admission import Admission
 from pagoda.server.generation import TokenTexts
 from pagoda.server.metrics import ServerMetrics
@@ -53,6 +54,8 @@ class ServerState:
     builtin_model: bool = False  # pagoda's own demo model: the chat page introduces it (server/web.py)
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept to be continued
     profile_dir: Path | None = None  # --profile-dir: where /stop_profile writes step timelines (None: no routes)
+    # --lora-modules: the adapters a request's `model` may name, by name (loaded and checked at start-up)
+    lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
 
     @property
     def engine(self) -> AsyncEngine | None:
@@ -70,6 +73,15 @@ class ServerState:
         if self.loaded.engine.is_dead:
             raise OpenAIError(503, f"the engine is not running ({self.loaded.engine.dead_error})")
         return self.loaded
+
+    def adapter(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names; None for the base model (or no name). 404 for another."""
+        if model is None or model == self.model_name:
+            return None
+        adapter = self.lora_modules.get(model)
+        if adapter is None:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
+        return adapter
 
     def wire_limits(self) -> WireLimits:
         return WireLimits.of(self.limits, self.loaded.engine.max_model_len if self.loaded is not None else None)

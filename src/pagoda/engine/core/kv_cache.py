@@ -21,7 +21,10 @@ __all__ = ["Block", "BlockPool", "KVCacheManager", "hash_block"]
 
 
 def _root(request: Request) -> str:
-    """What a request's first block hangs from: its cache salt (tenants never share a first block)."""
+    """What a request's first block hangs from: its cache salt (tenants never share a first block) and its
+    LoRA adapter (an adapter's blocks are never the base model's or another adapter's)."""
+    if request.lora is not None:
+        return repr(("lora", request.lora.key, request.cache_salt))
     return "root" if request.cache_salt is None else f"salt:{request.cache_salt}"
 
 
@@ -287,5 +290,8 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             parent = hashes[-1] if hashes else None
             tokens = self._block_tokens(request, len(hashes))
-            hashes.append(hash_block(parent, tokens, request.cache_salt))
+            if request.lora is None:
+                hashes.append(hash_block(parent, tokens, request.cache_salt))
+            else:
+                hashes.append(hash_block(parent, tokens, request.cache_salt, request.lora.key))
         return hashes

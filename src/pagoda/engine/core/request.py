@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda.engine.api import RequestTimeline
+from pagoda.engine.core.lora import AdapterId
 from pagoda.sampling import SamplingParams
 from pagoda.structured.interface import GrammarMatcher
 
@@ -43,6 +44,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_model_len: int = 0
     cache_salt: str | None = None  # separates tenants in the prefix cache
+    lora: AdapterId | None = None  # the LoRA adapter it runs with (None: the base model); keys its KV blocks too
     priority: int = 0  # under the "priority" policy, lower runs first (vLLM's convention)
     # Where the output stands in its constraint's grammar; advanced only by tokens appended to the output.
     grammar: GrammarMatcher | None = None

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.engine.core.lora import adapter_fits
 from pagoda.engine.core.queues import make_waiting_queue
 from pagoda.engine.core.request import FinishReason, Request, RequestStatus
 from pagoda.engine.core.runner_output import ModelRunnerOutput
@@ -115,9 +116,11 @@ class PrefillAllowance:
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache: KVCacheManager, drafts: DraftSource | None = None,
-        step_cost: StepCostModel | None = None,
+        step_cost: StepCostModel | None = None, max_loras: int | None = None,
     ) -> None:
+        """max_loras: the most LoRA adapters the running requests may hold together (None: adapters are off)."""
         self.config = config
+        self.max_loras = max_loras
         self.kv_cache = kv_cache
         self.draft_source = drafts  # None: no speculative decoding
         self.step_cost: StepCostModel = step_cost if step_cost is not None else LinearStepCost()
@@ -209,6 +212,8 @@ class Scheduler:
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, prefill: PrefillAllowance) -> None:
         while self.waiting and budget > 0 and prefill.left > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not adapter_fits(request.lora, (r.lora for r in self.running), self.max_loras):
+                break  # its adapter would pass max_loras: it waits for a running adapter to drain
             admitted = self._admit(request, output, budget, prefill)
             if admitted is None:
                 break  # nobody overtakes the head of the queue
