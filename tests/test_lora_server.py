@@ -56,6 +56,28 @@ def test_a_request_picks_its_adapter_by_model_name(setup):
         assert chat.model == "tuned" and chat.choices[0].message.content is not None
 
 
+def test_the_responses_api_picks_an_adapter_too_and_a_continuation_keeps_it(setup):
+    """/v1/responses is the chat route in other words: its `model` picks the adapter, its answer equals the chat
+    route's on that adapter, and a continuation by previous_response_id runs on the adapter it names."""
+    server = setup[0]
+    with server.client() as client:
+        for name in ("tuned", MODEL):
+            chat = client.chat.completions.create(model=name, max_tokens=6, temperature=0,
+                                                  messages=[{"role": "user", "content": "hello"}])
+            response = client.responses.create(model=name, input="hello", max_output_tokens=6, temperature=0)
+            assert response.model == name and response.output_text == chat.choices[0].message.content
+        base = client.responses.create(model=MODEL, input="hello", max_output_tokens=6, temperature=0)
+        tuned = client.responses.create(model="tuned", input="hello", max_output_tokens=6, temperature=0)
+        assert base.output_text != tuned.output_text, "the adapter changes the answer"
+        continued = client.responses.create(model="tuned", input="more", previous_response_id=tuned.id,
+                                            max_output_tokens=6, temperature=0)
+        expected = client.chat.completions.create(
+            model="tuned", max_tokens=6, temperature=0,
+            messages=[{"role": "user", "content": "hello"}, {"role": "assistant", "content": tuned.output_text},
+                      {"role": "user", "content": "more"}])
+        assert continued.output_text == expected.choices[0].message.content
+
+
 def test_models_lists_the_adapters_with_their_parent(setup):
     server, _, adapters, _ = setup
     with server.client() as client:
