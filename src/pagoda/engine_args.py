@@ -117,6 +117,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                         help="mp: pagoda starts the ranks as processes; uni: one process (default: mp when "
                              "--tensor-parallel-size > 1, else uni); external_launcher is not built yet")
+    parser.add_argument("--kv-transfer-config", type=json_object,
+                        help='the KV connector, vLLM\'s JSON: \'{"kv_connector": "OffloadingConnector", "kv_role": '
+                             '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 4294967296, '
+                             '"shared_store": "redis://host:6379/0"}}\' (docs/kv-offload.md)')
+    parser.add_argument("--kv-offloading-size", type=float,
+                        help="GiB of host memory for offloaded KV blocks (the OffloadingConnector's local tier)")
+    parser.add_argument("--kv-offloading-backend", choices=["native"],
+                        help="what --kv-offloading-size runs on (default native)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads, split evenly across the --tensor-parallel-size ranks "
                              "(default: torch's choice, one per physical core)")

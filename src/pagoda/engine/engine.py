@@ -17,6 +17,7 @@ from pagoda.engine.api import (
     EngineDescription,
     EngineStats,
     KVCacheDescription,
+    KVConnectorStats,
     KVEventSink,
     RequestOutput,
     SpecDecodeStats,
@@ -53,6 +54,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.executor = parts.executor
         self.runner = parts.runner
+        self.kv_connector = parts.kv_connector
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.scheduler, self.model_config.vocab_size, self.eos_token_ids,
             self.structured, self.config.seed,
@@ -126,10 +128,22 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
+            prompt_tokens_computed=scheduler.prompt_tokens_computed,
+            kv_connector=self._kv_connector_stats(),
             spec_decode=self._spec_decode_stats(),
             iteration_token_buckets=scheduler.iteration_tokens.bounds,
             iteration_token_counts=tuple(scheduler.iteration_tokens.counts),
             iteration_tokens_sum=scheduler.iteration_tokens.total,
+        )
+
+    def _kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.kv_connector is None:
+            return None
+        scheduler = self.scheduler
+        return KVConnectorStats(
+            external_prefix_cache_queries=scheduler.external_prefix_cache_queries,
+            external_prefix_cache_hits=scheduler.external_prefix_cache_hits, failed_loads=scheduler.failed_loads,
+            tiers=tuple(self.kv_connector.worker.tier_stats()),
         )
 
     def _spec_decode_stats(self) -> SpecDecodeStats | None:
@@ -164,6 +178,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops what the engine started (tensor-parallel workers); idempotent. The engine cannot step after it."""
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.worker.shutdown()
 
     def pop_failures(self) -> dict[str, Exception]:
         """Requests that failed (and were aborted) during the last steps, with their errors."""
