@@ -201,3 +201,48 @@ def test_the_offloading_shorthand_is_an_offloading_connector_of_that_size():
     config = build_engine_config("model", kv_offloading_size=2, kv_offloading_backend="native")
     assert config.kv_transfer_config == KVTransferConfig(
         "OffloadingConnector", "kv_both", {"cpu_bytes_to_use": 2 << 30})
+
+
+class MediumSink:
+    """Records KV events as (kind, medium, block hashes)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, str, list[bytes]]] = []
+
+    def blocks_stored(self, block_hashes, parent_hash, token_ids, block_size, medium="GPU") -> None:
+        self.events.append(("stored", medium, list(block_hashes)))
+
+    def blocks_removed(self, block_hashes, medium="GPU") -> None:
+        self.events.append(("removed", medium, list(block_hashes)))
+
+    def all_blocks_cleared(self) -> None:
+        self.events.append(("cleared", "GPU", []))
+
+    def blocks(self, kind: str, medium: str) -> list[bytes]:
+        return [h for k, m, hashes in self.events if (k, m) == (kind, medium) for h in hashes]
+
+
+def test_offloaded_blocks_are_reported_with_their_medium(model_dir):
+    from conftest import register_engine
+
+    from pagoda.engine.engine import LLMEngine
+
+    sink = MediumSink()
+    probe_bytes = 4 << 10  # about two blocks of this model: the tier evicts as it fills
+    config = build_engine_config(str(model_dir), **POOL, kv_transfer_config={
+        "kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": probe_bytes}})
+    engine = LLMEngine(config, kv_events=sink)
+    register_engine(engine)
+    slots = engine.kv_connector.worker.tiers[0].num_slots
+    assert 0 < slots < 10
+    prompt = prompts(9, 1, 40)[0]
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=1))
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv_connector.worker.wait_for_saves()
+    chain = hash_block_chain(prompt, BLOCK_SIZE)
+    assert sink.blocks("stored", "GPU") == chain
+    assert sink.blocks("stored", "CPU") == chain, "every full block went down to the local tier"
+    evicted = sink.blocks("removed", "CPU")
+    assert evicted == chain[: len(chain) - slots], "the tier's LRU evicted the oldest, and said so"
+    engine.shutdown()

@@ -18,8 +18,10 @@ KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 OFFLOADING_BACKENDS = ("native",)
 TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
 
-# vLLM's event medium for a host-memory tier; the shared tier's default name (router/index.py treats the blocks
-# a shared medium holds as held by every replica).
+# KV events' media (vLLM's names): the engine's own KV pool, whatever the device (as vLLM's num_gpu_blocks counts
+# it on a CPU); a host-memory offload tier; and the shared tier's default name (the router counts a block a
+# shared medium holds as held by every replica).
+DEVICE_MEDIUM = "GPU"
 LOCAL_MEDIUM = "CPU"
 SHARED_MEDIUM = "SHARED"
 

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pagoda.kv_transfer_config import DEVICE_MEDIUM
+
 # --- request outputs ---------------------------------------------------------------------------------
 
 
@@ -173,10 +175,6 @@ class EngineDescription:
 
 
 # --- what the engine reports to -------------------------------------------------------------------------
-
-
-# vLLM's medium for the engine's own KV pool, whatever the device (as num_gpu_blocks counts it on a CPU).
-DEVICE_MEDIUM = "GPU"
 
 
 class KVEventSink(Protocol):
