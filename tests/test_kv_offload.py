@@ -246,3 +246,25 @@ def test_offloaded_blocks_are_reported_with_their_medium(model_dir):
     evicted = sink.blocks("removed", "CPU")
     assert evicted == chain[: len(chain) - slots], "the tier's LRU evicted the oldest, and said so"
     engine.shutdown()
+
+
+def test_the_counters_reach_prometheus_text(model_dir, make_llm):
+    from pagoda.server.metrics import ServerMetrics
+
+    turns = returning_turns(10)
+    on = make_llm(model_dir, **POOL, **LOCAL)
+    run_turns(on, turns)
+    text = ServerMetrics("m", on.engine.stats).render().decode()
+    stats = on.engine.stats()
+    connector, local = stats.kv_connector, tier(on, "CPU")
+    assert local.hit_tokens == 40
+    for line in (
+        f'vllm:external_prefix_cache_hits_total{{model_name="m"}} {float(connector.external_prefix_cache_hits)}',
+        f'vllm:external_prefix_cache_queries_total{{model_name="m"}} {float(connector.external_prefix_cache_queries)}',
+        f'vllm:kv_offload_total_bytes_total{{model_name="m",transfer_type="CPU_to_GPU"}} {float(local.bytes_loaded)}',
+        f'vllm:kv_offload_total_bytes_total{{model_name="m",transfer_type="GPU_to_CPU"}} {float(local.bytes_saved)}',
+        'pagoda:kv_offload_hit_tokens_total{medium="CPU",model_name="m"} 40.0',
+        'pagoda:kv_offload_refused_blocks_total{medium="CPU",model_name="m"} 0.0',
+        f'pagoda:prompt_tokens_computed_total{{model_name="m"}} {float(stats.prompt_tokens_computed)}',
+    ):
+        assert line in text, line
