@@ -115,3 +115,26 @@ def test_a_store_killed_mid_run_is_bypassed_and_used_again_once_it_is_back(model
     assert tier(replica, "SHARED").hit_blocks == 20
     for engine in (writer, replica):
         assert engine.engine.stats().kv_connector.failed_loads == 0
+
+
+def test_a_hung_store_costs_at_most_its_bounded_wait_and_the_tokens_are_computed(model_dir, make_llm, redis_server):
+    """SIGSTOP: the store accepts connections and answers nothing, as an overloaded one does."""
+    import signal
+
+    conversation = prompts(13, 1, 40)[0]
+    follow_up = conversation + [5, 5]
+    expected = run_turns(make_llm(model_dir, **POOL), [follow_up])
+    run_turns(make_llm(model_dir, **POOL, **offload(redis_server)), [conversation])
+    reader = make_llm(model_dir, **POOL, **offload(redis_server))
+    redis_server.process.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert run_turns(reader, [follow_up]) == expected
+        elapsed = time.monotonic() - started
+    finally:
+        redis_server.process.send_signal(signal.SIGCONT)
+    shared = tier(reader, "SHARED")
+    assert shared.failures >= 1 and shared.hit_blocks == 0
+    assert reader.engine.stats().prompt_tokens_computed == len(follow_up)
+    # One timed-out call (200 ms), then the store is skipped: the turn is not held up by it.
+    assert elapsed < 5.0
