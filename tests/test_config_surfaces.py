@@ -54,7 +54,11 @@ OPTIONS = {
     "max_loras": 2,
     "max_cpu_loras": 3,
     "max_lora_rank": 32,
+    "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}},
 }
+# vLLM's shorthand for a kv_transfer_config (an OffloadingConnector of that many GiB): refused beside one.
+KV_OFFLOADING_SHORTHAND = {"kv_offloading_size", "kv_offloading_backend"}
 FLAGS = [
     "--dtype", "bfloat16", "--device", "meta", "--seed", "7", "--quantization", "int4",
     "--quantization-config", json.dumps(OPTIONS["quantization_config"]), "--no-use-kernels",
@@ -67,6 +71,7 @@ FLAGS = [
                                                                     str(2 * f.default))],
     "-tp", "2", "--distributed-executor-backend", "mp",
     "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "32",
+    "--kv-transfer-config", json.dumps(OPTIONS["kv_transfer_config"]),
 ]
 
 
@@ -119,8 +124,15 @@ def test_every_config_field_has_an_option():
     fields |= {f.name for f in dataclasses.fields(GrammarLimits)}
     fields |= {f.name for f in dataclasses.fields(SchedulerConfig)}
     fields |= {f.name for f in dataclasses.fields(LoRAConfig)}  # and `lora` itself, which enable_lora sets
-    assert {FIELD_NAMES.get(name, name) for name in ENGINE_OPTIONS} == fields
-    assert set(OPTIONS) == set(ENGINE_OPTIONS)
+    assert {FIELD_NAMES.get(name, name) for name in ENGINE_OPTIONS} - KV_OFFLOADING_SHORTHAND == fields
+    assert set(OPTIONS) | KV_OFFLOADING_SHORTHAND == set(ENGINE_OPTIONS)
+
+
+def test_the_kv_offloading_shorthand_is_the_same_connector_from_llm_and_from_the_cli():
+    given = build_engine_config(MODEL, kv_offloading_size=0.5, kv_offloading_backend="native")
+    assert cli_config("serve", "--kv-offloading-size", "0.5", "--kv-offloading-backend", "native") == given
+    assert given.kv_transfer_config is not None
+    assert given.kv_transfer_config.kv_connector_extra_config == {"cpu_bytes_to_use": 1 << 29}
 
 
 @pytest.mark.parametrize("option", ["block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"])

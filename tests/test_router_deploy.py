@@ -191,3 +191,23 @@ def test_the_image_exposes_the_ports_and_runs_pagoda():
     parse(json.loads(cmd))
     assert "/models/pagoda-demo" in dockerfile and all("/models/pagoda-demo" in shlex.join(c["args"])
                                                       for _, c in containers_running("serve"))
+
+
+def test_the_replicas_share_the_kv_store_the_manifests_run():
+    from pagoda.kv_transfer_config import KVTransferConfig
+
+    store = the("Deployment", "pagoda-kv-store")
+    service = the("Service", "pagoda-kv-store")
+    (container,) = store["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    flags = dict(zip(args[::2], args[1::2]))
+    assert flags["--maxmemory-policy"] == "allkeys-lru", "a cache: full means evict, never refuse writes"
+    assert flags["--save"] == "" and flags["--appendonly"] == "no"
+    port = named_ports(container)["redis"]
+    assert int(flags["--port"]) == port and service["spec"]["ports"][0]["port"] == port
+    for _workload, replica in containers_running("serve"):
+        options = KVTransferConfig.from_dict(parse(replica["args"]).kv_transfer_config).offload_options
+        assert options is not None
+        assert options.shared_store == f"redis://{service['metadata']['name']}:{port}/0"
+        memory = replica["resources"]["limits"]["memory"]
+        assert options.cpu_bytes_to_use < int(memory.removesuffix("Gi")) << 30

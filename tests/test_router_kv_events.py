@@ -1,6 +1,7 @@
-"""KV events: what the KV manager reports, vLLM v0.9.0's wire format field by field (and decoded with vLLM's own
-msgspec struct definitions), the ZMQ transport (three frames, sequence numbers, replay), the router's index
-following a replica's events, and one real server whose published hashes are the ones the router computes."""
+"""KV events: what the KV manager reports, current vLLM's wire format field by field (and decoded with vLLM's own
+msgspec struct definitions; the router also reads v0.9.0's positional form), the ZMQ transport (three frames,
+sequence numbers, replay), the router's index following a replica's events (by medium: its pool, its offload
+tier, the shared store), and one real server whose published hashes are the ones the router computes."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from typing import Optional, Union
+from typing import Any
 
 import msgpack
 import msgspec
@@ -40,29 +41,40 @@ BLOCK_SIZE = 4
 
 
 # --------------------------------------------------------------------------------------------------
-# vLLM v0.9.0's definitions (vllm/distributed/kv_events.py), as a consumer built for vLLM decodes them
+# Current vLLM's definitions (vllm/distributed/kv_events.py), as a consumer built for vLLM decodes them
 # --------------------------------------------------------------------------------------------------
 
+ExternalBlockHash = bytes | int
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+
+class EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
     ts: float
-    events: list
+    events: list[Any]
+    data_parallel_rank: int | None = None
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
     pass
 
 
 class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: Optional[int]  # noqa: UP045 (vLLM's spelling)
+    block_hashes: list[ExternalBlockHash]
+    parent_block_hash: ExternalBlockHash | None
     token_ids: list[int]
     block_size: int
-    lora_id: Optional[int]  # noqa: UP045
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
+    block_hashes: list[ExternalBlockHash]
+    medium: str | None
+    group_idx: int | None = None
 
 
 class AllBlocksCleared(KVCacheEvent):
@@ -70,7 +82,7 @@ class AllBlocksCleared(KVCacheEvent):
 
 
 class KVEventBatch(EventBatch):
-    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]  # noqa: UP007
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
 VLLM_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
@@ -85,10 +97,12 @@ class RecordingSink:
     def __init__(self) -> None:
         self.events: list[tuple] = []
 
-    def blocks_stored(self, block_hashes, parent_hash, token_ids, block_size) -> None:
+    def blocks_stored(self, block_hashes, parent_hash, token_ids, block_size, medium="GPU") -> None:
+        assert medium == "GPU", "the KV manager reports its own pool's blocks"
         self.events.append(("stored", list(block_hashes), parent_hash, list(token_ids), block_size))
 
-    def blocks_removed(self, block_hashes) -> None:
+    def blocks_removed(self, block_hashes, medium="GPU") -> None:
+        assert medium == "GPU"
         self.events.append(("removed", list(block_hashes)))
 
     def all_blocks_cleared(self) -> None:
@@ -144,34 +158,40 @@ def test_the_kv_manager_reports_stored_evicted_and_cleared_blocks():
 # --------------------------------------------------------------------------------------------------
 
 
-def test_a_batch_is_vllms_array_like_msgpack_field_by_field():
+def test_a_batch_is_vllms_tagged_msgpack_field_by_field():
     hashes = hash_block_chain(list(range(8)), BLOCK_SIZE)
     payload = encode_batch(1700000000.5, [
         block_stored(hashes, None, list(range(8)), BLOCK_SIZE),
-        block_stored(hashes[1:], hashes[0], list(range(4, 8)), BLOCK_SIZE),
+        block_stored(hashes[1:], hashes[0], list(range(4, 8)), BLOCK_SIZE, medium="CPU"),
         block_removed(hashes[:1]),
+        block_removed(hashes[1:], medium="SHARED"),
         all_blocks_cleared(),
     ])
-    assert payload[0] == 0x92, "a 2-element array: [ts, events]"
-    assert payload[1] == 0xCB, "ts is a float64"
-    ts, events = msgpack.unpackb(payload)
-    assert ts == 1700000000.5
+    batch = msgpack.unpackb(payload)
+    assert list(batch) == ["ts", "events"] and batch["ts"] == 1700000000.5
+    events = batch["events"]
     wire = [wire_block_hash(h) for h in hashes]
     assert wire[0] == int.from_bytes(hashes[0][:8], "big") and all(0 <= w < 2**64 for w in wire)
-    assert events[0] == ["BlockStored", wire, None, list(range(8)), BLOCK_SIZE, None]
-    assert events[1] == ["BlockStored", wire[1:], wire[0], list(range(4, 8)), BLOCK_SIZE, None]
-    assert events[2] == ["BlockRemoved", wire[:1]]
-    assert events[3] == ["AllBlocksCleared"]
+    stored_fields = ["type", "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                     "lora_name"]
+    assert list(events[0]) == stored_fields, "vLLM's field order"
+    assert list(events[0].values()) == ["BlockStored", wire, None, list(range(8)), BLOCK_SIZE, None, "GPU", None]
+    assert list(events[1].values()) == ["BlockStored", wire[1:], wire[0], list(range(4, 8)), BLOCK_SIZE, None, "CPU",
+                                        None]
+    assert events[2] == {"type": "BlockRemoved", "block_hashes": wire[:1], "medium": "GPU"}
+    assert list(events[3].values()) == ["BlockRemoved", wire[1:], "SHARED"]
+    assert events[4] == {"type": "AllBlocksCleared"}
 
-    batch = VLLM_DECODER.decode(payload)  # and vLLM's own types read it
-    assert batch.ts == 1700000000.5
-    stored = batch.events[0]
+    decoded = VLLM_DECODER.decode(payload)  # and vLLM's own types read it
+    assert decoded.ts == 1700000000.5 and decoded.data_parallel_rank is None
+    stored = decoded.events[0]
     assert isinstance(stored, BlockStored)
-    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size, stored.lora_id) == (
-        wire, None, list(range(8)), BLOCK_SIZE, None)
-    assert batch.events[1].parent_block_hash == wire[0]
-    assert isinstance(batch.events[2], BlockRemoved) and batch.events[2].block_hashes == wire[:1]
-    assert isinstance(batch.events[3], AllBlocksCleared)
+    assert (stored.block_hashes, stored.parent_block_hash, stored.token_ids, stored.block_size, stored.lora_id,
+            stored.medium, stored.lora_name) == (wire, None, list(range(8)), BLOCK_SIZE, None, "GPU", None)
+    assert decoded.events[1].parent_block_hash == wire[0] and decoded.events[1].medium == "CPU"
+    assert isinstance(decoded.events[2], BlockRemoved) and decoded.events[2].block_hashes == wire[:1]
+    assert decoded.events[3].medium == "SHARED"
+    assert isinstance(decoded.events[4], AllBlocksCleared)
 
 
 def test_the_config_is_vllms_and_refuses_unknown_fields():
@@ -276,7 +296,7 @@ def test_the_router_index_follows_a_replicas_events():
     stream.receive(0, encode_batch(0.0, []))  # the sequence started again: the replica restarted
     assert matched() == 0
     stream.receive(1, b"\xc1 not msgpack")  # skipped, not fatal
-    stream.receive(2, encode_batch(0.0, [["SomeLaterEvent", 1], block_stored(hashes[:1], None, tokens[:4], 4)]))
+    stream.receive(2, encode_batch(0.0, [{"type": "SomeLaterEvent"}, block_stored(hashes[:1], None, tokens[:4], 4)]))
     assert matched() == 1
 
 

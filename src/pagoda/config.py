@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from pagoda.int4_format import DEFAULT_GROUP_SIZE, GROUP_SIZES
+from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.structured.limits import GrammarLimits
 
 GiB = 1 << 30
@@ -337,6 +338,7 @@ class EngineConfig:
     grammar: GrammarLimits = field(default_factory=GrammarLimits)  # what one output constraint may cost
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how the model is split across processes
     lora: LoRAConfig | None = None  # None: no LoRA adapters (enable_lora off)
+    kv_transfer_config: KVTransferConfig | None = None  # the KV connector (offload tiers); None: none
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:

@@ -126,6 +126,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="LoRA adapters kept loaded, least recently used dropped beyond (default: --max-loras)")
     parser.add_argument("--max-lora-rank", type=int,
                         help=f"highest LoRA rank an adapter may have (default {LoRAConfig.max_lora_rank})")
+    parser.add_argument("--kv-transfer-config", type=json_object,
+                        help='the KV connector, vLLM\'s JSON: \'{"kv_connector": "OffloadingConnector", "kv_role": '
+                             '"kv_both", "kv_connector_extra_config": {"cpu_bytes_to_use": 4294967296, '
+                             '"shared_store": "redis://host:6379/0"}}\' (docs/kv-offload.md)')
+    parser.add_argument("--kv-offloading-size", type=float,
+                        help="GiB of host memory for offloaded KV blocks (the OffloadingConnector's local tier)")
+    parser.add_argument("--kv-offloading-backend", choices=["native"],
+                        help="what --kv-offloading-size runs on (default native)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads, split evenly across the --tensor-parallel-size ranks "
                              "(default: torch's choice, one per physical core)")

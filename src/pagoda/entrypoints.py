@@ -20,6 +20,7 @@ from pagoda.config import (
 )
 from pagoda.engine.api import RequestOutput
 from pagoda.engine.engine import LLMEngine
+from pagoda.kv_transfer_config import KVTransferConfig, kv_transfer_config_from, offloading_shorthand
 from pagoda.lora_request import LoRARequest
 from pagoda.sampling import SamplingParams
 from pagoda.structured.limits import GRAMMAR_OPTIONS, GrammarLimits
@@ -36,8 +37,10 @@ SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", 
                      "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s")
 PARALLEL_OPTIONS = ("tensor_parallel_size", "distributed_executor_backend")
 LORA_OPTIONS = ("max_loras", "max_cpu_loras", "max_lora_rank")  # with enable_lora=True only
+# vLLM's connector option and its offloading shorthand, which together make EngineConfig.kv_transfer_config.
+KV_TRANSFER_OPTIONS = ("kv_transfer_config", "kv_offloading_size", "kv_offloading_backend")
 ENGINE_OPTIONS = (TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS + GRAMMAR_OPTIONS + PARALLEL_OPTIONS
-                  + ("enable_lora",) + LORA_OPTIONS)
+                  + ("enable_lora",) + LORA_OPTIONS + KV_TRANSFER_OPTIONS)
 # Options whose config field has another name (grammar_X sets GrammarLimits.X).
 FIELD_NAMES = {"num_kv_blocks": "num_blocks", "enable_lora": "lora",
                **{option: option.removeprefix("grammar_") for option in GRAMMAR_OPTIONS}}
@@ -70,7 +73,20 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
         grammar=GrammarLimits(**_given(options, GRAMMAR_OPTIONS)),
         parallel=ParallelConfig(**_given(options, PARALLEL_OPTIONS)),
         lora=lora,
+        kv_transfer_config=_kv_transfer(options),
     )
+
+
+def _kv_transfer(options: dict[str, Any]) -> KVTransferConfig | None:
+    """kv_transfer_config (vLLM's JSON object), or the shorthand kv_offloading_size GiB (+ kv_offloading_backend)."""
+    size, backend = options.get("kv_offloading_size"), options.get("kv_offloading_backend")
+    if size is None:
+        if backend is not None:
+            raise ValueError("kv_offloading_backend needs kv_offloading_size")
+        return kv_transfer_config_from(options.get("kv_transfer_config"))
+    if options.get("kv_transfer_config") is not None:
+        raise ValueError("give kv_transfer_config or kv_offloading_size, not both")
+    return offloading_shorthand(size, backend)
 
 
 def _given(options: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:

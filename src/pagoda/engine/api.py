@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from pagoda.kv_transfer_config import DEVICE_MEDIUM
+
 # --- request outputs ---------------------------------------------------------------------------------
 
 
@@ -111,6 +113,32 @@ class LoRAStats:
 
 
 @dataclass(frozen=True)
+class KVTierStats:
+    """One offload tier's counters since start-up (docs/kv-offload.md), named by the medium its KV events report."""
+
+    medium: str
+    hit_blocks: int = 0  # blocks loaded from it into the KV pool
+    hit_tokens: int = 0
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    blocks_saved: int = 0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+    failures: int = 0  # calls that failed or ran past the bounded wait: the store was bypassed
+    refused_blocks: int = 0  # blocks found corrupt or of another layout: never served
+
+
+@dataclass(frozen=True)
+class KVConnectorStats:
+    """The KV connector's counters since start-up: vLLM's external prefix cache, in tokens, and each tier's."""
+
+    external_prefix_cache_queries: int = 0  # prompt tokens looked up past the local prefix-cache hit
+    external_prefix_cache_hits: int = 0  # of which loaded (not computed): failed loads are not counted
+    failed_loads: int = 0  # requests whose load failed and which computed those tokens instead
+    tiers: tuple[KVTierStats, ...] = ()
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine's gauges and counters, for metrics."""
 
@@ -120,6 +148,8 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up (vLLM counts in tokens)
     prefix_cache_hits: int = 0  # of which served from the prefix cache
+    prompt_tokens_computed: int = 0  # prompt positions run through the model (recomputes after preemption too)
+    kv_connector: KVConnectorStats | None = None  # None: no KV connector
     spec_decode: SpecDecodeStats | None = None  # None: speculative decoding is not configured
     # vllm:iteration_tokens_total: steps by tokens computed (bucket upper bounds, counts with +Inf last, sum)
     iteration_token_buckets: tuple[int, ...] = ()
@@ -159,14 +189,15 @@ class EngineDescription:
 
 
 class KVEventSink(Protocol):
-    """Where the KV manager reports what its prefix cache holds (KV events: vLLM's BlockStored, BlockRemoved,
-    AllBlocksCleared). Chosen at construction; the transport (ZMQ, msgpack) is the server's. Called on the
-    engine thread, so an implementation only queues."""
+    """Where the KV manager and the offload tiers report what they hold (KV events: vLLM's BlockStored,
+    BlockRemoved, AllBlocksCleared; `medium` says which tier). Chosen at construction; the transport (ZMQ,
+    msgpack) is the server's. Called on the engine thread and on the offload tiers' save thread, so an
+    implementation only queues, under a lock."""
 
     def blocks_stored(self, block_hashes: Sequence[bytes], parent_hash: bytes | None, token_ids: Sequence[int],
-                      block_size: int) -> None: ...
+                      block_size: int, medium: str = DEVICE_MEDIUM) -> None: ...
 
-    def blocks_removed(self, block_hashes: Sequence[bytes]) -> None: ...
+    def blocks_removed(self, block_hashes: Sequence[bytes], medium: str = DEVICE_MEDIUM) -> None: ...
 
     def all_blocks_cleared(self) -> None: ...
 

@@ -17,6 +17,7 @@ from pagoda.engine.api import (
     EngineDescription,
     EngineStats,
     KVCacheDescription,
+    KVConnectorStats,
     KVEventSink,
     LoRAStats,
     RequestOutput,
@@ -60,6 +61,7 @@ class LLMEngine:
         self.runner = parts.runner
         self.trace = parts.trace  # records steps as a timeline while started (step_trace.py)
         self.lora = parts.runner.lora  # None: LoRA adapters are off
+        self.kv_connector = parts.kv_connector
         self.input_processor = InputProcessor(
             self.tokenizer, self.config.scheduler, self.model_config.vocab_size, self.eos_token_ids,
             self.structured, self.config.seed,
@@ -152,6 +154,8 @@ class LLMEngine:
             num_preemptions=scheduler.num_preemptions,
             prefix_cache_queries=scheduler.prefix_cache_queries,
             prefix_cache_hits=scheduler.prefix_cache_hits,
+            prompt_tokens_computed=scheduler.prompt_tokens_computed,
+            kv_connector=self._kv_connector_stats(),
             spec_decode=self._spec_decode_stats(),
             iteration_token_buckets=scheduler.iteration_tokens.bounds,
             iteration_token_counts=tuple(scheduler.iteration_tokens.counts),
@@ -167,6 +171,15 @@ class LLMEngine:
         waiting = distinct_adapters(request.lora for request in scheduler.waiting)
         return LoRAStats(tuple(dict.fromkeys(a.name for a in running)), tuple(dict.fromkeys(a.name for a in waiting)),
                          self.lora.max_loras, time.time())
+    def _kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.kv_connector is None:
+            return None
+        scheduler = self.scheduler
+        return KVConnectorStats(
+            external_prefix_cache_queries=scheduler.external_prefix_cache_queries,
+            external_prefix_cache_hits=scheduler.external_prefix_cache_hits, failed_loads=scheduler.failed_loads,
+            tiers=tuple(self.kv_connector.worker.tier_stats()),
+        )
 
     def _spec_decode_stats(self) -> SpecDecodeStats | None:
         if self.speculator is None:
@@ -200,6 +213,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stops what the engine started (tensor-parallel workers); idempotent. The engine cannot step after it."""
         self.executor.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.worker.shutdown()
 
     def pop_failures(self) -> dict[str, Exception]:
         """Requests that failed (and were aborted) during the last steps, with their errors."""

@@ -22,9 +22,11 @@ from pagoda.engine.core.step_budget import StepCostModel
 from pagoda.engine.draft_model import DraftModelProposer, load_draft_model
 from pagoda.engine.executor import Executor, UniProcExecutor
 from pagoda.engine.grammar_masks import StructuredOutputs
+from pagoda.engine.kv_connector.base import KVConnector
+from pagoda.engine.kv_connector.factory import build_kv_connector
 from pagoda.engine.kv_pool import KVPoolSize, kv_pool_size
 from pagoda.engine.lora_manager import LoRAManager
-from pagoda.engine.model_step import ModelExecution, load_engine_model
+from pagoda.engine.model_step import ModelExecution, kv_layer_tensors, load_engine_model
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
 from pagoda.model.llama import LlamaModel
@@ -54,6 +56,7 @@ class EngineParts:
     executor: Executor
     runner: ModelRunner  # rank 0's
     trace: StepTrace  # the steps' timeline, shared by the engine and rank 0's runner
+    kv_connector: KVConnector | None
 
 
 def build_engine_parts(
@@ -68,6 +71,8 @@ def build_engine_parts(
     if config.parallel.executor_backend == "mp":
         _check_splittable(config, model_config)
     speculative = config.speculative_config
+    if speculative is not None and speculative.method == "draft_model" and config.kv_transfer_config is not None:
+        raise ModelLoadError("a KV connector does not run with a draft model yet: the draft's KV is not offloaded")
     draft = None
     if speculative is not None and speculative.method == "draft_model":
         draft, _ = load_draft_model(speculative, model_config, tokenizer, config.dtype, config.device,
@@ -93,7 +98,8 @@ def build_engine_parts(
     )
     speculator = None if speculative is None else Speculator(speculative, draft_proposer)
     trace = StepTrace()
-    executor = build_executor(config, num_blocks, block_size, structured, draft_proposer, trace)
+    executor, kv_connector = build_executor(config, num_blocks, block_size, structured, draft_proposer, kv_cache,
+                                            kv_events, trace)
     logger.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB; %s), max_model_len %d",
         num_blocks, block_size, kv_pool_bytes / 2**20, kv_pool.reason, max_model_len,
@@ -103,23 +109,32 @@ def build_engine_parts(
         kv_pool_bytes=kv_pool_bytes, kv_cache=kv_cache, eos_token_ids=eos_token_ids, structured=structured,
         draft_proposer=draft_proposer, speculator=speculator,
         scheduler=Scheduler(config.scheduler, kv_cache, speculator, step_cost,
-                            None if config.lora is None else config.lora.max_loras),
+                            max_loras=None if config.lora is None else config.lora.max_loras,
+                            connector=None if kv_connector is None else kv_connector.scheduler),
         executor=executor, model=executor.runner.model, runner=executor.runner, trace=trace,
+        kv_connector=kv_connector,
     )
 
 
 def build_executor(config: EngineConfig, num_blocks: int, block_size: int, structured: StructuredOutputs,
-                   draft: DraftModel | None, trace: StepTrace | None = None) -> Executor:
-    """The executor config.parallel asks for, its model loaded (every rank's, under tensor parallelism)."""
+                   draft: DraftModel | None, kv_cache: KVCacheManager, kv_events: KVEventSink | None = None,
+                   trace: StepTrace | None = None) -> tuple[Executor, KVConnector | None]:
+    """The executor config.parallel asks for, its model loaded (every rank's, under tensor parallelism), and the
+    KV connector config.kv_transfer_config names, over the KV pool's tensors (None: none)."""
     if config.parallel.executor_backend == "uni":
         model = load_engine_model(config)
         lora = None if config.lora is None else LoRAManager(
             config.lora, attach_lora(model, config.lora.max_loras, config.lora.max_lora_rank), model.config)
-        return UniProcExecutor(ModelRunner(ModelExecution(model, num_blocks, block_size, config.device), structured,
-                                           draft, lora, trace))
+        execution = ModelExecution(model, num_blocks, block_size, config.device)
+        connector = None if config.kv_transfer_config is None else build_kv_connector(
+            config, config.kv_transfer_config, kv_layer_tensors(execution.kv_caches), block_size,
+            kv_cache.block_hashes, kv_events)
+        runner = ModelRunner(execution, structured, draft, lora=lora, trace=trace,
+                             kv_connector=None if connector is None else connector.worker)
+        return UniProcExecutor(runner), connector
     from pagoda.engine.multiproc_executor import MultiprocExecutor
 
-    return MultiprocExecutor(config, num_blocks, block_size, structured, draft, trace)
+    return MultiprocExecutor(config, num_blocks, block_size, structured, draft, trace), None
 
 
 def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -133,6 +148,8 @@ def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
              config.speculative_config is not None and config.speculative_config.method == "draft_model"),
             (f"--device {config.device} (the ranks run on the CPU, over gloo)", config.device != "cpu"),
             ("--enable-lora (LoRA adapters)", config.lora is not None),
+            ("a KV connector (--kv-transfer-config, --kv-offloading-size: each rank would load its share of a block, "
+             "and a load that fails on one rank must fail on all)", config.kv_transfer_config is not None),
         ) if applies
     ]
     if unsupported:

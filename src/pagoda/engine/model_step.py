@@ -71,6 +71,11 @@ class ModelExecution:
                 for rows in step.logits_rows]
 
 
+def kv_layer_tensors(kv_caches: list[KVCache]) -> list[tuple[torch.Tensor, ...]]:
+    """Every slot-major tensor of each layer's KV cache, in order: what copying a block copies rows of."""
+    return [tuple(cache) for cache in kv_caches]
+
+
 def load_engine_model(config: EngineConfig, parallel: TensorParallel | None = None) -> LlamaModel:
     """The engine's model as the config asks for it: whole, or one rank's shard of it."""
     torch.manual_seed(config.seed)

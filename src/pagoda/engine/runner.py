@@ -37,6 +37,7 @@ from pagoda.engine.core.runner_output import ModelRunnerOutput, PromptLogprobsCh
 from pagoda.engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda.engine.core.speculative import accepted_rows
 from pagoda.engine.grammar_masks import GrammarMasks, StructuredOutputs
+from pagoda.engine.kv_connector.base import KVConnectorWorker
 from pagoda.engine.lora_manager import LoRAManager
 from pagoda.engine.model_step import ModelStep, StepExecution
 from pagoda.engine.sampler import Proposal, SamplerOutput, SampleRow, build_sampling_metadata, sample, top_logprobs
@@ -62,12 +63,15 @@ class ModelRunner:
     def __init__(
         self, execution: StepExecution, structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
         lora: LoRAManager | None = None, trace: StepTrace | None = None,
+        kv_connector: KVConnectorWorker | None = None,
     ) -> None:
         """execution: runs each step's ModelStep on the model (on every rank, under tensor parallelism).
         lora: the LoRA adapters, placed in the model's slots before each forward (None: adapters are off).
-        trace: the engine's step timeline, which the runner's parts of a step are recorded on."""
+        trace: the engine's step timeline, which the runner's parts of a step are recorded on.
+        kv_connector: the KV connector's worker side, which loads blocks before the forward and saves after."""
         self.execution = execution
         self.trace = trace or StepTrace()
+        self.kv_connector = kv_connector
         self.model = execution.model
         self.structured = structured
         self.draft = draft  # None: no draft model (no speculation, or n-gram)
@@ -86,8 +90,22 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """One step: the forward over the scheduled tokens, sampling, and the acceptance of drafts."""
-        scheduled = scheduler_output.scheduled
+        """One step: the connector's loads, the forward over the scheduled tokens, sampling, the acceptance of
+        drafts, then the connector's saves. A request whose load failed is left out of the step (reported in
+        kv_load_failures): the others run exactly as they would without it."""
+        metadata = scheduler_output.kv_connector_metadata
+        if self.kv_connector is None or metadata is None:
+            return self._execute(scheduler_output.scheduled)
+        with self.trace.span("kv load"):
+            load_failures = self.kv_connector.start_load_kv(metadata)
+        scheduled = [item for item in scheduler_output.scheduled if item.request.request_id not in load_failures]
+        output = self._execute(scheduled) if scheduled else ModelRunnerOutput()
+        with self.trace.span("kv save"):
+            self.kv_connector.save_kv(metadata, skip=load_failures)
+        output.kv_load_failures = load_failures
+        return output
+
+    def _execute(self, scheduled: list[ScheduledRequest]) -> ModelRunnerOutput:
         with self.trace.span("prepare"):
             rows = self._sample_rows(scheduled)
             masks = self._start_grammar_masks(scheduled)

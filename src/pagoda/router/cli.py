@@ -31,6 +31,8 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
     "--hot-prefix-share": ("hot_prefix_share", float,
                            "most share of one prefix's requests in flight on one replica"),
     "--index-ttl": ("index_ttl_s", float, "seconds a routed block stays in a replica's index"),
+    "--shared-kv-medium": ("shared_kv_medium", str,
+                           "KV events medium of the store all replicas share: its blocks count for every replica"),
     "--block-size": ("default_block_size", int,
                      "block size until a replica publishes vllm:cache_config_info"),
     "--poll-interval": ("poll_interval_s", float, "seconds between health/metrics polls"),

@@ -31,6 +31,9 @@ class RouterConfig:
     # after it was last routed or matched; capacity: the replica's num_gpu_blocks when it publishes it.
     index_ttl_s: float = 120.0
     index_max_blocks: int = 65536
+    # The KV events medium of a store every replica reads (the replicas' offload shared tier): a block stored there
+    # counts as cached on every replica. Nothing reports its evictions, so such blocks expire after index_ttl_s.
+    shared_kv_medium: str = "SHARED"
     default_block_size: int = 16  # until a replica's vllm:cache_config_info says otherwise
     # Health and load polling (/health and /metrics of every replica).
     poll_interval_s: float = 1.0

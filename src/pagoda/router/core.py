@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pagoda.router.config import RouterConfig
 from pagoda.router.faults import Outcome
+from pagoda.router.index import BlockIndex
 from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policies import RoutedPrompt, RoutingPolicy, make_policy
 from pagoda.router.replica import PolledStats, Replica
@@ -99,6 +100,10 @@ class Router:
             raise ValueError(f"KV event endpoints given for URLs that are not replicas: {', '.join(unknown)}")
         self.config = config
         self.replicas = [Replica(url, config, endpoints.get(url)) for url in urls]
+        # What the replicas' shared KV store holds, from any replica's events: one index, every replica's hit.
+        self.shared_index = BlockIndex(config.index_ttl_s, config.index_max_blocks)
+        for replica in self.replicas:
+            replica.shared_index = self.shared_index
         self.policy = policy or make_policy(config)
         self.clock = clock
         self.metrics = RouterMetrics(lambda: self.replicas, clock)
@@ -125,7 +130,7 @@ class Router:
             retry_after = min(waits) if len(waits) == len(up) else self.config.retry_after_s
             raise NoReplicaAvailable(429, "every replica is saturated; retry later", max(retry_after, 0.0))
         replica = self.policy.choose(prompt, candidates, now)
-        matched = replica.index.match(prompt.cacheable(replica.block_size), now)
+        matched = replica.match(prompt.cacheable(replica.block_size), now)
         return Decision(replica, prompt, matched)
 
     def begin(self, decision: Decision) -> Lease:
@@ -207,5 +212,7 @@ class Router:
             self.reset_index(replica)
 
     def reset_index(self, replica: Replica) -> None:
+        """Forgets what the replica itself holds (its KV pool and its offload tier; the shared store stays)."""
         replica.index.clear()
+        replica.offload_index.clear()
         self.metrics.index_resets.labels(replica.url).inc()

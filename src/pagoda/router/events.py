@@ -16,25 +16,43 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pagoda.kv_transfer_config import DEVICE_MEDIUM, LOCAL_MEDIUM
 from pagoda.router.core import Router
+from pagoda.router.index import BlockIndex
 from pagoda.router.replica import Replica
-from pagoda.wire.kv_events import decode_batch
+from pagoda.wire.kv_events import decode_batch, read_event
 
 logger = logging.getLogger("pagoda.route")
 
 
-def apply_events(router: Router, replica: Replica, events: Sequence[Sequence[Any]]) -> None:
-    """One batch's events, in order. Unknown kinds are skipped (later releases add some); fields are read by
-    position, so fields appended by later releases are ignored."""
+def apply_events(router: Router, replica: Replica, events: Sequence[Any]) -> None:
+    """One batch's events, in order, each into the index of its medium: the replica's KV pool ("GPU", or none
+    given), its offload tier ("CPU"), or the store every replica shares. Unknown kinds and media are skipped (later
+    releases add some); any of vLLM's encodings is read (pagoda.wire.kv_events.read_event)."""
     now = router.clock()
-    for event in events:
-        kind = event[0] if event else None
-        if kind == "BlockStored":
-            replica.index.insert(event[1], now)
-        elif kind == "BlockRemoved":
-            replica.index.forget(event[1])
-        elif kind == "AllBlocksCleared":
-            router.reset_index(replica)
+    for raw in events:
+        event = read_event(raw)
+        if event.kind == "AllBlocksCleared":  # the replica's KV pool was reset; its tiers keep their blocks
+            replica.index.clear()
+            router.metrics.index_resets.labels(replica.url).inc()
+            continue
+        index = _index_of(router, replica, event.medium)
+        if index is None:
+            continue
+        if event.kind == "BlockStored":
+            index.insert(event.block_hashes, now)
+        elif event.kind == "BlockRemoved":
+            index.forget(event.block_hashes)
+
+
+def _index_of(router: Router, replica: Replica, medium: str | None) -> BlockIndex | None:
+    if medium is None or medium == DEVICE_MEDIUM:
+        return replica.index
+    if medium == LOCAL_MEDIUM:
+        return replica.offload_index
+    if medium == router.config.shared_kv_medium:
+        return router.shared_index
+    return None
 
 
 class EventStream:

@@ -22,6 +22,9 @@ class BlockIndex:
     def __len__(self) -> int:
         return len(self._expiry)
 
+    def __contains__(self, key: int) -> bool:
+        return key in self._expiry
+
     def match(self, block_keys: Sequence[int], now: float) -> int:
         """How many leading blocks of the chain are (believed) cached. Matching does not touch: only a routing
         decision does, as only a request that runs there makes the replica keep the blocks."""
@@ -49,9 +52,25 @@ class BlockIndex:
     def clear(self) -> None:
         self._expiry.clear()
 
+    def expire(self, now: float) -> None:
+        self._expire(now)
+
     def _expire(self, now: float) -> None:
         while self._expiry:
             key, expiry = next(iter(self._expiry.items()))
             if expiry > now:
                 return
             del self._expiry[key]
+
+
+def match_any(indexes: Sequence[BlockIndex], block_keys: Sequence[int], now: float) -> int:
+    """How many leading blocks of the chain are (believed) held by any of the indexes: a replica serves a block
+    from its KV pool, its local offload tier or a store every replica shares alike."""
+    for index in indexes:
+        index.expire(now)
+    matched = 0
+    for key in block_keys:
+        if not any(key in index for index in indexes):
+            break
+        matched += 1
+    return matched

@@ -115,7 +115,7 @@ class CacheAwarePolicy:
         return (within_share or list(candidates))[min(scored)[4]]
 
     def cost(self, prompt: RoutedPrompt, replica: Replica, now: float) -> float:
-        matched = replica.index.match(prompt.cacheable(replica.block_size), now)
+        matched = replica.match(prompt.cacheable(replica.block_size), now)
         uncached = prompt.num_tokens - matched * replica.block_size
         return self.config.hit_weight * uncached + replica.load_tokens()
 

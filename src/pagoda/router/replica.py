@@ -7,10 +7,11 @@ can take), and the replica's own gauges, as last polled (vllm:num_requests_waiti
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagoda.router.config import RouterConfig
-from pagoda.router.index import BlockIndex
+from pagoda.router.index import BlockIndex, match_any
 
 
 class CircuitBreaker:
@@ -66,18 +67,30 @@ class Replica:
     active_tokens: int = 0
     active_by_prefix: dict[int, int] = field(default_factory=dict)
     routed_requests: int = 0  # every request the router has sent here: ties go to the least used replica
-    index: BlockIndex = field(init=False)
+    index: BlockIndex = field(init=False)  # its KV pool (KV events' "GPU" medium, or the router's guesses)
+    offload_index: BlockIndex = field(init=False)  # its local offload tier (KV events' "CPU" medium)
+    # The store all replicas share (the router's one index, KV events' shared medium); None: none known.
+    shared_index: BlockIndex | None = None
     breaker: CircuitBreaker = field(init=False)
 
     def __post_init__(self) -> None:
         ttl_s = math.inf if self.learns_from_events else self.config.index_ttl_s
         self.index = BlockIndex(ttl_s, self.config.index_max_blocks)
+        self.offload_index = BlockIndex(ttl_s, self.config.index_max_blocks)
         self.breaker = CircuitBreaker(self.config.breaker_failures, self.config.breaker_cooldown_s)
 
     @property
     def learns_from_events(self) -> bool:
         """Its index follows its KV events (exact) rather than the router's decisions (approximate)."""
         return self.events_endpoint is not None
+
+    def match(self, block_keys: Sequence[int], now: float) -> int:
+        """Leading blocks of the chain the replica would not compute: in its KV pool, its offload tier or the shared
+        store (a shared block is a hit for every replica)."""
+        indexes = [self.index, self.offload_index]
+        if self.shared_index is not None:
+            indexes.append(self.shared_index)
+        return match_any(indexes, block_keys, now)
 
     @property
     def block_size(self) -> int:

@@ -1,7 +1,8 @@
 """The replicas' side of KV events: a publisher the engine's KV manager reports to, sending vLLM's batches
 (the format: pagoda.wire.kv_events) over ZMQ.
 
-The KV manager calls the publisher (a KVEventSink) on the engine thread; it only queues. A thread of its own
+The KV manager (on the engine thread) and the offload tiers (on their save thread) call the publisher (a
+KVEventSink); it only queues, under a lock. A thread of its own
 batches what was queued every FLUSH_INTERVAL_S and sends it.
 """
 
@@ -16,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from pagoda.kv_transfer_config import DEVICE_MEDIUM
 from pagoda.wire.kv_events import (
     END_OF_REPLAY,
     KVEventsConfig,
@@ -35,7 +37,7 @@ class ZmqKVEventPublisher:
 
     def __init__(self, config: KVEventsConfig) -> None:
         self.config = config
-        self._pending: list[list[Any]] = []
+        self._pending: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._dropped = 0
         self._stop = threading.Event()
@@ -49,11 +51,11 @@ class ZmqKVEventPublisher:
 
     # KVEventSink: called on the engine thread
     def blocks_stored(self, block_hashes: Sequence[bytes], parent_hash: bytes | None, token_ids: Sequence[int],
-                      block_size: int) -> None:
-        self._queue(block_stored(block_hashes, parent_hash, token_ids, block_size))
+                      block_size: int, medium: str = DEVICE_MEDIUM) -> None:
+        self._queue(block_stored(block_hashes, parent_hash, token_ids, block_size, medium))
 
-    def blocks_removed(self, block_hashes: Sequence[bytes]) -> None:
-        self._queue(block_removed(block_hashes))
+    def blocks_removed(self, block_hashes: Sequence[bytes], medium: str = DEVICE_MEDIUM) -> None:
+        self._queue(block_removed(block_hashes, medium))
 
     def all_blocks_cleared(self) -> None:
         self._queue(all_blocks_cleared())
@@ -62,7 +64,7 @@ class ZmqKVEventPublisher:
         self._stop.set()
         self._thread.join(timeout=2.0)
 
-    def _queue(self, event: list[Any]) -> None:
+    def _queue(self, event: dict[str, Any]) -> None:
         with self._lock:
             if len(self._pending) >= self.config.max_queue_size:
                 self._dropped += 1  # never block the engine thread; logged by the publishing thread

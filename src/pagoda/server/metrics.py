@@ -8,7 +8,15 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from pagoda.engine.api import EngineStats, KVCacheDescription, LoRAStats, RequestTimeline, SpecDecodeStats
+from pagoda.engine.api import (
+    EngineStats,
+    KVCacheDescription,
+    KVConnectorStats,
+    LoRAStats,
+    RequestTimeline,
+    SpecDecodeStats,
+)
+from pagoda.kv_transfer_config import DEVICE_MEDIUM
 from pagoda.server.activity import RecentActivity
 
 # vLLM's buckets, trimmed: CPU latencies run longer, so the top buckets go further.
@@ -57,7 +65,11 @@ class _EngineCollector:
             ("vllm:num_preemptions", "Preemptions by recompute.", stats.num_preemptions),
             ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
+            ("pagoda:prompt_tokens_computed", "Prompt positions the model ran (a recompute counts again).",
+             stats.prompt_tokens_computed),
         ))
+        if stats.kv_connector is not None:
+            yield from self._kv_connector(stats.kv_connector)
         if stats.spec_decode is not None:
             yield from self._spec_decode(stats.spec_decode)
         if stats.lora is not None:
@@ -74,6 +86,43 @@ class _EngineCollector:
         cumulative = [sum(counts[: index + 1]) for index in range(len(counts))]
         family.add_metric([self.model_name], list(zip(bounds, cumulative)), stats.iteration_tokens_sum)
         return family
+
+    def _kv_connector(self, stats: KVConnectorStats) -> Iterator[CounterMetricFamily]:
+        """The KV connector's counters (docs/kv-offload.md), present only when one is configured: vLLM's external
+        prefix cache and offload transfer counters, and pagoda's per-medium ones."""
+        yield from self._counters((
+            ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in external KV stores.",
+             stats.external_prefix_cache_queries),
+            ("vllm:external_prefix_cache_hits", "Prompt tokens loaded from external KV stores.",
+             stats.external_prefix_cache_hits),
+            ("pagoda:kv_offload_failed_loads", "Requests whose load failed and which computed the tokens instead.",
+             stats.failed_loads),
+        ))
+        transfer_bytes = CounterMetricFamily("vllm:kv_offload_total_bytes",
+                                             "Bytes moved between the KV pool and a tier.",
+                                             labels=["model_name", "transfer_type"])
+        transfer_time = CounterMetricFamily("vllm:kv_offload_total_time", "Seconds spent moving KV to and from a tier.",
+                                            labels=["model_name", "transfer_type"])
+        per_medium = {
+            name: CounterMetricFamily(f"pagoda:kv_offload_{name}", doc, labels=["model_name", "medium"])
+            for name, doc in (("hit_blocks", "Blocks loaded from the tier."),
+                              ("hit_tokens", "Tokens loaded from the tier."),
+                              ("blocks_saved", "Blocks saved to the tier."),
+                              ("failures", "Calls to the tier that failed or ran past the bounded wait."),
+                              ("refused_blocks", "Corrupt or mismatched blocks the tier returned, not served."))
+        }
+        for tier in stats.tiers:
+            for direction, moved, seconds in ((f"{tier.medium}_to_{DEVICE_MEDIUM}", tier.bytes_loaded,
+                                               tier.load_seconds),
+                                              (f"{DEVICE_MEDIUM}_to_{tier.medium}", tier.bytes_saved,
+                                               tier.save_seconds)):
+                transfer_bytes.add_metric([self.model_name, direction], moved)
+                transfer_time.add_metric([self.model_name, direction], seconds)
+            for name, family in per_medium.items():
+                family.add_metric([self.model_name, tier.medium], getattr(tier, name))
+        yield transfer_bytes
+        yield transfer_time
+        yield from per_medium.values()
 
     def _spec_decode(self, stats: SpecDecodeStats) -> Iterator[CounterMetricFamily]:
         """Speculative decoding's counters, present only when it is configured (as in vLLM)."""

@@ -284,6 +284,10 @@ class KVCacheManager:
         start = index * self.block_size
         return request.all_token_ids[start : start + self.block_size]
 
+    def block_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's first `num_blocks` chained block hashes (the KV connector keys stored blocks by them)."""
+        return self._hashes_for(request, num_blocks)[:num_blocks]
+
     def _hashes_for(self, request: Request, num_blocks: int) -> list[bytes]:
         """The request's chained block hashes, extended (and memoised) up to `num_blocks`."""
         hashes = self._block_hashes.setdefault(request.request_id, [])

@@ -20,3 +20,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # by request id
     # request id -> why it failed this step (it has no sampled_token_ids): the engine fails it alone
     failures: dict[str, Exception] = field(default_factory=dict)
+    # request id -> how many of its tokens have valid KV, for a request whose KV load failed this step (the KV
+    # connector's): it did not run, and computes the tokens past that instead.
+    kv_load_failures: dict[str, int] = field(default_factory=dict)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
 from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.engine.core.kv_connector import KVConnectorScheduler, StepItem
 from pagoda.engine.core.lora import adapter_fits
 from pagoda.engine.core.queues import make_waiting_queue
 from pagoda.engine.core.request import FinishReason, Request, RequestStatus
@@ -68,6 +69,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    kv_connector_metadata: object | None = None  # the connector's work for this step (None: no connector)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -117,10 +119,12 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache: KVCacheManager, drafts: DraftSource | None = None,
         step_cost: StepCostModel | None = None, max_loras: int | None = None,
+        connector: KVConnectorScheduler | None = None,
     ) -> None:
         """max_loras: the most LoRA adapters the running requests may hold together (None: adapters are off)."""
         self.config = config
         self.max_loras = max_loras
+        self.connector = connector  # None: no external KV store
         self.kv_cache = kv_cache
         self.draft_source = drafts  # None: no speculative decoding
         self.step_cost: StepCostModel = step_cost if step_cost is not None else LinearStepCost()
@@ -132,6 +136,10 @@ class Scheduler:
         self.prefix_cache_queries = 0  # prompt tokens of admitted requests (vLLM counts in tokens)
         self.prefix_cache_hits = 0  # of which served from the prefix cache
         self.spec_decode = SpecDecodeCounters()
+        self.prompt_tokens_computed = 0  # prompt positions the model ran (a recompute counts again)
+        self.external_prefix_cache_queries = 0  # prompt tokens asked of the connector (past the local hit)
+        self.external_prefix_cache_hits = 0  # of which loaded (a failed load's tokens taken back)
+        self.failed_loads = 0
 
     def add_request(self, request: Request, front: bool = False) -> None:
         self.waiting.push(request, front)
@@ -155,6 +163,9 @@ class Scheduler:
             self._schedule_waiting(output, budget, prefill)
         if output.scheduled:
             self.iteration_tokens.observe(output.num_batched_tokens)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(
+                [StepItem(item.request, item.num_known_tokens) for item in output.scheduled])
         return output
 
     def _prefill_allowance(self, budget: int) -> PrefillAllowance:
@@ -232,8 +243,11 @@ class Scheduler:
         preempted = False
         while True:
             hit_blocks, num_hit_tokens = self.kv_cache.get_computed_blocks(request)
-            num_tokens = prefill.chunk(request.num_tokens - num_hit_tokens, budget)
-            if self.kv_cache.allocate_slots(request, num_tokens, hit_blocks) is not None:
+            num_external = 0 if self.connector is None else self.connector.get_num_new_matched_tokens(
+                request, num_hit_tokens)
+            num_tokens = prefill.chunk(request.num_tokens - num_hit_tokens - num_external, budget)
+            # The external tokens take blocks as computed ones would, but no step budget.
+            if self.kv_cache.allocate_slots(request, num_external + num_tokens, hit_blocks) is not None:
                 break
             if not self.running or not self.waiting.outranks(request, self.running[-1]):
                 return None
@@ -241,11 +255,15 @@ class Scheduler:
             preempted = True
         self.waiting.pop()
         if request.status == RequestStatus.WAITING:
-            request.num_cached_tokens = num_hit_tokens
+            request.num_cached_tokens = num_hit_tokens + num_external
             request.first_scheduled_time = time.monotonic()
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
-        request.num_computed_tokens = num_hit_tokens
+        request.num_computed_tokens = num_hit_tokens + num_external
+        if self.connector is not None:
+            self.external_prefix_cache_queries += request.num_tokens - num_hit_tokens
+            self.external_prefix_cache_hits += num_external
+            self.connector.update_state_after_alloc(request, request.block_ids, num_external)
         request.status = RequestStatus.RUNNING
         self.waiting.add_running(self.running, request)
         output.scheduled.append(ScheduledRequest(request, num_tokens))
@@ -280,6 +298,12 @@ class Scheduler:
         now = time.monotonic()
         for item in output.scheduled:
             request = item.request
+            num_valid = runner_output.kv_load_failures.get(request.request_id)
+            if num_valid is not None:  # its load failed, so it did not run: it computes those tokens next
+                self._load_failed(request, num_valid)
+                continue
+            start = request.num_computed_tokens
+            self.prompt_tokens_computed += max(min(start + item.num_known_tokens, request.num_prompt_tokens) - start, 0)
             error = runner_output.failures.get(request.request_id)
             if error is not None:
                 outputs.append(EngineCoreOutput(request, error=error))
@@ -309,6 +333,14 @@ class Scheduler:
             new_logprobs = None if logprobs is None else logprobs[:num_new]
             outputs.append(EngineCoreOutput(request, list(token_ids[:num_new]), new_logprobs))
         return outputs
+
+    def _load_failed(self, request: Request, num_valid_tokens: int) -> None:
+        assert self.connector is not None
+        self.external_prefix_cache_hits -= request.num_computed_tokens - num_valid_tokens
+        self.failed_loads += 1
+        request.num_computed_tokens = num_valid_tokens
+        self.connector.load_failed(request, num_valid_tokens)
+        self.kv_cache.cache_full_blocks(request)  # the blocks that did load are good prefix-cache blocks
 
     @staticmethod
     def _append(request: Request, token_ids: Sequence[int]) -> tuple[FinishReason | None, int]:
@@ -340,6 +372,8 @@ class Scheduler:
             request.status = RequestStatus.FINISHED
             request.finish_reason = reason
             self.kv_cache.free(request)
+            if self.connector is not None:
+                self.connector.request_finished(request)
             self.requests.pop(request.request_id, None)
 
     # --- metrics -----------------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""Builds the KV connector EngineConfig.kv_transfer_config names, both halves, once, at construction."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagoda.config import EngineConfig
+from pagoda.engine.api import KVEventSink
+from pagoda.engine.kv_connector.base import KVConnector
+from pagoda.engine.kv_connector.keys import KVIdentity, block_hash_of, model_fingerprint
+from pagoda.engine.kv_connector.multi import MultiConnectorScheduler, MultiConnectorWorker
+from pagoda.engine.kv_connector.offload import BlockHashes, OffloadingScheduler
+from pagoda.engine.kv_connector.offload_worker import OffloadingWorker, block_layout
+from pagoda.engine.kv_connector.stores import KVStore, LocalStore
+from pagoda.kv_transfer_config import LOCAL_MEDIUM, KVTransferConfig
+
+
+def build_kv_connector(config: EngineConfig, transfer: KVTransferConfig, layers: Sequence[Sequence[torch.Tensor]],
+                       block_size: int, block_hashes: BlockHashes, events: KVEventSink | None = None) -> KVConnector:
+    """layers: each layer's slot-major KV tensors (this rank's). block_hashes: the KV manager's hash chain."""
+    if transfer.kv_connector == "MultiConnector":
+        children = [build_kv_connector(config, child, layers, block_size, block_hashes, events)
+                    for child in transfer.children]
+        return KVConnector(MultiConnectorScheduler([child.scheduler for child in children]),
+                           MultiConnectorWorker([child.worker for child in children]))
+    options = transfer.offload_options
+    assert options is not None
+    layout = block_layout(layers, block_size)
+    identity = KVIdentity(
+        model_id=options.model_id or model_fingerprint(config.model), quantization=config.quantization,
+        kv_dtype=config.dtype, kernels=_kernels(config), tp_rank=0, tp_size=config.parallel.tensor_parallel_size,
+        block_size=block_size, layout=layout.describe(),
+    )
+    tiers: list[KVStore] = []
+    if options.cpu_bytes_to_use:
+        def evicted(keys: list[bytes]) -> None:
+            if events is not None:
+                events.blocks_removed([block_hash_of(key) for key in keys], medium=LOCAL_MEDIUM)
+
+        tiers.append(LocalStore(options.cpu_bytes_to_use, layout.value_bytes, LOCAL_MEDIUM, evicted))
+    if options.shared_store is not None:
+        from pagoda.engine.kv_connector.redis_store import RedisStore  # the redis client only where a tier needs it
+
+        tiers.append(RedisStore(options.shared_store, options.shared_medium, options.store_timeout_ms / 1e3,
+                                options.reconnect_backoff_s, options.max_reconnect_backoff_s))
+    scheduler = OffloadingScheduler(tiers, identity.namespace(), block_size, block_hashes, transfer.loads,
+                                    transfer.saves)
+    return KVConnector(scheduler, OffloadingWorker(tiers, layers, block_size, events))
+
+
+def _kernels(config: EngineConfig) -> str:
+    if not config.use_kernels or config.device != "cpu":
+        return "torch"
+    from pagoda.kernels import simd_target
+
+    target, _ = simd_target()
+    return target or "torch"

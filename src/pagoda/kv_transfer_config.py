@@ -1,0 +1,156 @@
+"""`--kv-transfer-config` (vLLM's KVTransferConfig as JSON) and vLLM's shorthand `--kv-offloading-size GiB`
+`--kv-offloading-backend native`: which KV connector the engine is built with (docs/kv-offload.md).
+
+Torch-free neutral ground: the CLI reads it for `--help`, the engine's factory (engine/kv_connector/) builds the
+connector it names. A key pagoda does not take is refused by name, never ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+GIB = 1 << 30
+
+CONNECTORS = ("OffloadingConnector", "MultiConnector")
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
+OFFLOADING_BACKENDS = ("native",)
+TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
+
+# KV events' media (vLLM's names): the engine's own KV pool, whatever the device (as vLLM's num_gpu_blocks counts
+# it on a CPU); a host-memory offload tier; and the shared tier's default name (the router counts a block a
+# shared medium holds as held by every replica).
+DEVICE_MEDIUM = "GPU"
+LOCAL_MEDIUM = "CPU"
+SHARED_MEDIUM = "SHARED"
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """The OffloadingConnector's `kv_connector_extra_config`.
+
+    cpu_bytes_to_use: the local tier's size (vLLM's key; `--kv-offloading-size` GiB); 0: no local tier.
+    shared_store: the shared tier's URL (`redis://host:port/db`); None: no shared tier.
+    store_timeout_ms: the most one call to a store may wait before the store is bypassed and the tokens computed.
+    reconnect_backoff_s / max_reconnect_backoff_s: a store that failed is skipped for this long, doubling up to
+    the bound while it keeps failing; the first call that succeeds resets it.
+    shared_medium: the medium the shared tier's KV events report.
+    model_id: who may share blocks (default: a digest of the checkpoint's config and weight files' names and sizes).
+    """
+
+    cpu_bytes_to_use: int = 0
+    shared_store: str | None = None
+    store_timeout_ms: float = 100.0
+    reconnect_backoff_s: float = 0.5
+    max_reconnect_backoff_s: float = 5.0
+    shared_medium: str = SHARED_MEDIUM
+    model_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.cpu_bytes_to_use, bool) or not isinstance(self.cpu_bytes_to_use, int) \
+                or self.cpu_bytes_to_use < 0:
+            raise ValueError(f"kv_connector_extra_config: cpu_bytes_to_use must be a byte count >= 0, "
+                             f"got {self.cpu_bytes_to_use!r}")
+        if self.shared_store is not None and not self.shared_store.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_connector_extra_config: shared_store must be a redis:// URL, "
+                             f"got {self.shared_store!r}")
+        for name in ("store_timeout_ms", "reconnect_backoff_s", "max_reconnect_backoff_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"kv_connector_extra_config: {name} must be a positive number, got {value!r}")
+        if self.cpu_bytes_to_use == 0 and self.shared_store is None:
+            raise ValueError("OffloadingConnector needs a tier: cpu_bytes_to_use > 0 (--kv-offloading-size) "
+                             "or shared_store")
+        if self.shared_medium in ("GPU", LOCAL_MEDIUM):
+            raise ValueError(f"kv_connector_extra_config: shared_medium {self.shared_medium!r} names another tier")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> OffloadOptions:
+        known = [name for name in cls.__dataclass_fields__]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"OffloadingConnector: unsupported kv_connector_extra_config key(s) {', '.join(unknown)}; "
+                             f"pagoda takes {', '.join(known)}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's KVTransferConfig, the fields pagoda takes. MultiConnector's extra config is vLLM's:
+    `{"connectors": [KVTransferConfig, ...]}`, loading from the first that has the tokens, saving to all."""
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in CONNECTORS:
+            raise ValueError(f"kv_connector {self.kv_connector!r} is not built; pagoda has {', '.join(CONNECTORS)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        self.offload_options  # noqa: B018  (checked at construction, not at first use)
+        self.children  # noqa: B018
+
+    @property
+    def offload_options(self) -> OffloadOptions | None:
+        if self.kv_connector != "OffloadingConnector":
+            return None
+        return OffloadOptions.from_dict(self.kv_connector_extra_config)
+
+    @property
+    def children(self) -> tuple[KVTransferConfig, ...]:
+        if self.kv_connector != "MultiConnector":
+            return ()
+        extra = dict(self.kv_connector_extra_config)
+        connectors = extra.pop("connectors", None)
+        if extra:
+            raise ValueError(f"MultiConnector: unsupported kv_connector_extra_config key(s) {', '.join(sorted(extra))}")
+        if not isinstance(connectors, list) or not connectors:
+            raise ValueError('MultiConnector needs kv_connector_extra_config {"connectors": [...]}, a non-empty list')
+        children = []
+        for child in connectors:
+            if not isinstance(child, Mapping):
+                raise ValueError("MultiConnector: each of connectors must be a JSON object")
+            children.append(KVTransferConfig.from_dict(child))
+        return tuple(children)
+
+    @property
+    def loads(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_consumer")
+
+    @property
+    def saves(self) -> bool:
+        return self.kv_role in ("kv_both", "kv_producer")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> KVTransferConfig:
+        unknown = sorted(set(values) - set(TRANSFER_KEYS))
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unsupported key(s) {', '.join(unknown)}; "
+                             f"pagoda takes {', '.join(TRANSFER_KEYS)}")
+        if "kv_connector" not in values:
+            raise ValueError(f"kv_transfer_config needs kv_connector, one of {', '.join(CONNECTORS)}")
+        extra = values.get("kv_connector_extra_config") or {}
+        if not isinstance(extra, Mapping):
+            raise ValueError("kv_transfer_config: kv_connector_extra_config must be a JSON object")
+        return cls(values["kv_connector"], values.get("kv_role", "kv_both"), dict(extra))
+
+
+def kv_transfer_config_from(value: KVTransferConfig | Mapping[str, Any] | None) -> KVTransferConfig | None:
+    """`kv_transfer_config` as LLM(...) and the CLI take it: vLLM's JSON object, a KVTransferConfig or None."""
+    if value is None or isinstance(value, KVTransferConfig):
+        return value
+    if not isinstance(value, Mapping):
+        raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
+    return KVTransferConfig.from_dict(value)
+
+
+def offloading_shorthand(size_gib: float, backend: str | None) -> KVTransferConfig:
+    """vLLM's `--kv-offloading-size GiB --kv-offloading-backend native`: an OffloadingConnector with a local tier of
+    that size."""
+    if backend not in (None, *OFFLOADING_BACKENDS):
+        raise ValueError(f"kv_offloading_backend {backend!r} is not built; pagoda has {', '.join(OFFLOADING_BACKENDS)}")
+    if not size_gib > 0:
+        raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {size_gib!r}")
+    return KVTransferConfig("OffloadingConnector", "kv_both", {"cpu_bytes_to_use": int(size_gib * GIB)})
