@@ -10,7 +10,7 @@ Corrupt and mismatched blocks are refused, counted, and computed instead.
 from __future__ import annotations
 
 import pytest
-from kv_offload_fixtures import prompts, run_turns, tier, wait_for_saves
+from kv_offload_fixtures import GREEDY, prompts, run_turns, tier, wait_for_saves
 
 from pagoda import SamplingParams
 from pagoda.block_hash import hash_block_chain
@@ -268,3 +268,36 @@ def test_the_counters_reach_prometheus_text(model_dir, make_llm):
         f'pagoda:prompt_tokens_computed_total{{model_name="m"}} {float(stats.prompt_tokens_computed)}',
     ):
         assert line in text, line
+
+
+def test_an_adapters_blocks_and_the_bases_never_load_for_each_other(model_dir, make_llm, tmp_path):
+    """LoRA adapters key their blocks apart from the base's (the adapter is in the chained hash), and so do the
+    offload tiers: a conversation offloaded on the base is not loaded for an adapter request, and comes back for
+    the same adapter, with the output of that adapter computed from scratch."""
+    from lora_fixtures import make_adapter
+
+    from pagoda import LoRARequest
+
+    adapter = LoRARequest("tuned", 1, str(make_adapter(model_dir, tmp_path / "tuned", r=4, alpha=8,
+                                                       targets=["q_proj", "v_proj"], seed=3, scale=4.0)))
+    first, *others = prompts(5, 4, 40)
+    options = {**POOL, **LOCAL, "enable_lora": True, "max_lora_rank": 8}
+    on = make_llm(model_dir, **options)
+    plain = make_llm(model_dir, **POOL, enable_lora=True, max_lora_rank=8)
+
+    def turn(llm, prompt: list[int], lora: LoRARequest | None) -> list[int]:
+        tokens = list(llm.generate([prompt], GREEDY, lora_request=lora)[0].outputs[0].token_ids)
+        wait_for_saves(llm)
+        return tokens
+
+    base_then = turn(on, first, None)
+    for other in others:  # push the base's blocks out of the pool, down to the tier
+        turn(on, other, None)
+    loaded_before = on.engine.stats().kv_connector.external_prefix_cache_hits
+    assert turn(on, first, adapter) == turn(plain, first, adapter) != base_then
+    assert on.engine.stats().kv_connector.external_prefix_cache_hits == loaded_before, "base blocks for an adapter"
+    for other in others:  # and the adapter's out (these come back from the tier themselves)
+        turn(on, other, None)
+    loaded_before = on.engine.stats().kv_connector.external_prefix_cache_hits
+    assert turn(on, first + [7, 8], adapter) == turn(plain, first + [7, 8], adapter)
+    assert on.engine.stats().kv_connector.external_prefix_cache_hits == loaded_before + 40  # the adapter's own
