@@ -154,7 +154,7 @@ def test_url_chat_refuses_every_engine_flag_but_model(capsys):
     assert len(flags) > 20  # the grammar limits and the scheduling flags are among them
     for action in flags:
         flag = action.option_strings[0]
-        if isinstance(action, argparse.BooleanOptionalAction):
+        if isinstance(action, argparse.BooleanOptionalAction) or action.nargs == 0:  # a switch takes no value
             given = [flag]
         elif action.choices:
             given = [flag, str(next(iter(action.choices)))]
