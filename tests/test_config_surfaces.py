@@ -54,6 +54,8 @@ OPTIONS = {
     "max_loras": 2,
     "max_cpu_loras": 3,
     "max_lora_rank": 32,
+    "runner": "pooling",
+    "convert": "embed",
 }
 FLAGS = [
     "--dtype", "bfloat16", "--device", "meta", "--seed", "7", "--quantization", "int4",
@@ -67,6 +69,7 @@ FLAGS = [
                                                                     str(2 * f.default))],
     "-tp", "2", "--distributed-executor-backend", "mp",
     "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "32",
+    "--runner", "pooling", "--convert", "embed",
 ]
 
 
@@ -98,6 +101,7 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
     assert given.grammar == GrammarLimits(**{f.name: 2 * f.default for f in dataclasses.fields(GrammarLimits)})
     assert given.parallel == ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mp")
     assert given.lora == LoRAConfig(max_loras=2, max_cpu_loras=3, max_lora_rank=32)
+    assert given.runner == "pooling"
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "BFloat16", torch.bfloat16])

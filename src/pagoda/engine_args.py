@@ -126,6 +126,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="LoRA adapters kept loaded, least recently used dropped beyond (default: --max-loras)")
     parser.add_argument("--max-lora-rank", type=int,
                         help=f"highest LoRA rank an adapter may have (default {LoRAConfig.max_lora_rank})")
+    parser.add_argument("--runner", choices=["auto", "generate", "pooling"],
+                        help="generate, or pooling: serve the model as an embedding model (/v1/embeddings, "
+                             "docs/embeddings.md); auto: generate (default auto)")
+    parser.add_argument("--convert", choices=["auto", "none", "embed"],
+                        help="embed: serve a generative checkpoint as an embedding model (the pooling runner) "
+                             "(default auto)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads, split evenly across the --tensor-parallel-size ranks "
                              "(default: torch's choice, one per physical core)")

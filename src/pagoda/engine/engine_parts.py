@@ -32,6 +32,7 @@ from pagoda.model.loader import load_model_config
 from pagoda.model.lora import attach_lora
 from pagoda.model.parallel import check_divisible, kv_heads_per_rank
 from pagoda.model_dir import ModelLoadError
+from pagoda.pooling import PoolingConfig, load_pooling_config
 from pagoda.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class EngineParts:
     executor: Executor
     runner: ModelRunner  # rank 0's
     trace: StepTrace  # the steps' timeline, shared by the engine and rank 0's runner
+    pooling: PoolingConfig | None = None  # the pooling runner's (an embedding model); None: the generate runner
 
 
 def build_engine_parts(
@@ -84,7 +86,10 @@ def build_engine_parts(
     kv_pool_bytes = num_blocks * block_size * bytes_per_token
     max_model_len = _fit_max_model_len(wanted_len, num_blocks * block_size)
     config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
-    kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, kv_events)
+    pooling = load_pooling_config(config.model) if config.runner == "pooling" else None
+    # Mean and CLS pooling need every prompt position's hidden state, which a prefix hit does not have.
+    prefix_caching = config.cache.enable_prefix_caching and (pooling is None or pooling.uses_prefix_hits)
+    kv_cache = KVCacheManager(num_blocks, block_size, prefix_caching, kv_events)
     eos_token_ids = _eos_token_ids(model_config, tokenizer)
     structured = StructuredOutputs(tokenizer, model_config.vocab_size, eos_token_ids, config.grammar)
     draft_proposer = None if draft is None or speculative is None else DraftModelProposer(
@@ -104,7 +109,7 @@ def build_engine_parts(
         draft_proposer=draft_proposer, speculator=speculator,
         scheduler=Scheduler(config.scheduler, kv_cache, speculator, step_cost,
                             None if config.lora is None else config.lora.max_loras),
-        executor=executor, model=executor.runner.model, runner=executor.runner, trace=trace,
+        executor=executor, model=executor.runner.model, runner=executor.runner, trace=trace, pooling=pooling,
     )
 
 

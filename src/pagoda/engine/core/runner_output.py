@@ -20,3 +20,5 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)  # by request id
     # request id -> why it failed this step (it has no sampled_token_ids): the engine fails it alone
     failures: dict[str, Exception] = field(default_factory=dict)
+    # request id -> the pooled vector of an embedding request whose prompt this step completed
+    pooled: dict[str, list[float]] = field(default_factory=dict)
