@@ -175,3 +175,17 @@ def test_unsupported_pooling_files_are_refused(checkpoint, tmp_path):
     (model_dir / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(ModelLoadError, match="Dense"):
         load_pooling_config(model_dir)
+
+
+def test_an_aborted_embedding_frees_its_blocks_and_its_pooled_state(checkpoint, make_llm, tmp_path):
+    model_dir = embedding_model(checkpoint("llama"), tmp_path / "model", "mean", True)
+    llm = make_llm(model_dir, runner="pooling", max_num_batched_tokens=4)
+    engine = llm.engine
+    engine.add_request("half", _prompts(5)[3], PoolingParams())
+    assert engine.step() == []  # the first chunk: no vector yet
+    assert engine.kv_cache.num_free_blocks < engine.kv_cache.num_blocks
+    engine.abort_request("half")
+    assert not engine.has_unfinished_requests()
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert llm.embed([[7, 8, 9]])[0].finished  # the next step forgets the aborted request's running sum
+    assert engine.runner.pooler._states == {}
