@@ -56,6 +56,8 @@ OPTIONS = {
     "max_lora_rank": 32,
     "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                            "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 20}},
+    "runner": "pooling",
+    "convert": "embed",
 }
 # vLLM's shorthand for a kv_transfer_config (an OffloadingConnector of that many GiB): refused beside one.
 KV_OFFLOADING_SHORTHAND = {"kv_offloading_size", "kv_offloading_backend"}
@@ -72,6 +74,7 @@ FLAGS = [
     "-tp", "2", "--distributed-executor-backend", "mp",
     "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "32",
     "--kv-transfer-config", json.dumps(OPTIONS["kv_transfer_config"]),
+    "--runner", "pooling", "--convert", "embed",
 ]
 
 
@@ -103,6 +106,7 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
     assert given.grammar == GrammarLimits(**{f.name: 2 * f.default for f in dataclasses.fields(GrammarLimits)})
     assert given.parallel == ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mp")
     assert given.lora == LoRAConfig(max_loras=2, max_cpu_loras=3, max_lora_rank=32)
+    assert given.runner == "pooling"
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "BFloat16", torch.bfloat16])

@@ -25,8 +25,9 @@ COMPLETE_FIELDS = {"name", "ph", "ts", "dur", "pid", "tid"}
 SLACK_US = 1.0  # float rounding of microsecond times
 
 
-def check_document(document: dict) -> tuple[list[dict], list[dict], list[dict]]:
-    """The trace's steps, phases and parts, after checking the format and the nesting."""
+def check_document(document: dict, sampled: bool = True) -> tuple[list[dict], list[dict], list[dict]]:
+    """The trace's steps, phases and parts, after checking the format and the nesting (sampled: some step
+    sampled tokens; an embedding model's steps only pool)."""
     events = document["traceEvents"]
     assert events and all({"ph", "pid", "name"} <= set(e) for e in events)
     complete = [e for e in events if e["ph"] == "X"]
@@ -47,7 +48,7 @@ def check_document(document: dict) -> tuple[list[dict], list[dict], list[dict]]:
     for part in parts:
         assert any(e["ts"] - SLACK_US <= part["ts"] and part["ts"] + part["dur"] <= e["ts"] + e["dur"] + SLACK_US
                    for e in executes), part
-    assert {p["name"] for p in parts} >= {"prepare", "forward", "sample"}
+    assert {p["name"] for p in parts} >= {"prepare", "forward"} | ({"sample"} if sampled else set())
     return steps, phases, parts
 
 
@@ -128,3 +129,16 @@ def test_serve_profile_routes_record_streams_and_bench_drives_them(tmp_path):
         assert httpx.post(f"{plain.url}/start_profile", timeout=10).status_code == 404
     finally:
         plain.stop()
+
+
+def test_embedding_requests_have_their_tracks_too(checkpoint):
+    llm = LLM(str(checkpoint("llama")), runner="pooling", max_num_batched_tokens=32)
+    prompts = random_prompts([4 + 5 * i for i in range(8)])
+    llm.start_profile()
+    outputs = llm.embed(prompts)
+    document = llm.stop_profile()
+    steps, _, _ = check_document(document, sampled=False)
+    assert len(outputs) == 8 and all(output.outputs.embedding for output in outputs)
+    assert sum(s["args"]["tokens"] for s in steps) == sum(map(len, prompts))  # prompts only: nothing decodes
+    tracks = request_events(document)
+    assert len(tracks) == 8 and all({"b", "e"} <= set(track) for track in tracks.values())

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+from pagoda.engine.api import RequestOutput
 from pagoda.engine_args import (
     DEMO_SERVED_NAME,
     add_engine_args,
@@ -101,7 +102,7 @@ class EngineBackend:
                 outputs = self.engine.step()
                 for failed_id, failure in self.engine.pop_failures().items():
                     raise ChatError(f"request {failed_id} failed: {failure}")
-                completion = outputs[0].outputs[0] if outputs else None
+                completion = next((o.outputs[0] for o in outputs if isinstance(o, RequestOutput)), None)
                 if completion is None:  # a prompt chunk: nothing new, but a chance to stop
                     yield Delta("")
                     continue

@@ -138,6 +138,7 @@ SERVER_LIMITS = ("max_request_body_bytes", "max_chars_per_token", "max_sequences
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from pagoda.engine.api import RequestOutput
     from pagoda.engine.engine import LLMEngine
     from pagoda.model_dir import ModelLoadError
     from pagoda.sampling import SamplingParams
@@ -171,6 +172,8 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         while engine.has_unfinished_requests():
             for output in engine.step():
+                if not isinstance(output, RequestOutput):
+                    continue  # an embedding's: never asked for here
                 text = output.outputs[0].text
                 sys.stdout.write(text[printed:])
                 sys.stdout.flush()

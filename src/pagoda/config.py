@@ -339,8 +339,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # how the model is split across processes
     lora: LoRAConfig | None = None  # None: no LoRA adapters (enable_lora off)
     kv_transfer_config: KVTransferConfig | None = None  # the KV connector (offload tiers); None: none
+    runner: str = "generate"  # "generate", or "pooling": an embedding model (pagoda/pooling.py, vLLM's --runner)
 
     def __post_init__(self) -> None:
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"EngineConfig.runner must be generate or pooling, got {self.runner!r}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.quantization_config is not None and self.quantization != "int4":

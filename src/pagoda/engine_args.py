@@ -134,6 +134,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="GiB of host memory for offloaded KV blocks (the OffloadingConnector's local tier)")
     parser.add_argument("--kv-offloading-backend", choices=["native"],
                         help="what --kv-offloading-size runs on (default native)")
+    parser.add_argument("--runner", choices=["auto", "generate", "pooling"],
+                        help="generate, or pooling: serve the model as an embedding model (/v1/embeddings, "
+                             "docs/embeddings.md); auto: generate (default auto)")
+    parser.add_argument("--convert", choices=["auto", "none", "embed"],
+                        help="embed: serve a generative checkpoint as an embedding model (the pooling runner) "
+                             "(default auto)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads, split evenly across the --tensor-parallel-size ranks "
                              "(default: torch's choice, one per physical core)")

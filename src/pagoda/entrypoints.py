@@ -6,7 +6,7 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeGuard, cast
+from typing import Any, TypeGuard, TypeVar, cast
 
 from pagoda.config import (
     CacheConfig,
@@ -18,15 +18,17 @@ from pagoda.config import (
     int4_options_from,
     speculative_config_from,
 )
-from pagoda.engine.api import RequestOutput
+from pagoda.engine.api import EmbeddingRequestOutput, EngineOutput, RequestOutput
 from pagoda.engine.engine import LLMEngine
 from pagoda.kv_transfer_config import KVTransferConfig, kv_transfer_config_from, offloading_shorthand
 from pagoda.lora_request import LoRARequest
+from pagoda.pooling import PoolingParams, resolve_runner
 from pagoda.sampling import SamplingParams
 from pagoda.structured.limits import GRAMMAR_OPTIONS, GrammarLimits
 from pagoda.text.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+_Output = TypeVar("_Output", RequestOutput, EmbeddingRequestOutput)
 
 
 # The engine options, by vLLM's names, grouped by the part of EngineConfig they set.
@@ -39,10 +41,11 @@ PARALLEL_OPTIONS = ("tensor_parallel_size", "distributed_executor_backend")
 LORA_OPTIONS = ("max_loras", "max_cpu_loras", "max_lora_rank")  # with enable_lora=True only
 # vLLM's connector option and its offloading shorthand, which together make EngineConfig.kv_transfer_config.
 KV_TRANSFER_OPTIONS = ("kv_transfer_config", "kv_offloading_size", "kv_offloading_backend")
+RUNNER_OPTIONS = ("runner", "convert")  # vLLM's: resolved into EngineConfig.runner (pooling.resolve_runner)
 ENGINE_OPTIONS = (TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS + GRAMMAR_OPTIONS + PARALLEL_OPTIONS
-                  + ("enable_lora",) + LORA_OPTIONS + KV_TRANSFER_OPTIONS)
+                  + ("enable_lora",) + LORA_OPTIONS + KV_TRANSFER_OPTIONS + RUNNER_OPTIONS)
 # Options whose config field has another name (grammar_X sets GrammarLimits.X).
-FIELD_NAMES = {"num_kv_blocks": "num_blocks", "enable_lora": "lora",
+FIELD_NAMES = {"num_kv_blocks": "num_blocks", "enable_lora": "lora", "convert": "runner",
                **{option: option.removeprefix("grammar_") for option in GRAMMAR_OPTIONS}}
 
 
@@ -65,8 +68,10 @@ def build_engine_config(model: str, **options: Any) -> EngineConfig:
         lora = LoRAConfig(**_given(options, LORA_OPTIONS))
     elif given_lora := [name for name in LORA_OPTIONS if name in options]:
         raise ValueError(f"{', '.join(given_lora)} apply to LoRA adapters only: give enable_lora=True (--enable-lora)")
+    runner = resolve_runner(options.get("runner", "auto"), options.get("convert", "auto"))
     return EngineConfig(
         model=str(model),
+        runner=runner,
         **_given(options, TOP_LEVEL_OPTIONS),
         cache=CacheConfig(**_given(options, CACHE_OPTIONS)),
         scheduler=SchedulerConfig(**_given(options, SCHEDULER_OPTIONS)),
@@ -165,10 +170,38 @@ class LLM:
         except Exception:
             self.engine.abort_request(ids)  # all or nothing: a rejected prompt leaves no orphans behind
             raise
-        return self._run(ids, use_tqdm if use_tqdm is not None else sys.stderr.isatty())
+        return self._run(ids, use_tqdm if use_tqdm is not None else sys.stderr.isatty(), RequestOutput)
 
-    def _run(self, ids: list[str], show_progress: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One EmbeddingRequestOutput per prompt, in order (vLLM's): `.outputs.embedding`, a list of floats.
+        Needs the pooling runner (LLM(model, runner="pooling")); the model's files say how it pools
+        (pagoda/pooling.py). pooling_params: one for all prompts, or one per prompt."""
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompts = [prompts]
+        prompts = cast(Sequence[Prompt], prompts)
+        params = pooling_params or PoolingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("need one PoolingParams, or one per prompt")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                self.engine.add_request(request_id, prompt, p)
+                ids.append(request_id)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm if use_tqdm is not None else sys.stderr.isatty(), EmbeddingRequestOutput)
+
+    def _run(self, ids: list[str], show_progress: bool, kind: type[_Output]) -> list[_Output]:
+        finished: dict[str, EngineOutput] = {}
         progress = None
         if show_progress:
             from tqdm import tqdm  # type: ignore[import-untyped]  # (no stubs)
@@ -191,4 +224,6 @@ class LLM:
         finally:
             if progress is not None:
                 progress.close()
-        return [finished[i] for i in ids]
+        outputs = [finished[i] for i in ids]
+        assert all(isinstance(output, kind) for output in outputs)
+        return cast(list[_Output], outputs)

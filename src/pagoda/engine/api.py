@@ -84,6 +84,33 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
+@dataclass
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's shape): the pooled final hidden states, truncated and normalized as asked."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What an embedding request gives back (the pooling runner), once: when its prompt is all computed."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (last-token pooling only)
+    timeline: RequestTimeline | None = None  # its moments, for metrics (its "last token": the prompt's end)
+
+
+# What an engine step gives back: a generate request's progress, or an embedding request's vector.
+EngineOutput = RequestOutput | EmbeddingRequestOutput
+
+
 def best_logprobs(logprobs: dict[int, float], k: int) -> list[tuple[int, float]]:
     """The k best (token id, logprob) pairs, best first; equal logprobs keep the dict's order."""
     return sorted(logprobs.items(), key=lambda item: -item[1])[:k]
@@ -183,6 +210,7 @@ class EngineDescription:
     num_threads: int  # the threads each step's tensor work runs on (on each rank)
     kv_cache: KVCacheDescription
     tensor_parallel_size: int = 1  # the processes the model is split across
+    runner: str = "generate"  # "pooling": an embedding model, which answers embedding requests only
 
 
 # --- what the engine reports to -------------------------------------------------------------------------

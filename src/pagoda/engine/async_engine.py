@@ -16,9 +16,18 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda.engine.api import EngineDeadError, EngineDescription, EngineStats, RequestFailed, RequestOutput
+from pagoda.engine.api import (
+    EmbeddingRequestOutput,
+    EngineDeadError,
+    EngineDescription,
+    EngineOutput,
+    EngineStats,
+    RequestFailed,
+    RequestOutput,
+)
 from pagoda.engine.engine import LLMEngine
 from pagoda.lora_request import LoRARequest
+from pagoda.pooling import PoolingParams
 from pagoda.sampling import SamplingParams
 from pagoda.structured.interface import GrammarStateError
 
@@ -31,9 +40,9 @@ MAX_CONSECUTIVE_STEP_FAILURES = 3
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[EngineOutput | BaseException] = field(default_factory=asyncio.Queue)
 
-    def put(self, item: RequestOutput | BaseException) -> None:
+    def put(self, item: EngineOutput | BaseException) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
@@ -73,6 +82,29 @@ class AsyncEngine:
         """Raises RequestRejected for a request that can never run. Reads only config: safe on any thread."""
         self._engine.validate(prompt_ids, params, priority)
 
+    def validate_embedding(self, prompt_ids: list[int], params: PoolingParams) -> None:
+        """Raises RequestRejected for an embedding request that can never run. Reads only config: safe on any
+        thread."""
+        self._engine.validate_embedding(prompt_ids, params)
+
+    async def embed(self, request_id: str, prompt: str | list[int], params: PoolingParams,
+                    cache_salt: str | None = None, priority: int = 0) -> EmbeddingRequestOutput:
+        """The prompt's embedding (the pooling runner). Cancelling the wait aborts the request."""
+        if self.is_dead:
+            raise EngineDeadError("the engine is not running")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._submit(lambda: self._add(request_id, prompt, params, cache_salt, priority))
+        try:
+            item = await stream.queue.get()
+        except BaseException:
+            self.abort(request_id)
+            raise
+        if isinstance(item, BaseException):
+            raise item
+        assert isinstance(item, EmbeddingRequestOutput)
+        return item
+
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
         priority: int = 0, lora_request: LoRARequest | None = None,
@@ -90,6 +122,7 @@ class AsyncEngine:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                assert isinstance(item, RequestOutput)  # the request was a generate request
                 finished = item.finished
                 yield item
                 if finished:
@@ -143,8 +176,8 @@ class AsyncEngine:
     # --- engine thread -----------------------------------------------------------------------------
 
     def _add(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None, priority: int,
-        lora_request: LoRARequest | None = None,
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams, cache_salt: str | None,
+        priority: int, lora_request: LoRARequest | None = None,
     ) -> None:
         try:
             self._engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
@@ -203,7 +236,7 @@ class AsyncEngine:
                 return
             command()
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[EngineOutput]) -> None:
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:

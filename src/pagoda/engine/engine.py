@@ -15,12 +15,12 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.engine.api import (
     EngineDescription,
+    EngineOutput,
     EngineStats,
     KVCacheDescription,
     KVConnectorStats,
     KVEventSink,
     LoRAStats,
-    RequestOutput,
     RequestRejected,
     SpecDecodeStats,
 )
@@ -32,10 +32,12 @@ from pagoda.engine.engine_parts import build_engine_parts
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.output_processor import OutputProcessor, SequenceText
 from pagoda.engine.parallel_sampling import RequestGroup
+from pagoda.engine.pooling_requests import NOT_A_GENERATE_ENGINE, PoolingRequests
 from pagoda.lora_request import LoRARequest
 from pagoda.model.loader import checkpoint_num_parameters
 from pagoda.model.lora_checkpoint import LoRALoadError
 from pagoda.model.quantization import quantized_matmul_name
+from pagoda.pooling import PoolingParams
 from pagoda.sampling import SamplingParams
 
 
@@ -67,6 +69,9 @@ class LLMEngine:
             self.structured, self.config.seed,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        # Embedding requests (pooling.py); with the generate runner it only refuses them.
+        self.pooling = PoolingRequests(self.tokenizer, self.config.scheduler, self.model_config.vocab_size,
+                                       parts.pooling)
         self._failed: list[RequestGroup[SequenceText]] = []  # failed (and aborted) since the last pop_failures()
 
     @property
@@ -76,12 +81,19 @@ class LLMEngine:
     # --- the vLLM-shaped API -----------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-        priority: int = 0, lora_request: LoRARequest | None = None,
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
+        cache_salt: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None,
     ) -> None:
-        """lora_request: the LoRA adapter to run the request with (None: the base model)."""
-        if request_id in self.output_processor:
+        """params: SamplingParams to generate, PoolingParams to embed (the pooling runner's only kind).
+        lora_request: the LoRA adapter to run the request with (None: the base model)."""
+        if request_id in self.output_processor or request_id in self.pooling:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise RequestRejected("LoRA adapters are not supported with embedding requests", "model")
+            self.scheduler.add_request(self.pooling.add(request_id, prompt, params, cache_salt, priority))
+            return
+        self._check_generates()
         adapter = None if lora_request is None else self.add_lora(lora_request)
         inputs = self.input_processor.process_inputs(request_id, prompt, params, cache_salt, priority, adapter)
         group = self.output_processor.add_request(request_id, inputs.prompt, inputs.samples)
@@ -100,18 +112,30 @@ class LLMEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raises RequestRejected for a request that can never run. Thread-safe (input_processor.py)."""
+        self._check_generates()
         self.input_processor.validate(prompt_ids, params, priority)
+
+    def validate_embedding(self, prompt_ids: list[int], params: PoolingParams) -> None:
+        """Raises RequestRejected for an embedding request that can never run (pooling_requests.py). Thread-safe."""
+        self.pooling.validate(prompt_ids, params)
+
+    def _check_generates(self) -> None:
+        if self.config.runner == "pooling":
+            raise RequestRejected(NOT_A_GENERATE_ENGINE, "model")
 
     def abort_request(self, request_id: str | list[str]) -> None:
         for group_id in [request_id] if isinstance(request_id, str) else request_id:
             group = self.output_processor.pop(group_id)
             if group is not None:
                 self.scheduler.finish_requests(group.requests, FinishReason.ABORT)
+            embedding = self.pooling.pop(group_id)
+            if embedding is not None:
+                self.scheduler.finish_requests([embedding], FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         started = time.perf_counter()
         self.trace.begin_step()
         scheduler_output = self.scheduler.schedule()
@@ -125,6 +149,8 @@ class LLMEngine:
         self._record_prompt_logprobs(runner_output.prompt_logprobs)
         core_outputs = self.scheduler.update(scheduler_output, runner_output)
         self.trace.phase("outputs")
+        embeddings, failed_embeddings, core_outputs = self.pooling.take_outputs(core_outputs)
+        self.scheduler.finish_requests(failed_embeddings, FinishReason.ABORT)
         processed = self.output_processor.process_outputs(core_outputs)
         self.scheduler.finish_requests(processed.stopped, FinishReason.STOP)
         for group in processed.failed:
@@ -134,8 +160,9 @@ class LLMEngine:
             self.scheduler.add_request(request, front=True)
         # The whole step, as a decoding stream waits for it, teaches the scheduler's step-time model.
         self.scheduler.observe_step(scheduler_output, time.perf_counter() - started)
-        self.trace.end_step(processed.request_outputs)
-        return processed.request_outputs
+        outputs: list[EngineOutput] = [*embeddings, *processed.request_outputs]
+        self.trace.end_step(outputs)
+        return outputs
 
     def _record_prompt_logprobs(self, chunks: dict[str, PromptLogprobsChunk]) -> None:
         for request_id, (start, logprobs) in chunks.items():
@@ -199,7 +226,7 @@ class LLMEngine:
                 num_bytes=self.kv_pool_bytes, sizing_reason=self.kv_pool.reason,
                 enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=config.dtype,
             ),
-            tensor_parallel_size=self.executor.tensor_parallel_size,
+            tensor_parallel_size=self.executor.tensor_parallel_size, runner=config.runner,
         )
 
     def check_health(self) -> None:
@@ -219,4 +246,5 @@ class LLMEngine:
     def pop_failures(self) -> dict[str, Exception]:
         """Requests that failed (and were aborted) during the last steps, with their errors."""
         failed, self._failed = self._failed, []
-        return {group.request_id: group.failure for group in failed if group.failure is not None}
+        embeddings, self.pooling.failures = self.pooling.failures, {}
+        return {**{group.request_id: group.failure for group in failed if group.failure is not None}, **embeddings}

@@ -34,6 +34,7 @@ from pagoda.model.loader import load_model_config
 from pagoda.model.lora import attach_lora
 from pagoda.model.parallel import check_divisible, kv_heads_per_rank
 from pagoda.model_dir import ModelLoadError
+from pagoda.pooling import PoolingConfig, load_pooling_config
 from pagoda.text.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class EngineParts:
     runner: ModelRunner  # rank 0's
     trace: StepTrace  # the steps' timeline, shared by the engine and rank 0's runner
     kv_connector: KVConnector | None
+    pooling: PoolingConfig | None = None  # the pooling runner's (an embedding model); None: the generate runner
 
 
 def build_engine_parts(
@@ -89,7 +91,13 @@ def build_engine_parts(
     kv_pool_bytes = num_blocks * block_size * bytes_per_token
     max_model_len = _fit_max_model_len(wanted_len, num_blocks * block_size)
     config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
-    kv_cache = KVCacheManager(num_blocks, block_size, config.cache.enable_prefix_caching, kv_events)
+    pooling = load_pooling_config(config.model) if config.runner == "pooling" else None
+    if pooling is not None and config.kv_transfer_config is not None:
+        raise ModelLoadError("a KV connector does not run with the pooling runner: an embedding request keeps no "
+                             "KV, and mean or CLS pooling needs every prompt position computed")
+    # Mean and CLS pooling need every prompt position's hidden state, which a prefix hit does not have.
+    prefix_caching = config.cache.enable_prefix_caching and (pooling is None or pooling.uses_prefix_hits)
+    kv_cache = KVCacheManager(num_blocks, block_size, prefix_caching, kv_events)
     eos_token_ids = _eos_token_ids(model_config, tokenizer)
     structured = StructuredOutputs(tokenizer, model_config.vocab_size, eos_token_ids, config.grammar)
     draft_proposer = None if draft is None or speculative is None else DraftModelProposer(
@@ -112,7 +120,7 @@ def build_engine_parts(
                             max_loras=None if config.lora is None else config.lora.max_loras,
                             connector=None if kv_connector is None else kv_connector.scheduler),
         executor=executor, model=executor.runner.model, runner=executor.runner, trace=trace,
-        kv_connector=kv_connector,
+        kv_connector=kv_connector, pooling=pooling,
     )
 
 

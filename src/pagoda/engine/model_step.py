@@ -9,7 +9,7 @@ step (engine/multiproc_executor.py); requests, sampling and grammars stay with t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -30,6 +30,8 @@ class ModelStep:
     # One compute_logits call per entry, in this order: the rows of the flat batch it takes. Split across
     # ranks, each call gathers the vocabulary, so every rank makes the same calls.
     logits_rows: list[list[int]]
+    # Rows whose final hidden states (after the final norm) the step returns too, after the logits: embeddings'.
+    hidden_rows: list[int] = field(default_factory=list)
 
 
 class StepExecution(Protocol):
@@ -40,7 +42,8 @@ class StepExecution(Protocol):
     block_size: int
 
     def run(self, step: ModelStep) -> list[torch.Tensor]:
-        """The step's forward; returns the logits of each entry of step.logits_rows, fp32 [rows, vocab]."""
+        """The step's forward; returns the logits of each entry of step.logits_rows, fp32 [rows, vocab], then, if
+        step.hidden_rows, those rows' final hidden states, fp32 [rows, hidden]."""
         ...
 
 
@@ -67,8 +70,11 @@ class ModelExecution:
         meta = step.layout.metadata(self.block_size, self.windows)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         hidden = self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta)
-        return [self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-                for rows in step.logits_rows]
+        outputs = [self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+                   for rows in step.logits_rows]
+        if step.hidden_rows:
+            outputs.append(hidden[torch.tensor(step.hidden_rows, device=self.device)].float())
+        return outputs
 
 
 def kv_layer_tensors(kv_caches: list[KVCache]) -> list[tuple[torch.Tensor, ...]]:

@@ -40,6 +40,7 @@ from pagoda.engine.grammar_masks import GrammarMasks, StructuredOutputs
 from pagoda.engine.kv_connector.base import KVConnectorWorker
 from pagoda.engine.lora_manager import LoRAManager
 from pagoda.engine.model_step import ModelStep, StepExecution
+from pagoda.engine.pooler import Pooler
 from pagoda.engine.sampler import Proposal, SamplerOutput, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.step_trace import StepTrace
 from pagoda.model.attention import QueryLayout, slot_of
@@ -76,6 +77,7 @@ class ModelRunner:
         self.structured = structured
         self.draft = draft  # None: no draft model (no speculation, or n-gram)
         self.lora = lora
+        self.pooler = Pooler()  # embedding requests' pooled states, carried across their prompt's chunks
         # Grammar masks are filled here while the forward runs: step t's mask depends only on tokens known
         # before step t (llguidance releases the GIL while it computes).
         self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
@@ -112,17 +114,19 @@ class ModelRunner:
             prompt_rows = _prompt_logprob_rows(scheduled)
             logits_rows = [item_rows for _, item_rows in prompt_rows] + (
                 [_sampling_indices(scheduled)] if rows else [])
+            pooling = self.pooler.plan(scheduled)
             step = ModelStep([token_id for item in scheduled for token_id in item.input_token_ids()],
-                             _attention_layout(scheduled, self.block_size), logits_rows)
+                             _attention_layout(scheduled, self.block_size), logits_rows, pooling.rows)
             if self.lora is not None:
                 self.lora.begin_step(scheduled)
         with self.trace.span("forward"):
             all_logits = self.execution.run(step)
+        pooled = self.pooler.pool(pooling, all_logits.pop() if pooling.rows else None) if pooling.chunks else {}
         prompt_logprobs = _prompt_logprobs([item for item, _ in prompt_rows], all_logits)
         if not rows:
             if self.draft is not None:
                 self.draft.follow(scheduled, {})
-            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs, pooled=pooled)
         logits = all_logits[-1]
         failures: dict[str, Exception] = {}
         bitmask = None
@@ -141,7 +145,7 @@ class ModelRunner:
             sampled.setdefault(request_id, []).append(token_id)
             if row_logprobs is not None:
                 sampled_logprobs.setdefault(request_id, []).append(row_logprobs)
-        output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs, failures=failures)
+        output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs, failures=failures, pooled=pooled)
         for item in scheduled:
             request_id = item.request.request_id
             if request_id not in sampled or request_id in failures:

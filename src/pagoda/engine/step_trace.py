@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from pagoda.engine.api import RequestOutput
+from pagoda.engine.api import EngineOutput, RequestOutput
 
 ENGINE_TRACK = 1  # tid of the steps and their phases
 REQUESTS_TRACK = 2  # tid the requests' async events are listed under
@@ -75,7 +75,7 @@ class StepTrace:
         if self.recording:
             self._step_args.update(args)
 
-    def end_step(self, outputs: list[RequestOutput]) -> None:
+    def end_step(self, outputs: Sequence[EngineOutput]) -> None:
         if not self.recording or self._step_start is None or self._phase is None:
             return
         now = time.monotonic()
@@ -112,21 +112,23 @@ class StepTrace:
             if self.recording:
                 self._events.append(event)
 
-    def _request(self, output: RequestOutput) -> None:
-        """A finished request's life on its own async track, from its timeline."""
-        for completion in output.outputs:
-            timeline = completion.timeline
+    def _request(self, output: EngineOutput) -> None:
+        """A finished request's life on its own async track, from its timeline (each sample's, or an embedding
+        request's, which ends with its prompt)."""
+        lives = [(c.index, c.timeline, c.finish_reason) for c in output.outputs] \
+            if isinstance(output, RequestOutput) else [(0, output.timeline, "embedded")]
+        for index, timeline, finish_reason in lives:
             if timeline is None or timeline.arrival < self._origin or timeline.last_token is None:
                 continue  # arrived before the recording began: its start is not in the trace
             track = {"cat": "request", "pid": self._pid, "tid": REQUESTS_TRACK,
-                     "id": f"{output.request_id}-{completion.index}"}
+                     "id": f"{output.request_id}-{index}"}
             events = [{"name": "request", "ph": "b", "ts": self._us(timeline.arrival), **track,
                        "args": {"prompt_tokens": timeline.num_prompt_tokens}}]
             if timeline.first_token is not None:
                 events.append({"name": "first token", "ph": "n", "ts": self._us(timeline.first_token), **track})
             events.append({"name": "request", "ph": "e", "ts": self._us(timeline.last_token), **track,
                            "args": {"output_tokens": timeline.num_output_tokens,
-                                    "finish_reason": completion.finish_reason}})
+                                    "finish_reason": finish_reason}})
             with self._lock:
                 if self.recording:
                     self._events.extend(events)

@@ -28,6 +28,7 @@ from pagoda.lora_request import LoRARequest
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
 from pagoda.server.chat_output import ChatOutputFormat
+from pagoda.server.embeddings import mount_embeddings, require_generate_runner
 from pagoda.server.generation import Generation
 from pagoda.server.openapi import install_openapi
 from pagoda.server.profile import mount_profile
@@ -169,6 +170,8 @@ def build_app(state: ServerState) -> FastAPI:
         state.require_ready()
         return state.responses.get(response_id).response
 
+    mount_embeddings(app, state)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         loaded = state.require_ready()
@@ -204,8 +207,10 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 def _admit(state: ServerState, model: str | None) -> LoadedModel:
+    """The generate routes' door."""
     loaded = state.require_ready()
     state.adapter(model)  # a name that is neither the model's nor an adapter's: 404
+    require_generate_runner(loaded)
     return loaded
 
 

@@ -29,6 +29,7 @@ from pagoda.engine.async_engine import AsyncEngine
 from pagoda.engine.engine import LLMEngine
 from pagoda.lora_request import LoRARequest
 from pagoda.model_dir import ModelLoadError
+from pagoda.pooling import PoolingParams
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import Admission
 from pagoda.server.api import build_app
@@ -108,8 +109,9 @@ def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Calla
 
 
 def _warm_up(engine: LLMEngine) -> None:
-    """One tiny generation before /health turns 200, so the first user does not pay for lazy init."""
-    engine.add_request("warmup", [engine.tokenizer.bos_token_id or 0] * 4, SamplingParams(max_tokens=2))
+    """One tiny generation (or embedding) before /health turns 200, so the first user does not pay for lazy init."""
+    params = PoolingParams() if engine.config.runner == "pooling" else SamplingParams(max_tokens=2)
+    engine.add_request("warmup", [engine.tokenizer.bos_token_id or 0] * 4, params)
     while engine.has_unfinished_requests():
         engine.step()
 

@@ -40,6 +40,7 @@ _ROUTE_ERRORS = {
     "/v1/chat/completions": (400, 404, 413, 429, 503, 504),
     "/v1/responses": (400, 404, 413, 429, 503, 504),
     "/v1/responses/{response_id}": (404, 503),
+    "/v1/embeddings": (400, 404, 413, 429, 503, 504),
     "/tokenize": (400, 404, 413, 503),
     "/detokenize": (400, 404, 413, 503),
     "/v1/models": (503,),

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pagoda.engine.api import RequestTimeline
 from pagoda.engine.core.lora import AdapterId
+from pagoda.pooling import ResolvedPooling
 from pagoda.sampling import SamplingParams
 from pagoda.structured.interface import GrammarMatcher
 
@@ -48,6 +49,9 @@ class Request:
     priority: int = 0  # under the "priority" policy, lower runs first (vLLM's convention)
     # Where the output stands in its constraint's grammar; advanced only by tokens appended to the output.
     grammar: GrammarMatcher | None = None
+    # An embedding request (the pooling runner): prefill only, it ends once its prompt is computed, with the
+    # pooled vector instead of tokens.
+    pooling: ResolvedPooling | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     # prompt_logprobs[i]: logprobs of prompt token i + 1 (the first prompt token has none)

@@ -23,3 +23,5 @@ class ModelRunnerOutput:
     # request id -> how many of its tokens have valid KV, for a request whose KV load failed this step (the KV
     # connector's): it did not run, and computes the tokens past that instead.
     kv_load_failures: dict[str, int] = field(default_factory=dict)
+    # request id -> the pooled vector of an embedding request whose prompt this step completed
+    pooled: dict[str, list[float]] = field(default_factory=dict)

@@ -47,8 +47,10 @@ class ScheduledRequest:
 
     @property
     def samples(self) -> bool:
-        """Does this step reach the request's last known token, so that the next one is sampled?"""
-        return self.request.num_computed_tokens + self.num_known_tokens == self.request.num_tokens
+        """Does this step reach the request's last known token, so that the next one is sampled? (An
+        embedding request never samples.)"""
+        request = self.request
+        return request.pooling is None and request.num_computed_tokens + self.num_known_tokens == request.num_tokens
 
     @property
     def is_decode(self) -> bool:
@@ -89,6 +91,7 @@ class EngineCoreOutput:
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, float]] | None = None
     error: Exception | None = None
+    pooled: list[float] | None = None  # an embedding request's vector, when its prompt is all computed
 
 
 @dataclass
@@ -309,9 +312,14 @@ class Scheduler:
                 outputs.append(EngineCoreOutput(request, error=error))
                 continue
             token_ids = runner_output.sampled_token_ids.get(request.request_id)
-            if token_ids is None:  # a prefill chunk that did not reach the end of the prompt
+            if token_ids is None:  # a prefill chunk that did not reach the end of the prompt, or an embedding's
                 request.num_computed_tokens += item.num_tokens
                 self.kv_cache.cache_full_blocks(request)
+                pooled = runner_output.pooled.get(request.request_id)
+                if pooled is not None:  # an embedding is done with its prompt: it ends, its blocks freed now
+                    request.record_new_tokens(now)
+                    self.finish_requests([request], FinishReason.STOP)
+                    outputs.append(EngineCoreOutput(request, pooled=pooled))
                 continue
             if item.draft_token_ids:
                 self.spec_decode.record(len(item.draft_token_ids), len(token_ids) - 1)
