@@ -27,13 +27,15 @@ Prompt = str | list[int]
 # The engine options, by vLLM's names, grouped by the part of EngineConfig they set.
 TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "quantization_config", "use_kernels",
                      "speculative_config")
-CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching")
+CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching", "kv_cache_dtype",
+                 "calculate_kv_scales")
 SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_step_ms",
                      "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s")
 PARALLEL_OPTIONS = ("tensor_parallel_size", "distributed_executor_backend")
 ENGINE_OPTIONS = TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS + GRAMMAR_OPTIONS + PARALLEL_OPTIONS
 # Options whose config field has another name (grammar_X sets GrammarLimits.X).
-FIELD_NAMES = {"num_kv_blocks": "num_blocks", **{option: option.removeprefix("grammar_") for option in GRAMMAR_OPTIONS}}
+FIELD_NAMES = {"num_kv_blocks": "num_blocks", "kv_cache_dtype": "cache_dtype",
+               **{option: option.removeprefix("grammar_") for option in GRAMMAR_OPTIONS}}
 
 
 def build_engine_config(model: str, **options: Any) -> EngineConfig:

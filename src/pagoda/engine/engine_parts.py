@@ -71,8 +71,10 @@ def build_engine_parts(
     # A draft model's KV mirrors the target's slot for slot: the pool's bytes pay for both, and for every rank's
     # KV heads (a KV head on several ranks is paid for on each).
     kv_heads_held = kv_heads_per_rank(model_config.num_kv_heads, tensor_parallel_size) * tensor_parallel_size
-    bytes_per_token = model_config.kv_bytes_per_token(config.dtype) * kv_heads_held // model_config.num_kv_heads + (
-        0 if draft is None else draft.config.kv_bytes_per_token(draft.dtype)
+    cache_dtype = config.cache.cache_dtype
+    bytes_per_token = (
+        model_config.kv_bytes_per_token(config.dtype, cache_dtype) * kv_heads_held // model_config.num_kv_heads
+        + (0 if draft is None else draft.config.kv_bytes_per_token(draft.dtype, cache_dtype))
     )
     wanted_len = min(config.scheduler.max_model_len, model_config.max_position_embeddings)
     kv_pool = kv_pool_size(config.cache, config.scheduler.max_num_seqs, wanted_len, bytes_per_token)
@@ -85,13 +87,14 @@ def build_engine_parts(
     structured = StructuredOutputs(tokenizer, model_config.vocab_size, eos_token_ids, config.grammar)
     draft_proposer = None if draft is None or speculative is None else DraftModelProposer(
         draft, speculative, num_blocks, block_size, config.scheduler.max_num_seqs, max_model_len, structured,
-        config.device,
+        config.device, config.cache.cache_dtype, config.cache.calculate_kv_scales,
     )
     speculator = None if speculative is None else Speculator(speculative, draft_proposer)
     executor = build_executor(config, num_blocks, block_size, structured, draft_proposer)
     logger.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB; %s), max_model_len %d",
-        num_blocks, block_size, kv_pool_bytes / 2**20, kv_pool.reason, max_model_len,
+        "KV cache: %d blocks of %d tokens, %s (%.1f MiB; %s), max_model_len %d",
+        num_blocks, block_size, config.cache.kv_dtype(config.dtype), kv_pool_bytes / 2**20, kv_pool.reason,
+        max_model_len,
     )
     return EngineParts(
         config=config, tokenizer=tokenizer, model_config=model_config, kv_pool=kv_pool,
@@ -107,8 +110,9 @@ def build_executor(config: EngineConfig, num_blocks: int, block_size: int, struc
     """The executor config.parallel asks for, its model loaded (every rank's, under tensor parallelism)."""
     if config.parallel.executor_backend == "uni":
         model = load_engine_model(config)
-        return UniProcExecutor(ModelRunner(ModelExecution(model, num_blocks, block_size, config.device), structured,
-                                           draft))
+        execution = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
+                                   config.cache.calculate_kv_scales)
+        return UniProcExecutor(ModelRunner(execution, structured, draft))
     from pagoda.engine.multiproc_executor import MultiprocExecutor
 
     return MultiprocExecutor(config, num_blocks, block_size, structured, draft)

@@ -40,7 +40,7 @@ from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_worker
-from pagoda.model.llama import KVCache
+from pagoda.model.kv_cache import LayerKV
 from pagoda.model.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -93,8 +93,9 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         logger.info("tensor parallel: %d ranks (rank 0 in this process), %d thread(s) each", world_size, threads)
-        execution = BroadcastExecution(ModelExecution(model, num_blocks, block_size, config.device),
-                                       [worker.connection for worker in self._workers])
+        local = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
+                               config.cache.calculate_kv_scales)
+        execution = BroadcastExecution(local, [worker.connection for worker in self._workers])
         super().__init__(ModelRunner(execution, structured, draft))
 
     @property
@@ -137,7 +138,7 @@ class BroadcastExecution:
     def __init__(self, local: ModelExecution, connections: list[Connection]) -> None:
         self.local = local
         self.model = local.model
-        self.kv_caches: list[KVCache] = local.kv_caches
+        self.kv_caches: list[LayerKV] = local.kv_caches
         self.block_size = local.block_size
         self.connections = connections
 

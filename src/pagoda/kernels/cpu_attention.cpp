@@ -1,8 +1,11 @@
 // Paged decode attention on the CPU: one query token per sequence, keys and values read in place
 // from the paged cache through each sequence's slot list, without gathering them into a batch.
 //
-// q: [B, H, D]; k_cache, v_cache: [num_slots, KVH, D] (fp32 or bf16); slots: [B, L] int64 (padded);
-// seq_lens: [B] int64; window: 0 for none, else keys at positions >= seq_len - window.
+// q: [B, H, D]; the cache (kv_quant.h's view): K, V [num_slots, KVH, D] in q's dtype, int8 codes with their
+// scales [num_slots, KVH], or e4m3 codes with the layer's scales; slots: [B, L] int64 (padded); seq_lens: [B]
+// int64; window: 0 for none, else keys at positions >= seq_len - window. Codes are widened in registers: a key's
+// score is its codes' dot product times its scale, a value's weight its probability times its scale (fp8's layer
+// scales fold into the query's scale and the normalisation); nothing is dequantized to memory.
 // Work is split over (sequence, kv head); each task handles the G = H / KVH query heads sharing that
 // kv head, so every key and value row is read from memory once and used G times from registers.
 // Three passes per task, each vectorised: scores (q.k, 16 keys at a time, one horizontal sum per 16
@@ -18,8 +21,10 @@
 #include <immintrin.h>
 
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "cpu_kv_cache.h"
 #include "cpu_ops.h"
 #include "cpu_vec.h"
 
@@ -27,6 +32,9 @@ namespace {
 
 using pagoda::exp16;
 using pagoda::load16;
+using pagoda::kv_quant::fp8_e4m3;
+using pagoda::kv_quant::KVCacheView;
+using pagoda::kv_quant::KVFormat;
 
 constexpr int kMaxGroup = 16;  // query heads per kv head handled in registers
 
@@ -72,15 +80,29 @@ inline void prefetch_rows(const T* cache, const TaskRows& rows, int64_t from, in
   }
 }
 
-// One (sequence, kv head) task; C = D / 16 vector chunks per head. `next`: the rows this thread reads next.
-template <typename T, int C>
-void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t first,
-                 int64_t len, T* out, int64_t G, int64_t KVH, int64_t kvh, float scale, float* scores,
+// One (sequence, kv head) task; C = D / 16 vector chunks per head; KV the cache's element (T, int8_t or fp8_e4m3).
+// `next`: the rows this thread reads next. scores: [G, L] scratch; row_scales: [2 L] scratch (int8's key and value
+// scales of the task's rows).
+template <typename T, typename KV, int C>
+void attend_task(const T* q, const KVCacheView& cache, const int64_t* slots, int64_t first, int64_t len, T* out,
+                 int64_t G, int64_t KVH, int64_t kvh, float scale, float* scores, float* row_scales,
                  const TaskRows& next) {
   constexpr int64_t D = 16 * C;
+  constexpr bool kPerToken = std::is_same_v<KV, int8_t>;
+  const KV* k_cache = static_cast<const KV*>(cache.k);
+  const KV* v_cache = static_cast<const KV*>(cache.v);
   const int64_t n = len - first;
   const int64_t stride = KVH * D;  // elements between consecutive slots
   const TaskRows own{slots + first, n, kvh * D};
+  float* key_scales = row_scales;
+  float* value_scales = row_scales + n;
+  if constexpr (kPerToken) {
+    for (int64_t i = 0; i < n; ++i) {
+      key_scales[i] = cache.k_scales[slots[first + i] * KVH + kvh];
+      value_scales[i] = cache.v_scales[slots[first + i] * KVH + kvh];
+    }
+  }
+  scale *= cache.k_scale;
   auto prefetch_block = [&](int64_t from, int64_t to) {  // as the first head scores keys [from, to)
     prefetch_rows(v_cache, own, from, to, stride, D);
     prefetch_rows(k_cache, next, from, to, stride, D);
@@ -95,19 +117,22 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
       if (g == 0) prefetch_block(i, i + 16);
       __m512 partial[16];
       for (int j = 0; j < 16; ++j) {
-        const T* key = k_cache + slots[first + i + j] * stride + kvh * D;
+        const KV* key = k_cache + slots[first + i + j] * stride + kvh * D;
         __m512 acc = _mm512_mul_ps(query[0], load16(key));
         for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], load16(key + c * 16), acc);
         partial[j] = acc;
       }
-      _mm512_storeu_ps(row + i, transpose_sum16(partial));
+      __m512 block = transpose_sum16(partial);
+      if constexpr (kPerToken) block = _mm512_mul_ps(block, _mm512_loadu_ps(key_scales + i));
+      _mm512_storeu_ps(row + i, block);
     }
     if (g == 0) prefetch_block(i, std::max(n, next.count));  // the tail, and the rest of a longer next task
     for (; i < n; ++i) {
-      const T* key = k_cache + slots[first + i] * stride + kvh * D;
+      const KV* key = k_cache + slots[first + i] * stride + kvh * D;
       __m512 acc = _mm512_mul_ps(query[0], load16(key));
       for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], load16(key + c * 16), acc);
       row[i] = _mm512_reduce_add_ps(acc);
+      if constexpr (kPerToken) row[i] *= key_scales[i];
     }
     // Softmax weights in place: exp(score - max), and their sum.
     __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
@@ -122,15 +147,19 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
       total = _mm512_add_ps(total, w);
       _mm512_mask_storeu_ps(row + i, live, w);
     }
-    const float inv_total = 1.0f / _mm512_reduce_add_ps(total);
-    for (i = 0; i < n; ++i) row[i] *= inv_total;
+    const float inv_total = cache.v_scale / _mm512_reduce_add_ps(total);
+    if constexpr (kPerToken) {
+      for (i = 0; i < n; ++i) row[i] *= inv_total * value_scales[i];
+    } else {
+      for (i = 0; i < n; ++i) row[i] *= inv_total;
+    }
   }
   // Weighted sum of values: each value row is loaded once and used by all G heads.
   __m512 acc[kMaxGroup][C];
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const T* value = v_cache + slots[first + i] * stride + kvh * D;
+    const KV* value = v_cache + slots[first + i] * stride + kvh * D;
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(value + c * 16);
     for (int64_t g = 0; g < G; ++g) {
@@ -145,13 +174,14 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   }
 }
 
-template <typename T, int C>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, const int64_t* seq_lens, T* out,
-            int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
+template <typename T, typename KV, int C>
+void attend(const T* q, const KVCacheView& cache, const int64_t* slots, const int64_t* seq_lens, T* out, int64_t B,
+            int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
   constexpr int64_t D = 16 * C;
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L + 16);
+    std::vector<float> row_scales(std::is_same_v<KV, int8_t> ? 2 * L + 16 : 0);
     auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0; };
     auto rows_of = [&](int64_t task) {
       if (task >= end) return TaskRows{};
@@ -161,25 +191,37 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH;
       const int64_t head = b * H + kvh * G;
-      attend_task<T, C>(q + head * D, k_cache, v_cache, slots + b * L, first_key(b), seq_lens[b], out + head * D, G,
-                        KVH, kvh, scale, scores.data(), rows_of(task + 1));
+      attend_task<T, KV, C>(q + head * D, cache, slots + b * L, first_key(b), seq_lens[b], out + head * D, G, KVH,
+                            kvh, scale, scores.data(), row_scales.data(), rows_of(task + 1));
     }
   });
 }
 
-template <typename T>
-void dispatch_head_dim(int64_t D, const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens,
+template <typename T, typename KV>
+void dispatch_head_dim(int64_t D, const T* q, const KVCacheView& cache, const int64_t* slots, const int64_t* lens,
                        T* out, int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
   switch (D / 16) {
-    case 1: return attend<T, 1>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 2: return attend<T, 2>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 3: return attend<T, 3>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 4: return attend<T, 4>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 5: return attend<T, 5>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 6: return attend<T, 6>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 7: return attend<T, 7>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 8: return attend<T, 8>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
+    case 1: return attend<T, KV, 1>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 2: return attend<T, KV, 2>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 3: return attend<T, KV, 3>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 4: return attend<T, KV, 4>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 5: return attend<T, KV, 5>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 6: return attend<T, KV, 6>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 7: return attend<T, KV, 7>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 8: return attend<T, KV, 8>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
     default: TORCH_CHECK(false, "head_dim must be 16..128, a multiple of 16");
+  }
+}
+
+template <typename T>
+void dispatch_format(int64_t D, const T* q, const KVCacheView& cache, const int64_t* slots, const int64_t* lens,
+                     T* out, int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
+  switch (cache.format) {
+    case KVFormat::kModel: return dispatch_head_dim<T, T>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case KVFormat::kInt8:
+      return dispatch_head_dim<T, int8_t>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case KVFormat::kFp8:
+      return dispatch_head_dim<T, fp8_e4m3>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale);
   }
 }
 
@@ -187,11 +229,12 @@ void dispatch_head_dim(int64_t D, const T* q, const T* k, const T* v, const int6
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& slots,
-                                     const torch::Tensor& seq_lens, int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,H,D], caches [S,KVH,D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+                                     const torch::Tensor& seq_lens, int64_t window, double scale,
+                                     const std::optional<torch::Tensor>& k_scale,
+                                     const std::optional<torch::Tensor>& v_scale) {
+  TORCH_CHECK(q.dim() == 3, "q [B,H,D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "fp32 or bf16 only");
+  const KVCacheView cache = pagoda::kv_cache_view(k_cache, v_cache, k_scale, v_scale, q.scalar_type());
   TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 slots and lens");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "query heads per kv head: a divisor, at most 16");
@@ -203,15 +246,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto out = torch::empty_like(qc);
   const int64_t L = slot_rows.size(1);
   if (q.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(D, qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                             slot_rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H,
-                             KVH, L, window, static_cast<float>(scale));
+    dispatch_format<float>(D, qc.data_ptr<float>(), cache, slot_rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                           out.data_ptr<float>(), B, H, KVH, L, window, static_cast<float>(scale));
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "fp32 or bf16 only");
-    dispatch_head_dim<at::BFloat16>(D, qc.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                                    v_cache.data_ptr<at::BFloat16>(), slot_rows.data_ptr<int64_t>(),
-                                    lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, L, window,
-                                    static_cast<float>(scale));
+    dispatch_format<at::BFloat16>(D, qc.data_ptr<at::BFloat16>(), cache, slot_rows.data_ptr<int64_t>(),
+                                  lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, L, window,
+                                  static_cast<float>(scale));
   }
   return out;
 }
