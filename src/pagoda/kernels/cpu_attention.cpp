@@ -7,7 +7,9 @@
 // score is its codes' dot product times its scale, a value's weight its probability times its scale (fp8's layer
 // scales fold into the query's scale and the normalisation); nothing is dequantized to memory.
 // Work is split over (sequence, kv head); each task handles the G = H / KVH query heads sharing that
-// kv head, so every key and value row is read from memory once and used G times from registers.
+// kv head, so every key and value row is read from memory once and used G times: keys widened to fp32 once
+// per block of 16 into an L1 tile that every head scores from (widening int8 or e4m3 codes costs more than
+// the dot product), values from registers.
 // Three passes per task, each vectorised: scores (q.k, 16 keys at a time, one horizontal sum per 16
 // keys), exp (a polynomial over 16 scores at a time), then the weighted sum of values. Scores, the
 // softmax and the accumulation are in fp32.
@@ -108,32 +110,52 @@ void attend_task(const T* q, const KVCacheView& cache, const int64_t* slots, int
     prefetch_rows(k_cache, next, from, to, stride, D);
     prefetch_rows(v_cache, next, from, to, stride, D);
   };
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 query[C];
-    for (int c = 0; c < C; ++c) query[c] = _mm512_mul_ps(load16(q + g * D + c * 16), _mm512_set1_ps(scale));
-    float* row = scores + g * n;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      if (g == 0) prefetch_block(i, i + 16);
+  // The scaled queries, and the task's keys widened to fp32 once per block of 16 (an fp32 cache is read in place):
+  // every head of the group scores the block from L1, instead of widening each key once per head.
+  alignas(64) float queries[kMaxGroup * D];
+  for (int64_t e = 0; e < G * D; e += 16) _mm512_store_ps(queries + e, _mm512_mul_ps(load16(q + e), _mm512_set1_ps(scale)));
+  alignas(64) float tile[16 * D];
+  auto widened = [&](int64_t i, int j) -> const float* {  // key i of the task, as fp32 (j: its row in the tile)
+    const KV* key = k_cache + slots[first + i] * stride + kvh * D;
+    if constexpr (std::is_same_v<KV, float>) {
+      return key;
+    } else {
+      for (int c = 0; c < C; ++c) _mm512_store_ps(tile + j * D + c * 16, load16(key + c * 16));
+      return tile + j * D;
+    }
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    prefetch_block(i, i + 16);
+    const float* keys[16];
+    for (int j = 0; j < 16; ++j) keys[j] = widened(i + j, j);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 query[C];
+      for (int c = 0; c < C; ++c) query[c] = _mm512_load_ps(queries + g * D + c * 16);
       __m512 partial[16];
       for (int j = 0; j < 16; ++j) {
-        const KV* key = k_cache + slots[first + i + j] * stride + kvh * D;
-        __m512 acc = _mm512_mul_ps(query[0], load16(key));
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], load16(key + c * 16), acc);
+        __m512 acc = _mm512_mul_ps(query[0], _mm512_loadu_ps(keys[j]));
+        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], _mm512_loadu_ps(keys[j] + c * 16), acc);
         partial[j] = acc;
       }
       __m512 block = transpose_sum16(partial);
       if constexpr (kPerToken) block = _mm512_mul_ps(block, _mm512_loadu_ps(key_scales + i));
-      _mm512_storeu_ps(row + i, block);
+      _mm512_storeu_ps(scores + g * n + i, block);
     }
-    if (g == 0) prefetch_block(i, std::max(n, next.count));  // the tail, and the rest of a longer next task
-    for (; i < n; ++i) {
-      const KV* key = k_cache + slots[first + i] * stride + kvh * D;
-      __m512 acc = _mm512_mul_ps(query[0], load16(key));
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], load16(key + c * 16), acc);
-      row[i] = _mm512_reduce_add_ps(acc);
-      if constexpr (kPerToken) row[i] *= key_scales[i];
+  }
+  prefetch_block(i, std::max(n, next.count));  // the tail, and the rest of a longer next task
+  for (; i < n; ++i) {
+    const float* key = widened(i, 0);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(_mm512_load_ps(queries + g * D), _mm512_loadu_ps(key));
+      for (int c = 1; c < C; ++c)
+        acc = _mm512_fmadd_ps(_mm512_load_ps(queries + g * D + c * 16), _mm512_loadu_ps(key + c * 16), acc);
+      scores[g * n + i] = _mm512_reduce_add_ps(acc);
+      if constexpr (kPerToken) scores[g * n + i] *= key_scales[i];
     }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores + g * n;
     // Softmax weights in place: exp(score - max), and their sum.
     __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (i = 0; i + 16 <= n; i += 16) maxv = _mm512_max_ps(maxv, _mm512_loadu_ps(row + i));
