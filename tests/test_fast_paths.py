@@ -289,7 +289,9 @@ def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_head
     args = (q, kv, meta, head_dim**-0.5, window)
     fast = CpuAttentionBackend(kernels).forward(*args).float()
     reference = TorchAttentionBackend().forward(*args).float()
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    # bf16: the output's own rounding. int8 on the avx512 target: each query rounded to int16 for the integer dot
+    # products (2^-16 of its largest element), far below the codes' own error but above fp32's.
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4 if cache_dtype == "int8" else 1e-5
     torch.testing.assert_close(fast, reference, atol=tolerance, rtol=tolerance)
 
 

@@ -154,7 +154,8 @@ def test_the_summary_says_what_runs(demo_llm):
     assert rows["model"] == f"pagoda-demo ({DEMO_MODEL_DIR})"
     assert rows["parameters"] == "3.1M"
     assert rows["dtype"] == "float32" and rows["quantization"] == "none"
-    assert rows["KV cache"].startswith("4096 blocks x 16 tokens = 65536 tokens, float32, 128.0 MiB (max_num_seqs 128 x ")
+    assert rows["KV cache"].startswith(
+        "4096 blocks x 16 tokens = 65536 tokens, float32, 128.0 MiB (max_num_seqs 128 x ")
     assert rows["max_model_len"] == "512"
     assert rows["threads"] == str(torch.get_num_threads())
     assert rows["native kernels"] == native_kernels_status(demo_llm.engine.config)

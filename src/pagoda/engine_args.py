@@ -108,13 +108,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, help="explicit pool size in blocks")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         help=f"default {show_default(CacheConfig.enable_prefix_caching)}")
-    parser.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+    # The names normalised by the type (fp8 is fp8_e4m3), which refuses the fp8 forms pagoda does not store by name.
+    parser.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, choices=("auto", "fp8_e4m3", "int8"),
+                        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
                         help="the KV cache's storage: auto (the model's dtype), fp8 (= fp8_e4m3, a scale per "
                              "layer) or int8 (a scale per token and KV head); fp8 and int8 hold ~2x the tokens "
                              f"of bf16 (default {CacheConfig.cache_dtype}; docs/kv-cache.md)")
-    parser.add_argument("--calculate-kv-scales", action="store_true", default=None,
+    parser.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
                         help="fp8 KV: each layer's K and V scales from the first K/V written (amax / 448), "
-                             "not 1.0")
+                             f"not 1.0 (default {show_default(CacheConfig.calculate_kv_scales)})")
     parser.add_argument("--speculative-config", type=json_object,
                         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '

@@ -82,6 +82,61 @@ inline void prefetch_rows(const T* cache, const TaskRows& rows, int64_t from, in
   }
 }
 
+// int8 keys scored in integers (C even: 32 int16 lanes a chunk): each head's scaled query rounded to int16 with its
+// own scale (amax / 32767: relative error 2^-16, far below the codes' own), a block of 16 keys' codes widened to
+// int16 once, and vpdpwssd summing code x query pairs in int32 (each lane at most 8 x 127 x 32767 < 2^25: exact,
+// and exact in fp32); a score is that sum times the query's and the key's scale. Half the instructions of
+// widening the codes to fp32 for FMAs. scores: [G, n]; rows: the task's slots; offset: its head's in a row.
+template <int C, typename Prefetch>
+void score_int8_keys(const float* queries, const int8_t* k_cache, const int64_t* rows, int64_t n, int64_t stride,
+                     int64_t offset, const float* key_scales, int64_t G, float* scores, const Prefetch& prefetch_block,
+                     int64_t next_count) {
+  constexpr int64_t D = 16 * C, P = D / 32;
+  alignas(64) int16_t q16[kMaxGroup * D];
+  float q_scales[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_load_ps(queries + g * D + c * 16)));
+    const float top = _mm512_reduce_max_ps(amax);
+    q_scales[g] = top > 0.0f ? top / 32767.0f : 1.0f;
+    const __m512 inverse = _mm512_set1_ps(1.0f / q_scales[g]);
+    for (int c = 0; c < C; ++c) {
+      const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(queries + g * D + c * 16), inverse));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q16 + g * D + c * 16), _mm512_cvtsepi32_epi16(codes));
+    }
+  }
+  alignas(64) int16_t tile[16 * D];
+  auto widen = [&](int64_t i, int j) {
+    const int8_t* key = k_cache + rows[i] * stride + offset;
+    for (int p = 0; p < P; ++p)
+      _mm512_store_si512(tile + j * D + p * 32,
+                         _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + p * 32))));
+  };
+  auto dot = [&](int j, int64_t g) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int p = 0; p < P; ++p)
+      acc = _mm512_dpwssd_epi32(acc, _mm512_load_si512(tile + j * D + p * 32), _mm512_load_si512(q16 + g * D + p * 32));
+    return _mm512_cvtepi32_ps(acc);
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    prefetch_block(i, i + 16);
+    for (int j = 0; j < 16; ++j) widen(i + j, j);
+    const __m512 key_scale = _mm512_loadu_ps(key_scales + i);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 partial[16];
+      for (int j = 0; j < 16; ++j) partial[j] = dot(j, g);
+      const __m512 scale = _mm512_mul_ps(key_scale, _mm512_set1_ps(q_scales[g]));
+      _mm512_storeu_ps(scores + g * n + i, _mm512_mul_ps(transpose_sum16(partial), scale));
+    }
+  }
+  prefetch_block(i, std::max(n, next_count));  // the tail, and the rest of a longer next task
+  for (; i < n; ++i) {
+    widen(i, 0);
+    for (int64_t g = 0; g < G; ++g) scores[g * n + i] = _mm512_reduce_add_ps(dot(0, g)) * (key_scales[i] * q_scales[g]);
+  }
+}
+
 // One (sequence, kv head) task; C = D / 16 vector chunks per head; KV the cache's element (T, int8_t or fp8_e4m3).
 // `next`: the rows this thread reads next. scores: [G, L] scratch; row_scales: [2 L] scratch (int8's key and value
 // scales of the task's rows).
@@ -114,44 +169,49 @@ void attend_task(const T* q, const KVCacheView& cache, const int64_t* slots, int
   // every head of the group scores the block from L1, instead of widening each key once per head.
   alignas(64) float queries[kMaxGroup * D];
   for (int64_t e = 0; e < G * D; e += 16) _mm512_store_ps(queries + e, _mm512_mul_ps(load16(q + e), _mm512_set1_ps(scale)));
-  alignas(64) float tile[16 * D];
-  auto widened = [&](int64_t i, int j) -> const float* {  // key i of the task, as fp32 (j: its row in the tile)
-    const KV* key = k_cache + slots[first + i] * stride + kvh * D;
-    if constexpr (std::is_same_v<KV, float>) {
-      return key;
-    } else {
-      for (int c = 0; c < C; ++c) _mm512_store_ps(tile + j * D + c * 16, load16(key + c * 16));
-      return tile + j * D;
-    }
-  };
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    prefetch_block(i, i + 16);
-    const float* keys[16];
-    for (int j = 0; j < 16; ++j) keys[j] = widened(i + j, j);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 query[C];
-      for (int c = 0; c < C; ++c) query[c] = _mm512_load_ps(queries + g * D + c * 16);
-      __m512 partial[16];
-      for (int j = 0; j < 16; ++j) {
-        __m512 acc = _mm512_mul_ps(query[0], _mm512_loadu_ps(keys[j]));
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], _mm512_loadu_ps(keys[j] + c * 16), acc);
-        partial[j] = acc;
+  if constexpr (kPerToken && C % 2 == 0) {
+    score_int8_keys<C>(queries, k_cache, slots + first, n, stride, kvh * D, key_scales, G, scores, prefetch_block,
+                       next.count);
+  } else {
+    alignas(64) float tile[16 * D];
+    auto widened = [&](int64_t i, int j) -> const float* {  // key i of the task, as fp32 (j: its row in the tile)
+      const KV* key = k_cache + slots[first + i] * stride + kvh * D;
+      if constexpr (std::is_same_v<KV, float>) {
+        return key;
+      } else {
+        for (int c = 0; c < C; ++c) _mm512_store_ps(tile + j * D + c * 16, load16(key + c * 16));
+        return tile + j * D;
       }
-      __m512 block = transpose_sum16(partial);
-      if constexpr (kPerToken) block = _mm512_mul_ps(block, _mm512_loadu_ps(key_scales + i));
-      _mm512_storeu_ps(scores + g * n + i, block);
+    };
+    for (; i + 16 <= n; i += 16) {
+      prefetch_block(i, i + 16);
+      const float* keys[16];
+      for (int j = 0; j < 16; ++j) keys[j] = widened(i + j, j);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 query[C];
+        for (int c = 0; c < C; ++c) query[c] = _mm512_load_ps(queries + g * D + c * 16);
+        __m512 partial[16];
+        for (int j = 0; j < 16; ++j) {
+          __m512 acc = _mm512_mul_ps(query[0], _mm512_loadu_ps(keys[j]));
+          for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], _mm512_loadu_ps(keys[j] + c * 16), acc);
+          partial[j] = acc;
+        }
+        __m512 block = transpose_sum16(partial);
+        if constexpr (kPerToken) block = _mm512_mul_ps(block, _mm512_loadu_ps(key_scales + i));
+        _mm512_storeu_ps(scores + g * n + i, block);
+      }
     }
-  }
-  prefetch_block(i, std::max(n, next.count));  // the tail, and the rest of a longer next task
-  for (; i < n; ++i) {
-    const float* key = widened(i, 0);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(_mm512_load_ps(queries + g * D), _mm512_loadu_ps(key));
-      for (int c = 1; c < C; ++c)
-        acc = _mm512_fmadd_ps(_mm512_load_ps(queries + g * D + c * 16), _mm512_loadu_ps(key + c * 16), acc);
-      scores[g * n + i] = _mm512_reduce_add_ps(acc);
-      if constexpr (kPerToken) scores[g * n + i] *= key_scales[i];
+    prefetch_block(i, std::max(n, next.count));  // the tail, and the rest of a longer next task
+    for (; i < n; ++i) {
+      const float* key = widened(i, 0);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(_mm512_load_ps(queries + g * D), _mm512_loadu_ps(key));
+        for (int c = 1; c < C; ++c)
+          acc = _mm512_fmadd_ps(_mm512_load_ps(queries + g * D + c * 16), _mm512_loadu_ps(key + c * 16), acc);
+        scores[g * n + i] = _mm512_reduce_add_ps(acc);
+        if constexpr (kPerToken) scores[g * n + i] *= key_scales[i];
+      }
     }
   }
   for (int64_t g = 0; g < G; ++g) {
