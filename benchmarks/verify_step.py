@@ -57,9 +57,9 @@ def measure(name: str, model: Path, args) -> list[dict]:
     per_request = -(-(args.context + max(k for _, k in SHAPES) + 1) // block_size)
     num_blocks = max(b * (1 + k) for b, k in SHAPES) * per_request
     llm = LLM(str(model), num_kv_blocks=num_blocks, block_size=block_size)
-    for k_cache, v_cache in llm.engine.runner.kv_caches:  # attention reads these: zeros, not whatever was there
-        k_cache.zero_()
-        v_cache.zero_()
+    for kv in llm.engine.runner.kv_caches:  # attention reads these: zeros, not whatever was there
+        kv.k.zero_()
+        kv.v.zero_()
     rows = []
     for num_requests, k in SHAPES:
         verify, decode = layouts(num_requests, k, args.context, block_size)

@@ -13,7 +13,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pagoda.model.kv_cache import LayerKV
+
 LinearSpec = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+KVSpec = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -63,13 +66,14 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def _rotary_write_kv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     rotated_heads = num_heads + k_cache.shape[1]
     x = qkv[:, :rotated_heads]
     half = x.shape[-1] // 2
     qkv[:, :rotated_heads] = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-    k_cache.index_copy_(0, slot_mapping, qkv[:, num_heads:rotated_heads])
-    v_cache.index_copy_(0, slot_mapping, qkv[:, rotated_heads:])
+    kv = LayerKV(k_cache, v_cache, k_scale, v_scale)
+    kv.write(slot_mapping, qkv[:, num_heads:rotated_heads], qkv[:, rotated_heads:])
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
@@ -90,9 +94,11 @@ def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) ->
 
 
 def _paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
-                            seq_lens: torch.Tensor, window: int, scale: float) -> torch.Tensor:
+                            seq_lens: torch.Tensor, window: int, scale: float, k_scale: torch.Tensor | None = None,
+                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
     mask = _window_mask(seq_lens[:, None] - 1, torch.arange(key_slots.shape[1])[None], window)
-    attended = _attend(q[:, :, None], k_cache[key_slots], v_cache[key_slots], mask[:, None, None], scale)
+    keys, values = LayerKV(k_cache, v_cache, k_scale, v_scale).gather(key_slots, q.dtype)
+    attended = _attend(q[:, :, None], keys, values, mask[:, None, None], scale)
     return attended[:, :, 0]
 
 
@@ -144,23 +150,23 @@ class ReferenceDecodeStack:
         heads.copy_(normed)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                kv_caches: list[KVSpec], slot_mapping: torch.Tensor,
                 key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         self.log.append(("DecodeStack.forward", (x, cos, sin, kv_caches, slot_mapping, key_slots, seq_lens)))
         assert len(kv_caches) == len(self.layers), "one (k, v) cache pair per layer"
         heads, kv_heads = self.heads, self.kv_heads
         delta = None
         for (input_norm, post_norm, q_norm, k_norm, qkv_proj, o_proj, gate_up_proj, down_proj, window), (
-            k_cache, v_cache
+            k_cache, v_cache, k_scale, v_scale
         ) in zip(self.layers, kv_caches):
             qkv = qkv_proj(_add_rms_norm_(x, delta, input_norm, self.eps)).view(-1, heads + 2 * kv_heads,
                                                                                  self.head_dim)
             if q_norm is not None:
                 self._norm_heads_(qkv[:, :heads], q_norm)
                 self._norm_heads_(qkv[:, heads : heads + kv_heads], k_norm)
-            _rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads)
+            _rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, k_scale, v_scale)
             attended = _paged_decode_attention(qkv[:, :heads], k_cache, v_cache, key_slots, seq_lens, window,
-                                               self.scale)
+                                               self.scale, k_scale, v_scale)
             attended = o_proj(attended.reshape(-1, heads * self.head_dim))
             delta = down_proj(_silu_mul(gate_up_proj(_add_rms_norm_(x, attended, post_norm, self.eps))))
         return _add_rms_norm_(x, delta, self.final_norm, self.eps)
@@ -213,15 +219,19 @@ class ReferenceKernels:
         return _silu_mul(gate_up)
 
     def rotary_write_kv_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> None:
-        self._logged("rotary_write_kv_", (qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads))
-        _rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads)
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+        self._logged("rotary_write_kv_", (qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, k_scale,
+                                          v_scale))
+        _rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, k_scale, v_scale)
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int,
-                               scale: float) -> torch.Tensor:
-        self._logged("paged_decode_attention", (q, k_cache, v_cache, key_slots, seq_lens, window, scale))
-        return _paged_decode_attention(q, k_cache, v_cache, key_slots, seq_lens, window, scale)
+                               key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int, scale: float,
+                               k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        self._logged("paged_decode_attention", (q, k_cache, v_cache, key_slots, seq_lens, window, scale, k_scale,
+                                                v_scale))
+        return _paged_decode_attention(q, k_cache, v_cache, key_slots, seq_lens, window, scale, k_scale, v_scale)
 
     def paged_prefill_attention_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor,

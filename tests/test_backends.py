@@ -14,6 +14,7 @@ import pagoda.kernels
 from pagoda import SamplingParams
 from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
 from pagoda.model.backends import create_runtime
+from pagoda.model.kv_cache import LayerKV
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model, load_model_config
@@ -130,7 +131,7 @@ def test_decode_stack_step_is_bit_identical_to_the_module_path(checkpoint, stand
     model, config = load_model(checkpoint(arch), dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(3)
     shape = (64 * 4, config.num_kv_heads, config.head_dim)
-    caches = [(torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16())
+    caches = [LayerKV(torch.randn(shape, generator=gen).bfloat16(), torch.randn(shape, generator=gen).bfloat16())
               for _ in range(config.num_layers)]
     meta = build_metadata([1] * 3, [5, 17, 40], [[1, 9], [2, 3, 4, 5, 6], list(range(10, 20))], 4,
                           set(config.sliding_windows) or {None})
@@ -138,8 +139,8 @@ def test_decode_stack_step_is_bit_identical_to_the_module_path(checkpoint, stand
     runner = model.backend.decode_runner
     assert runner is not None and runner.takes(meta, 3)
 
-    def step() -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
-        step_caches = [(k.clone(), v.clone()) for k, v in caches]
+    def step() -> tuple[torch.Tensor, list[LayerKV]]:
+        step_caches = [LayerKV(kv.k.clone(), kv.v.clone()) for kv in caches]
         with torch.inference_mode():
             return model(input_ids, meta.positions, step_caches, meta), step_caches
 
@@ -149,7 +150,8 @@ def test_decode_stack_step_is_bit_identical_to_the_module_path(checkpoint, stand
     module_hidden, module_caches = step()
     assert stand_in.called("paged_decode_attention") == config.num_layers
     assert torch.equal(stack_hidden, module_hidden)
-    assert all(torch.equal(a, b) for pair, other in zip(stack_caches, module_caches) for a, b in zip(pair, other))
+    assert all(torch.equal(a, b) for kv, other in zip(stack_caches, module_caches)
+               for a, b in zip(kv.tensors(), other.tensors()))
 
 
 def test_engine_runs_the_kernel_wiring_to_the_torch_paths_tokens(make_llm, checkpoint, stand_in):

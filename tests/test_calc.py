@@ -194,6 +194,15 @@ def test_llama_3_70b_kv_figures_through_the_cli(capsys):
     assert out["memory"]["kv_bytes_per_sequence"] == 2_684_354_560
 
 
+def test_quantized_kv_counts_as_the_engine_stores_it(capsys):
+    """int8 KV is pagoda's format: a 4-byte scale per token and KV head beside the codes (the engine sizes its pool
+    with the same function); fp8 has a scale per layer, nothing per token."""
+    out = calc_json(capsys, "--model", "llama-3-70b", "--kv-dtype", "int8")
+    assert out["memory"]["kv_bytes_per_token"] == 2 * 80 * 8 * (128 + 4)
+    assert f.kv_bytes_per_token(80, 8, 128, "fp8") == f.kv_bytes_per_token(80, 8, 128, "fp16") / 2
+    assert f.kv_bytes_per_token(30, 3, 64, "bf16") / f.kv_bytes_per_token(30, 3, 64, "int8") == 128 / 68
+
+
 def test_custom_gpu_ridge_point(capsys):
     custom = ("--tflops", "990", "--tbps", "3.35", "--gpu-mem-gb", "80")
     out = calc_json(capsys, "--model", "llama-3-8b", *custom)

@@ -37,6 +37,8 @@ OPTIONS = {
     "kv_cache_memory_bytes": 3 << 20,
     "num_kv_blocks": 100,
     "enable_prefix_caching": False,
+    "kv_cache_dtype": "fp8",
+    "calculate_kv_scales": True,
     "max_model_len": 512,
     "max_num_seqs": 8,
     "max_num_batched_tokens": 1024,
@@ -65,7 +67,8 @@ FLAGS = [
     "--dtype", "bfloat16", "--device", "meta", "--seed", "7", "--quantization", "int4",
     "--quantization-config", json.dumps(OPTIONS["quantization_config"]), "--no-use-kernels",
     "--block-size", "32", "--kv-cache-memory-bytes", "3M", "--num-kv-blocks", "100",
-    "--no-enable-prefix-caching", "--max-model-len", "512", "--max-num-seqs", "8",
+    "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8", "--calculate-kv-scales", "--max-model-len", "512",
+    "--max-num-seqs", "8",
     "--max-num-batched-tokens", "1024", "--max-step-ms", "50", "--long-prefill-token-threshold", "256",
     "--scheduling-policy", "priority", "--priority-aging-s", "2.5",
     "--speculative-config", json.dumps(OPTIONS["speculative_config"]),
@@ -97,7 +100,7 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
     assert given.dtype == "bfloat16"
     assert given.quantization_config == Int4Options(group_size=64, sym=True, lm_head=False, search=False)
     assert given.cache == CacheConfig(block_size=32, kv_cache_memory_bytes=3 << 20, num_blocks=100,
-                                      enable_prefix_caching=False)
+                                      enable_prefix_caching=False, cache_dtype="fp8_e4m3", calculate_kv_scales=True)
     assert given.scheduler == SchedulerConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=1024,
                                               max_step_ms=50.0, long_prefill_token_threshold=256,
                                               scheduling_policy="priority", priority_aging_s=2.5)

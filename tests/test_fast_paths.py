@@ -20,6 +20,7 @@ from torch import nn
 from pagoda import SamplingParams
 from pagoda.kernels import TARGETS as ALL_TARGETS
 from pagoda.kernels import available_targets, cpu_flags, target_kernels
+from pagoda.model.kv_cache import LayerKV
 from pagoda.model.quantization import KERNEL_MAX_ROWS, DenseLinear, Int8Linear
 
 # The kernel tests run each target this CPU has, and skip (saying why) where it has none: a test that compares
@@ -261,8 +262,11 @@ def test_paged_attention_kernel_matches_reference_backend(make_llm, checkpoint, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (16, 2, 128), (8, 1, 32)])
 @pytest.mark.parametrize("window", [None, 13])
-def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_heads, head_dim, window):
-    """The kernel against the reference decode on scattered slots, lengths on and off 16-key blocks."""
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_heads, head_dim, window, cache_dtype):
+    """The kernel against the reference decode on scattered slots, lengths on and off 16-key blocks, on a cache in
+    the model's dtype or quantized (the kernel widening codes in registers, the reference dequantizing the keys
+    it gathers)."""
     from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
 
     gen = torch.Generator().manual_seed(heads * head_dim)
@@ -276,11 +280,18 @@ def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_head
     meta = build_metadata([1] * len(seq_lens), seq_lens, tables, block_size, {window})
     k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
                         for _ in range(2))
+    kv = LayerKV.allocate(num_blocks * block_size, kv_heads, head_dim, dtype, cache_dtype)
+    if cache_dtype == "fp8_e4m3":
+        kv.k_scale.fill_(0.02)  # type: ignore[union-attr]
+        kv.v_scale.fill_(0.01)  # type: ignore[union-attr]
+    kv.write(torch.arange(num_blocks * block_size), k_cache, v_cache)
     q = torch.randn(len(seq_lens), heads, head_dim, generator=gen).to(dtype)
-    args = (q, k_cache, v_cache, meta, head_dim**-0.5, window)
+    args = (q, kv, meta, head_dim**-0.5, window)
     fast = CpuAttentionBackend(kernels).forward(*args).float()
     reference = TorchAttentionBackend().forward(*args).float()
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the output's own rounding
+    # bf16: the output's own rounding. int8 on the avx512 target: each query rounded to int16 for the integer dot
+    # products (2^-16 of its largest element), far below the codes' own error but above fp32's.
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4 if cache_dtype == "int8" else 1e-5
     torch.testing.assert_close(fast, reference, atol=tolerance, rtol=tolerance)
 
 
@@ -306,9 +317,10 @@ def test_paged_prefill_kernel_matches_fp32_attention(prefill_kernels, dtype, hea
     k_cache, v_cache = (torch.randn(num_blocks * block_size, kv_heads, head_dim, generator=gen).to(dtype)
                         for _ in range(2))
     q = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
-    fast = CpuAttentionBackend(prefill_kernels).forward(q, k_cache, v_cache, meta, head_dim**-0.5, window).float()
+    fast = CpuAttentionBackend(prefill_kernels).forward(q, LayerKV(k_cache, v_cache), meta, head_dim**-0.5,
+                                                        window).float()
     reference = TorchAttentionBackend().forward(
-        q.float(), k_cache.float(), v_cache.float(), meta, head_dim**-0.5, window
+        q.float(), LayerKV(k_cache.float(), v_cache.float()), meta, head_dim**-0.5, window
     )
     # bf16: the output's own rounding, and the probabilities' (rounded to bf16 before p @ v, as torch does)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2

@@ -1,9 +1,10 @@
 """The fused elementwise kernels (kernels/cpu_fused.cpp; simd_fused.cpp on avx2), on every target the CPU
 has, against the torch reference they replace.
 
-Rotary + KV write is exact (the same roundings in the same order); residual add is exact; the norm and
-the SiLU gate may differ in the last bit of an fp32 reduction or exp, so bf16 outputs may differ by one
-bf16 step in a few elements and fp32 by a few ulps.
+Rotary + KV write is exact (the same roundings in the same order), quantized KV included (int8 codes and
+per-token scales, e4m3 codes: the same bytes as model/kv_cache.py's torch quantizers); residual add is exact;
+the norm and the SiLU gate may differ in the last bit of an fp32 reduction or exp, so bf16 outputs may differ by
+one bf16 step in a few elements and fp32 by a few ulps.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from test_fast_paths import TARGETS, built_kernels, needs_kernels
 
 from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
+from pagoda.model.kv_cache import LayerKV
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 pytestmark = needs_kernels
@@ -58,7 +60,9 @@ def test_add_rms_norm_matches_reference(kernels, dtype, rows, width, with_delta)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 64), (4, 4, 16), (6, 2, 48), (32, 4, 128)])
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [37, 1, 5]])
-def test_rotary_and_kv_write_match_reference_exactly(kernels, dtype, heads, kv_heads, head_dim, query_lens):
+@pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8_e4m3"])
+def test_rotary_and_kv_write_match_reference_exactly(kernels, dtype, heads, kv_heads, head_dim, query_lens,
+                                                     cache_dtype):
     torch.manual_seed(head_dim)
     block_size, blocks_per_seq = 16, 4
     seq_lens = [n + 9 for n in query_lens]  # some keys already cached: positions do not start at 0
@@ -67,14 +71,20 @@ def test_rotary_and_kv_write_match_reference_exactly(kernels, dtype, heads, kv_h
     rotary = RotaryEmbedding(head_dim, 256, 10000.0, None)
     cos, sin = rotary.cos_sin(meta.positions, dtype)
     qkv = torch.randn(sum(query_lens), heads + 2 * kv_heads, head_dim).to(dtype)
-    cache_shape = (len(query_lens) * blocks_per_seq * block_size, kv_heads, head_dim)
-    reference_caches = [torch.randn(cache_shape).to(dtype) for _ in range(2)]
-    fast_caches = [cache.clone() for cache in reference_caches]
-    expected = TorchAttentionBackend().rotate_and_write_kv(qkv.clone(), cos, sin, *reference_caches, meta, heads)
-    actual = CpuAttentionBackend(kernels).rotate_and_write_kv(qkv.clone(), cos, sin, *fast_caches, meta, heads)
+    caches = []
+    for _ in range(2):
+        kv = LayerKV.allocate(len(query_lens) * blocks_per_seq * block_size, kv_heads, head_dim, dtype, cache_dtype)
+        for tensor in kv.tensors():
+            tensor.view(torch.uint8).fill_(7)  # a byte pattern both start from: what is not written stays equal
+        if cache_dtype == "fp8_e4m3":
+            kv.k_scale.fill_(0.03)  # type: ignore[union-attr]
+            kv.v_scale.fill_(0.02)  # type: ignore[union-attr]
+        caches.append(kv)
+    expected = TorchAttentionBackend().rotate_and_write_kv(qkv.clone(), cos, sin, caches[0], meta, heads)
+    actual = CpuAttentionBackend(kernels).rotate_and_write_kv(qkv.clone(), cos, sin, caches[1], meta, heads)
     assert torch.equal(actual, expected)
-    for fast_cache, reference_cache in zip(fast_caches, reference_caches):
-        assert torch.equal(fast_cache, reference_cache)
+    for fast, reference in zip(caches[1].tensors(), caches[0].tensors()):
+        assert torch.equal(fast.view(torch.uint8), reference.view(torch.uint8))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -301,3 +301,24 @@ def test_an_adapters_blocks_and_the_bases_never_load_for_each_other(model_dir, m
     loaded_before = on.engine.stats().kv_connector.external_prefix_cache_hits
     assert turn(on, first + [7, 8], adapter) == turn(plain, first + [7, 8], adapter)
     assert on.engine.stats().kv_connector.external_prefix_cache_hits == loaded_before + 40  # the adapter's own
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_quantized_kv_offloads_codes_and_scales_together(model_dir, make_llm, kv_cache_dtype):
+    """A quantized cache's blocks go down a tier and come back whole (int8's per-token scales beside its codes):
+    the returning turn's output equals the same quantized engine's without offloading, every token loaded."""
+    turns = returning_turns(3)
+    quantized = {**POOL, "kv_cache_dtype": kv_cache_dtype}
+    off, on = make_llm(model_dir, **quantized), make_llm(model_dir, **quantized, **LOCAL)
+    assert run_turns(on, turns) == run_turns(off, turns)
+    assert assert_loads_accounted(off, on, min_loaded=40) == 40
+    layout = on.engine.kv_connector.worker.layout
+    assert len(layout.tensors) == (4 if kv_cache_dtype == "int8" else 2) * on.engine.model_config.num_layers
+
+
+def test_a_kv_connector_is_refused_with_calculated_kv_scales(model_dir):
+    from pagoda import LLM
+    from pagoda.model_dir import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="calculate_kv_scales"):
+        LLM(str(model_dir), kv_cache_dtype="fp8", calculate_kv_scales=True, **LOCAL)

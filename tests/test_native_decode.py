@@ -2,11 +2,13 @@
 it replaces.
 
 It runs the same kernels in the same order, so the contract is exact: the same hidden states, KV cache
-contents, tokens and logprobs, bit for bit, in every dtype and quantization, with biases (qwen2),
+contents, tokens and logprobs, bit for bit, in every dtype, weight quantization and KV format, with biases (qwen2),
 sliding windows, MQA, per-head q/k norms (qwen3), batching, chunked prefill and preemption around it.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,7 +30,24 @@ def target(request, monkeypatch) -> str:
     return request.param
 
 CONFIGS = {"fp32": {}, "bf16": {"dtype": "bfloat16"}, "int8": {"dtype": "bfloat16", "quantization": "int8"},
-           "int4": {"quantization": "int4"}, "int4-bf16": {"dtype": "bfloat16", "quantization": "int4"}}
+           "int4": {"quantization": "int4"}, "int4-bf16": {"dtype": "bfloat16", "quantization": "int4"},
+           "kv-int8": {"kv_cache_dtype": "int8"}, "kv-fp8-bf16": {"dtype": "bfloat16", "kv_cache_dtype": "fp8"}}
+KV_FIELDS = ("k", "v", "k_scale", "v_scale")
+
+
+def _random_like(tensor: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Random contents for one of a LayerKV's tensors: positive scales, int8 codes over their range."""
+    if tensor.dim() < 3:
+        return torch.rand(tensor.shape, generator=gen) * 0.1 + 0.01
+    return (torch.randn(tensor.shape, generator=gen) * (40 if tensor.dtype == torch.int8 else 1)).to(tensor.dtype)
+
+
+def _with_tensors(kv, make):
+    return replace(kv, **{name: make(getattr(kv, name)) for name in KV_FIELDS if getattr(kv, name) is not None})
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
 
 class CountingStack:
@@ -79,8 +98,7 @@ def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, co
     llm = make_llm(checkpoint(arch), num_kv_blocks=64, **CONFIGS[config])
     model = llm.engine.model
     gen = torch.Generator().manual_seed(5)
-    caches = [tuple(torch.randn(c.shape, generator=gen).to(c.dtype) for c in pair)
-              for pair in llm.engine.runner.kv_caches]
+    caches = [_with_tensors(kv, lambda t: _random_like(t, gen)) for kv in llm.engine.runner.kv_caches]
     seq_lens = [1, 6, 17, 33, 60][-batch:]
     order, tables = torch.randperm(64, generator=gen).tolist(), []
     for n in seq_lens:
@@ -91,7 +109,7 @@ def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, co
 
     def step(native: NativeDecode | None):
         model.backend.decode_runner = native
-        step_caches = [tuple(c.clone() for c in pair) for pair in caches]
+        step_caches = [_with_tensors(kv, torch.Tensor.clone) for kv in caches]
         with torch.inference_mode():
             return model(input_ids, meta.positions, step_caches, meta), step_caches
 
@@ -100,8 +118,8 @@ def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, co
     native_hidden, native_caches = step(native)
     module_hidden, module_caches = step(None)
     assert torch.equal(native_hidden, module_hidden)
-    for native_pair, module_pair in zip(native_caches, module_caches):
-        assert all(torch.equal(a, b) for a, b in zip(native_pair, module_pair))
+    for native_kv, module_kv in zip(native_caches, module_caches):
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(native_kv.tensors(), module_kv.tensors()))
 
 
 def test_stack_takes_only_decode_steps_its_gemvs_cover(make_llm, checkpoint):

@@ -81,9 +81,9 @@ def test_attention_never_reads_a_slot_it_has_not_written(make_llm, checkpoint):
 
     def generate(fill: float) -> list[list[int]]:
         llm = make_llm(checkpoint("llama"), num_kv_blocks=64, block_size=4)
-        for k_cache, v_cache in llm.engine.runner.kv_caches:
-            k_cache.fill_(fill)
-            v_cache.fill_(fill)
+        for kv in llm.engine.runner.kv_caches:
+            kv.k.fill_(fill)
+            kv.v.fill_(fill)
         first = llm.generate(prompts, params, use_tqdm=False)
         again = llm.generate(prompts[::-1], params, use_tqdm=False)[::-1]  # prompts now hit the prefix cache
         return [out.outputs[0].token_ids for out in first + again]
@@ -154,7 +154,8 @@ def test_the_summary_says_what_runs(demo_llm):
     assert rows["model"] == f"pagoda-demo ({DEMO_MODEL_DIR})"
     assert rows["parameters"] == "3.1M"
     assert rows["dtype"] == "float32" and rows["quantization"] == "none"
-    assert rows["KV cache"].startswith("4096 blocks x 16 tokens = 65536 tokens, 128.0 MiB (max_num_seqs 128 x ")
+    assert rows["KV cache"].startswith(
+        "4096 blocks x 16 tokens = 65536 tokens, float32, 128.0 MiB (max_num_seqs 128 x ")
     assert rows["max_model_len"] == "512"
     assert rows["threads"] == str(torch.get_num_threads())
     assert rows["native kernels"] == native_kernels_status(demo_llm.engine.config)

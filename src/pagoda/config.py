@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from pagoda.int4_format import DEFAULT_GROUP_SIZE, GROUP_SIZES
+from pagoda.kv_format import is_quantized, kv_bytes_per_head, kv_cache_dtype_name
 from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.structured.limits import GrammarLimits
 
@@ -57,9 +58,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
 
-    def kv_bytes_per_token(self, dtype: object) -> int:
-        """dtype: as `dtype_name` takes it."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[dtype_name(dtype)]
+    def kv_bytes_per_token(self, dtype: object, cache_dtype: str = "auto") -> int:
+        """dtype: the model's, as `dtype_name` takes it; cache_dtype: the KV format (`kv_format`), scales
+        included."""
+        per_head = kv_bytes_per_head(self.head_dim, cache_dtype, DTYPE_BYTES[dtype_name(dtype)])
+        return int(2 * self.num_layers * self.num_kv_heads * per_head)
 
 
 def _require_positive(config: object, *names: str) -> None:
@@ -77,9 +80,22 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 2 * GiB
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # The KV's storage format (pagoda/kv_format.py): "auto" (the model's dtype), "fp8_e4m3" ("fp8" is taken as
+    # it) or "int8". calculate_kv_scales: fp8's per-layer scales from the first K/V written, not 1.0.
+    cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         _require_positive(self, "block_size")
+        # Frozen: the normalised name is written once, here, so that equal settings compare equal.
+        object.__setattr__(self, "cache_dtype", kv_cache_dtype_name(self.cache_dtype))
+        if self.calculate_kv_scales and self.cache_dtype != "fp8_e4m3":
+            raise ValueError(f"calculate_kv_scales applies to kv_cache_dtype fp8 only, not {self.cache_dtype!r} "
+                             "(int8 KV has a scale per token and head, computed as each token is written)")
+
+    def kv_dtype(self, model_dtype: str) -> str:
+        """The KV's element type as reported (vLLM's spelling): the model's dtype under "auto"."""
+        return model_dtype if not is_quantized(self.cache_dtype) else self.cache_dtype
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         ParallelConfig,
         SchedulerConfig,
     )
+    from pagoda.kv_format import KV_CACHE_DTYPES
 
     int4_defaults = json.dumps({key: getattr(Int4Options, key) for key in Int4Options.KEYS})
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: built-in)")
@@ -108,6 +109,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-kv-blocks", type=int, help="explicit pool size in blocks")
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                         help=f"default {show_default(CacheConfig.enable_prefix_caching)}")
+    # The names normalised by the type (fp8 is fp8_e4m3), which refuses the fp8 forms pagoda does not store by name.
+    parser.add_argument("--kv-cache-dtype", type=_kv_cache_dtype, choices=("auto", "fp8_e4m3", "int8"),
+                        metavar="{" + ",".join(KV_CACHE_DTYPES) + "}",
+                        help="the KV cache's storage: auto (the model's dtype), fp8 (= fp8_e4m3, a scale per "
+                             "layer) or int8 (a scale per token and KV head); fp8 and int8 hold ~2x the tokens "
+                             f"of bf16 (default {CacheConfig.cache_dtype}; docs/kv-cache.md)")
+    parser.add_argument("--calculate-kv-scales", action=argparse.BooleanOptionalAction,
+                        help="fp8 KV: each layer's K and V scales from the first K/V written (amax / 448), "
+                             f"not 1.0 (default {show_default(CacheConfig.calculate_kv_scales)})")
     parser.add_argument("--speculative-config", type=json_object,
                         help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4}\' or \'{"method": "draft_model", "model": PATH, '
@@ -144,6 +154,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="torch intra-op threads, split evenly across the --tensor-parallel-size ranks "
                              "(default: torch's choice, one per physical core)")
     add_grammar_limit_args(parser)
+
+
+def _kv_cache_dtype(value: str) -> str:
+    """--kv-cache-dtype's value, normalised; a format pagoda does not store is refused naming what it does."""
+    from pagoda.kv_format import kv_cache_dtype_name
+
+    try:
+        return kv_cache_dtype_name(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_grammar_limit_args(parser: argparse.ArgumentParser) -> None:

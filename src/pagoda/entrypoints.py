@@ -34,7 +34,8 @@ _Output = TypeVar("_Output", RequestOutput, EmbeddingRequestOutput)
 # The engine options, by vLLM's names, grouped by the part of EngineConfig they set.
 TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "quantization_config", "use_kernels",
                      "speculative_config")
-CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching")
+CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching", "kv_cache_dtype",
+                 "calculate_kv_scales")
 SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_step_ms",
                      "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s")
 PARALLEL_OPTIONS = ("tensor_parallel_size", "distributed_executor_backend")
@@ -46,6 +47,7 @@ ENGINE_OPTIONS = (TOP_LEVEL_OPTIONS + CACHE_OPTIONS + SCHEDULER_OPTIONS + GRAMMA
                   + ("enable_lora",) + LORA_OPTIONS + KV_TRANSFER_OPTIONS + RUNNER_OPTIONS)
 # Options whose config field has another name (grammar_X sets GrammarLimits.X).
 FIELD_NAMES = {"num_kv_blocks": "num_blocks", "enable_lora": "lora", "convert": "runner",
+               "kv_cache_dtype": "cache_dtype",
                **{option: option.removeprefix("grammar_") for option in GRAMMAR_OPTIONS}}
 
 

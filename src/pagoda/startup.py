@@ -76,7 +76,7 @@ def startup_summary(engine: EngineDescription, config: EngineConfig, model_name:
         ("dtype", engine.dtype),
         ("quantization", quantization_summary(config, engine.quantized_matmul)),
         ("KV cache", f"{kv.num_blocks} blocks x {kv.block_size} tokens = {kv.num_blocks * kv.block_size} tokens, "
-                     f"{kv.num_bytes / 2**20:.1f} MiB ({kv.sizing_reason}); pages touched as they fill"),
+                     f"{kv.dtype}, {kv.num_bytes / 2**20:.1f} MiB ({kv.sizing_reason}); pages touched as they fill"),
         ("max_model_len", str(engine.max_model_len)),
         ("max_num_seqs", str(engine.max_num_seqs)),
         ("threads", str(engine.num_threads) if engine.tensor_parallel_size == 1

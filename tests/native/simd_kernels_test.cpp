@@ -18,6 +18,9 @@
 namespace {
 
 using pagoda::simd::bf16;
+using pagoda::kv_quant::fp8_e4m3;
+using pagoda::kv_quant::KVCacheView;
+using pagoda::kv_quant::KVFormat;
 namespace kernels = pagoda::simd_kernels;
 
 int checks = 0, failures = 0;
@@ -151,8 +154,10 @@ void check_rotary(std::mt19937& rng, int64_t tokens, int64_t H, int64_t KVH, int
   std::vector<T> k_cache(num_slots * KVH * D, from_float<T>(7.0f)), v_cache = k_cache;
   std::vector<int64_t> slots(tokens);
   for (int64_t t = 0; t < tokens; ++t) slots[t] = (t * 5 + 2) % num_slots;
-  kernels::rotary_write_kv_rows(qkv.data(), cos.data(), sin.data(), k_cache.data(), v_cache.data(), slots.data(), H,
-                                KVH, D, 0, tokens);
+  KVCacheView cache;
+  cache.k = k_cache.data();
+  cache.v = v_cache.data();
+  kernels::rotary_write_kv_rows(qkv.data(), cos.data(), sin.data(), cache, slots.data(), H, KVH, D, 0, tokens);
   std::vector<double> want(tokens * row), want_k(k_cache.size(), 7.0), want_v(v_cache.size(), 7.0);
   const int64_t half = D / 2;
   for (int64_t t = 0; t < tokens; ++t) {
@@ -193,21 +198,79 @@ void check_silu_mul(std::mt19937& rng, int64_t rows, int64_t I) {
         std::is_same_v<T, float> ? 2e-6 : 0x1p-6);
 }
 
+// The cache as the attention reads it: K and V in T, or quantized (format) with their scales; `key` and `value`
+// give each element's value as stored (dequantized), for the reference.
 template <typename T>
-void check_attention(std::mt19937& rng, int64_t H, int64_t KVH, int64_t D, int64_t window) {
+struct TestCache {
+  KVFormat format;
+  std::vector<T> k, v;
+  std::vector<int8_t> k8, v8;
+  std::vector<fp8_e4m3> kf, vf;
+  std::vector<float> k_scales, v_scales;
+  KVCacheView view;
+
+  TestCache(std::mt19937& rng, KVFormat format_, int64_t num_slots, int64_t KVH, int64_t D) : format(format_) {
+    k = random_values<T>(rng, num_slots * KVH * D);
+    v = random_values<T>(rng, num_slots * KVH * D);
+    view.format = format;
+    view.k = k.data();
+    view.v = v.data();
+    auto widen = [](T x) { return to_float(x); };
+    if (format == KVFormat::kInt8) {
+      k8.resize(k.size());
+      v8.resize(v.size());
+      k_scales.resize(num_slots * KVH);
+      v_scales.resize(num_slots * KVH);
+      for (int64_t r = 0; r < num_slots * KVH; ++r) {
+        k_scales[r] = pagoda::kv_quant::int8_quantize_head(k.data() + r * D, k8.data() + r * D, D, widen);
+        v_scales[r] = pagoda::kv_quant::int8_quantize_head(v.data() + r * D, v8.data() + r * D, D, widen);
+      }
+      view.k = k8.data();
+      view.v = v8.data();
+      view.k_scales = k_scales.data();
+      view.v_scales = v_scales.data();
+    } else if (format == KVFormat::kFp8) {
+      view.k_scale = 0.004f;  // values in [-1, 1] as codes up to 250: e4m3's normal range
+      view.v_scale = 0.01f;
+      for (const T& x : k) kf.push_back(pagoda::kv_quant::fp8_quantize(to_float(x), view.k_scale));
+      for (const T& x : v) vf.push_back(pagoda::kv_quant::fp8_quantize(to_float(x), view.v_scale));
+      view.k = kf.data();
+      view.v = vf.data();
+    }
+  }
+  double key(int64_t e, int64_t D) const { return stored(k, k8, kf, k_scales, view.k_scale, e, D); }
+  double value(int64_t e, int64_t D) const { return stored(v, v8, vf, v_scales, view.v_scale, e, D); }
+  double stored(const std::vector<T>& plain, const std::vector<int8_t>& codes8, const std::vector<fp8_e4m3>& codesf,
+                const std::vector<float>& scales, float scale, int64_t e, int64_t D) const {
+    if (format == KVFormat::kInt8) return double(codes8[e]) * scales[e / D];
+    if (format == KVFormat::kFp8) return double(pagoda::kv_quant::fp8_to_float(codesf[e])) * scale;
+    return to_float(plain[e]);
+  }
+};
+
+const char* format_name(KVFormat format) {
+  return format == KVFormat::kInt8 ? " kv=int8" : format == KVFormat::kFp8 ? " kv=fp8" : "";
+}
+
+template <typename T>
+void check_attention(std::mt19937& rng, int64_t H, int64_t KVH, int64_t D, int64_t window,
+                     KVFormat format = KVFormat::kModel) {
   const int64_t B = 3, L = 40, num_slots = B * L + 5;
   const std::vector<int64_t> lens = {1, 17, L};
-  const std::vector<T> q = random_values<T>(rng, B * H * D), k = random_values<T>(rng, num_slots * KVH * D),
-                       v = random_values<T>(rng, num_slots * KVH * D);
+  const std::vector<T> q = random_values<T>(rng, B * H * D);
+  const TestCache<T> cache(rng, format, num_slots, KVH, D);
   std::vector<int64_t> slots(B * L);
   for (int64_t i = 0; i < B * L; ++i) slots[i] = (i * 37 + 11) % num_slots;  // scattered, distinct
   std::vector<T> out(B * H * D);
   const float scale = 1.0f / std::sqrt(float(D));
   const int64_t tasks = B * KVH;
-  kernels::attend_tasks(q.data(), k.data(), v.data(), slots.data(), lens.data(), out.data(), H, KVH, L, D, window,
-                        scale, 0, tasks / 2);
-  kernels::attend_tasks(q.data(), k.data(), v.data(), slots.data(), lens.data(), out.data(), H, KVH, L, D, window,
-                        scale, tasks / 2, tasks);
+  kernels::dispatch_kv_format<T>(format, [&](auto element) {
+    using KV = decltype(element);
+    kernels::attend_tasks<T, KV>(q.data(), cache.view, slots.data(), lens.data(), out.data(), H, KVH, L, D, window,
+                                 scale, 0, tasks / 2);
+    kernels::attend_tasks<T, KV>(q.data(), cache.view, slots.data(), lens.data(), out.data(), H, KVH, L, D, window,
+                                 scale, tasks / 2, tasks);
+  });
   std::vector<double> want(B * H * D);
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h) {
@@ -216,7 +279,7 @@ void check_attention(std::mt19937& rng, int64_t H, int64_t KVH, int64_t D, int64
       for (int64_t i = first; i < lens[b]; ++i) {
         double dot = 0;
         for (int64_t d = 0; d < D; ++d)
-          dot += double(to_float(q[(b * H + h) * D + d])) * to_float(k[(slots[b * L + i] * KVH + kvh) * D + d]);
+          dot += double(to_float(q[(b * H + h) * D + d])) * cache.key((slots[b * L + i] * KVH + kvh) * D + d, D);
         scores.push_back(dot * scale);
       }
       const double top = *std::max_element(scores.begin(), scores.end());
@@ -225,14 +288,43 @@ void check_attention(std::mt19937& rng, int64_t H, int64_t KVH, int64_t D, int64
       for (int64_t d = 0; d < D; ++d) {
         double sum = 0;
         for (size_t i = 0; i < scores.size(); ++i)
-          sum += scores[i] / total * to_float(v[(slots[b * L + first + int64_t(i)] * KVH + kvh) * D + d]);
+          sum += scores[i] / total * cache.value((slots[b * L + first + int64_t(i)] * KVH + kvh) * D + d, D);
         want[(b * H + h) * D + d] = sum;
       }
     }
   // Outputs are convex combinations of values in [-1, 1]: fp32 sums of <= 128 terms, or bf16's rounding on store.
+  // Against the dequantized values: the kernel applies each scale once per score or weight instead of per element.
   check(std::string("paged_decode_attention ") + type_name<T>() + " H=" + std::to_string(H) + " KVH=" +
-            std::to_string(KVH) + " D=" + std::to_string(D) + " window=" + std::to_string(window),
+            std::to_string(KVH) + " D=" + std::to_string(D) + " window=" + std::to_string(window) + format_name(format),
         out, want, std::is_same_v<T, float> ? 2e-6 : 0x1p-8, 0);
+}
+
+// Every e4m3 code but NaN: the vector widening equals the scalar one, and the scalar encoder maps it back to itself;
+// halfway points between neighbours round to the even code.
+void check_fp8_codes() {
+  std::vector<double> want;
+  std::vector<float> got;
+  int64_t round_trip_failures = 0, tie_failures = 0;
+  for (int bits = 0; bits < 256; ++bits) {
+    if ((bits & 0x7F) == 0x7F) continue;
+    const fp8_e4m3 code{static_cast<uint8_t>(bits)};
+    fp8_e4m3 lanes[pagoda::simd::kLanes];
+    for (auto& lane : lanes) lane = code;
+    float widened[pagoda::simd::kLanes];
+    pagoda::simd::Vec::load(lanes).store(widened);
+    for (float lane : widened) got.push_back(lane);
+    want.insert(want.end(), pagoda::simd::kLanes, pagoda::kv_quant::fp8_to_float(code));
+    if (pagoda::kv_quant::fp8_from_float(pagoda::kv_quant::fp8_to_float(code)).bits != bits) ++round_trip_failures;
+    if ((bits & 0x7F) < 0x7E && !(bits & 0x80)) {
+      const float low = pagoda::kv_quant::fp8_to_float(code);
+      const float high = pagoda::kv_quant::fp8_to_float(fp8_e4m3{static_cast<uint8_t>(bits + 1)});
+      const uint8_t even = (bits & 1) ? bits + 1 : bits;
+      if (pagoda::kv_quant::fp8_from_float((low + high) / 2).bits != even) ++tie_failures;
+    }
+  }
+  check("fp8 widening", got, want, 0, 0);
+  check("fp8 round trip", std::vector<float>{float(round_trip_failures), float(tie_failures)},
+        std::vector<double>{0, 0}, 0, 0);
 }
 
 template <typename T>
@@ -247,6 +339,10 @@ void check_type(std::mt19937& rng) {
     check_attention<T>(rng, 4, 4, D, 0);
     check_attention<T>(rng, 8, 2, D, 0);
     check_attention<T>(rng, 8, 2, D, 8);
+    for (KVFormat format : {KVFormat::kInt8, KVFormat::kFp8}) {
+      check_attention<T>(rng, 8, 2, D, 0, format);
+      check_attention<T>(rng, 4, 4, D, 8, format);
+    }
   }
   for (int64_t M : {1, 2, 3, 4, 5, 9})
     for (int64_t K : {32, 96}) check_gemv<std::conditional_t<std::is_same_v<T, float>, float, bf16>>(rng, M, K, 37);
@@ -266,6 +362,7 @@ int main() {
   std::printf("target: %s, %d fp32 lanes\n", architecture(), pagoda::simd::kLanes);
   std::mt19937 rng(20240917);
   check_bf16_rounding();
+  check_fp8_codes();
   check_type<float>(rng);
   check_type<bf16>(rng);
   std::printf("%d checks, %d failed\n", checks, failures);

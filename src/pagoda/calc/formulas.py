@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from pagoda import kv_format
 from pagoda.int4_format import bytes_per_weight
 
 GB = 10**9
@@ -25,6 +26,7 @@ DTYPE_BYTES: dict[str, float] = {
     "float16": 2.0,
     "half": 2.0,
     "fp8": 1.0,
+    "fp8_e4m3": 1.0,
     "int8": 1.0,
     "int4": bytes_per_weight(),
     "int4-g64": bytes_per_weight(64),
@@ -48,8 +50,14 @@ def weight_bytes(num_params: float, dtype: str) -> float:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> float:
-    """K and V for every layer. GQA-aware: only the KV heads are stored, not the query heads."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype_bytes(kv_dtype)
+    """K and V for every layer. GQA-aware: only the KV heads are stored, not the query heads. The KV formats
+    pagoda stores (int8, fp8) count as `kv_format` says, scales included: the engine sizes its pool with the same
+    function."""
+    if kv_dtype.lower() in kv_format.KV_CACHE_DTYPES[1:]:
+        per_head = kv_format.kv_bytes_per_head(head_dim, kv_dtype, 0.0)
+    else:
+        per_head = head_dim * dtype_bytes(kv_dtype)
+    return 2 * num_layers * num_kv_heads * per_head
 
 
 def kv_heads_per_gpu(num_kv_heads: int, tensor_parallel: int) -> int:

@@ -194,7 +194,8 @@ class KVCacheDescription:
     num_bytes: int  # target's and draft's KV together
     sizing_reason: str  # why num_blocks (engine/kv_pool.py)
     enable_prefix_caching: bool
-    dtype: str  # the KV's element type, vLLM's spelling ("float32", "bfloat16")
+    dtype: str  # the KV's storage format: the model's dtype in vLLM's spelling ("float32", "bfloat16"), or "int8",
+    # "fp8_e4m3" (--kv-cache-dtype; pagoda/kv_format.py)
 
 
 @dataclass(frozen=True)

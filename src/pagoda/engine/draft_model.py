@@ -35,6 +35,7 @@ from pagoda.engine.core.speculative import Draft, draft_room
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample_draft
 from pagoda.model.attention import QueryLayout, build_metadata
+from pagoda.model.kv_cache import LayerKV
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import TORCH_DTYPES, load_model, load_model_config
 from pagoda.model_dir import ModelLoadError
@@ -43,8 +44,6 @@ from pagoda.structured.interface import GrammarMatcher, GrammarStateError
 from pagoda.text.tokenizer import has_tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
 class DraftMismatch(ModelLoadError):
@@ -168,7 +167,9 @@ class DraftModelProposer:
     def __init__(
         self, model: LlamaModel, config: SpeculativeConfig, num_blocks: int, block_size: int, max_num_seqs: int,
         max_model_len: int, structured: StructuredOutputs | None = None, device: str = "cpu",
+        cache_dtype: str = "auto", calculate_kv_scales: bool = False,
     ) -> None:
+        """cache_dtype, calculate_kv_scales: the draft's KV format, the target's (the pool pays for both in it)."""
         if model.config.max_position_embeddings < max_model_len:
             raise DraftMismatch(
                 f"draft model {config.model}: max_position_embeddings {model.config.max_position_embeddings} is "
@@ -185,12 +186,11 @@ class DraftModelProposer:
         # Scratch: a request needs at most ceil(k / block_size) blocks past its own to propose k tokens.
         num_drafting = min(max_num_seqs, config.disable_by_batch_size or max_num_seqs)
         self.num_scratch_blocks = num_drafting * -(-self.k // block_size)
-        shape = (
-            (num_blocks + self.num_scratch_blocks) * block_size, model.config.num_kv_heads, model.config.head_dim
-        )
+        num_slots = (num_blocks + self.num_scratch_blocks) * block_size
         # Not zero-filled (as the target's): attention reads only slots written before.
-        self.kv_caches: list[KVCache] = [
-            (torch.empty(shape, dtype=model.dtype, device=device), torch.empty(shape, dtype=model.dtype, device=device))
+        self.kv_caches: list[LayerKV] = [
+            LayerKV.allocate(num_slots, model.config.num_kv_heads, model.config.head_dim, model.dtype, cache_dtype,
+                             device, calculate_kv_scales)
             for _ in range(model.config.num_layers)
         ]
         self.disable_by_batch_size = config.disable_by_batch_size

@@ -224,7 +224,7 @@ class LLMEngine:
             kv_cache=KVCacheDescription(
                 num_blocks=self.kv_cache.num_blocks, block_size=self.kv_cache.block_size,
                 num_bytes=self.kv_pool_bytes, sizing_reason=self.kv_pool.reason,
-                enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=config.dtype,
+                enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=config.cache.kv_dtype(config.dtype),
             ),
             tensor_parallel_size=self.executor.tensor_parallel_size, runner=config.runner,
         )

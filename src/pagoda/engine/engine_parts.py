@@ -82,8 +82,10 @@ def build_engine_parts(
     # A draft model's KV mirrors the target's slot for slot: the pool's bytes pay for both, and for every rank's
     # KV heads (a KV head on several ranks is paid for on each).
     kv_heads_held = kv_heads_per_rank(model_config.num_kv_heads, tensor_parallel_size) * tensor_parallel_size
-    bytes_per_token = model_config.kv_bytes_per_token(config.dtype) * kv_heads_held // model_config.num_kv_heads + (
-        0 if draft is None else draft.config.kv_bytes_per_token(draft.dtype)
+    cache_dtype = config.cache.cache_dtype
+    bytes_per_token = (
+        model_config.kv_bytes_per_token(config.dtype, cache_dtype) * kv_heads_held // model_config.num_kv_heads
+        + (0 if draft is None else draft.config.kv_bytes_per_token(draft.dtype, cache_dtype))
     )
     wanted_len = min(config.scheduler.max_model_len, model_config.max_position_embeddings)
     kv_pool = kv_pool_size(config.cache, config.scheduler.max_num_seqs, wanted_len, bytes_per_token)
@@ -92,6 +94,9 @@ def build_engine_parts(
     max_model_len = _fit_max_model_len(wanted_len, num_blocks * block_size)
     config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
     pooling = load_pooling_config(config.model) if config.runner == "pooling" else None
+    if config.kv_transfer_config is not None and config.cache.calculate_kv_scales:
+        raise ModelLoadError("a KV connector does not run with calculate_kv_scales: fp8 blocks are only valid "
+                             "under the layer scales they were written with, which each engine computes for itself")
     if pooling is not None and config.kv_transfer_config is not None:
         raise ModelLoadError("a KV connector does not run with the pooling runner: an embedding request keeps no "
                              "KV, and mean or CLS pooling needs every prompt position computed")
@@ -102,15 +107,16 @@ def build_engine_parts(
     structured = StructuredOutputs(tokenizer, model_config.vocab_size, eos_token_ids, config.grammar)
     draft_proposer = None if draft is None or speculative is None else DraftModelProposer(
         draft, speculative, num_blocks, block_size, config.scheduler.max_num_seqs, max_model_len, structured,
-        config.device,
+        config.device, config.cache.cache_dtype, config.cache.calculate_kv_scales,
     )
     speculator = None if speculative is None else Speculator(speculative, draft_proposer)
     trace = StepTrace()
     executor, kv_connector = build_executor(config, num_blocks, block_size, structured, draft_proposer, kv_cache,
                                             kv_events, trace)
     logger.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB; %s), max_model_len %d",
-        num_blocks, block_size, kv_pool_bytes / 2**20, kv_pool.reason, max_model_len,
+        "KV cache: %d blocks of %d tokens, %s (%.1f MiB; %s), max_model_len %d",
+        num_blocks, block_size, config.cache.kv_dtype(config.dtype), kv_pool_bytes / 2**20, kv_pool.reason,
+        max_model_len,
     )
     return EngineParts(
         config=config, tokenizer=tokenizer, model_config=model_config, kv_pool=kv_pool,
@@ -133,7 +139,8 @@ def build_executor(config: EngineConfig, num_blocks: int, block_size: int, struc
         model = load_engine_model(config)
         lora = None if config.lora is None else LoRAManager(
             config.lora, attach_lora(model, config.lora.max_loras, config.lora.max_lora_rank), model.config)
-        execution = ModelExecution(model, num_blocks, block_size, config.device)
+        execution = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
+                                   config.cache.calculate_kv_scales)
         connector = None if config.kv_transfer_config is None else build_kv_connector(
             config, config.kv_transfer_config, kv_layer_tensors(execution.kv_caches), block_size,
             kv_cache.block_hashes, kv_events)

@@ -16,7 +16,8 @@ import torch
 
 from pagoda.config import EngineConfig
 from pagoda.model.attention import QueryLayout
-from pagoda.model.llama import KVCache, LlamaModel
+from pagoda.model.kv_cache import LayerKV
+from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import TORCH_DTYPES, load_model
 from pagoda.model.parallel import TensorParallel
 
@@ -38,7 +39,7 @@ class StepExecution(Protocol):
     """Runs ModelSteps on a model and its KV cache (on rank 0 under tensor parallelism: with the other ranks)."""
 
     model: LlamaModel
-    kv_caches: list[KVCache]
+    kv_caches: list[LayerKV]
     block_size: int
 
     def run(self, step: ModelStep) -> list[torch.Tensor]:
@@ -48,19 +49,21 @@ class StepExecution(Protocol):
 
 
 class ModelExecution:
-    """One rank's model and its paged KV cache: per layer `[num_blocks * block_size, kv_heads, head_dim]` for K
-    and for V, kv_heads being this rank's share."""
+    """One rank's model and its paged KV cache, the one owner of it: per layer a `LayerKV`, K and V
+    `[num_blocks * block_size, kv_heads, head_dim]` in `cache_dtype`'s format (with int8's per-token scales),
+    kv_heads being this rank's share."""
 
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu") -> None:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu",
+                 cache_dtype: str = "auto", calculate_kv_scales: bool = False) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         config = model.config
-        shape = (num_blocks * block_size, config.num_kv_heads, config.head_dim)
         # Not zero-filled: a page of the pool becomes resident when a token's K/V is first written there, so an
         # idle engine's memory is its model's. Attention reads only slots it has written (build_metadata).
-        self.kv_caches: list[KVCache] = [
-            (torch.empty(shape, dtype=model.dtype, device=device), torch.empty(shape, dtype=model.dtype, device=device))
+        self.kv_caches: list[LayerKV] = [
+            LayerKV.allocate(num_blocks * block_size, config.num_kv_heads, config.head_dim, model.dtype, cache_dtype,
+                             device, calculate_kv_scales)
             for _ in range(config.num_layers)
         ]
         self.windows = set(config.sliding_windows) or {None}
@@ -77,9 +80,10 @@ class ModelExecution:
         return outputs
 
 
-def kv_layer_tensors(kv_caches: list[KVCache]) -> list[tuple[torch.Tensor, ...]]:
-    """Every slot-major tensor of each layer's KV cache, in order: what copying a block copies rows of."""
-    return [tuple(cache) for cache in kv_caches]
+def kv_layer_tensors(kv_caches: list[LayerKV]) -> list[tuple[torch.Tensor, ...]]:
+    """Every slot-major tensor of each layer's KV cache, in order (int8's scales beside its codes): what copying a
+    block copies rows of."""
+    return [cache.tensors() for cache in kv_caches]
 
 
 def load_engine_model(config: EngineConfig, parallel: TensorParallel | None = None) -> LlamaModel:

@@ -41,7 +41,7 @@ from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_mode
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
 from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_worker
-from pagoda.model.llama import KVCache
+from pagoda.model.kv_cache import LayerKV
 from pagoda.model.parallel import TensorParallel
 
 logger = logging.getLogger(__name__)
@@ -95,8 +95,9 @@ class MultiprocExecutor(Executor):
             self.shutdown()
             raise
         logger.info("tensor parallel: %d ranks (rank 0 in this process), %d thread(s) each", world_size, threads)
-        execution = BroadcastExecution(ModelExecution(model, num_blocks, block_size, config.device),
-                                       [worker.connection for worker in self._workers])
+        local = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
+                               config.cache.calculate_kv_scales)
+        execution = BroadcastExecution(local, [worker.connection for worker in self._workers])
         super().__init__(ModelRunner(execution, structured, draft, trace=trace))
 
     @property
@@ -139,7 +140,7 @@ class BroadcastExecution:
     def __init__(self, local: ModelExecution, connections: list[Connection]) -> None:
         self.local = local
         self.model = local.model
-        self.kv_caches: list[KVCache] = local.kv_caches
+        self.kv_caches: list[LayerKV] = local.kv_caches
         self.block_size = local.block_size
         self.connections = connections
 

@@ -44,7 +44,7 @@ from pagoda.engine.pooler import Pooler
 from pagoda.engine.sampler import Proposal, SamplerOutput, SampleRow, build_sampling_metadata, sample, top_logprobs
 from pagoda.engine.step_trace import StepTrace
 from pagoda.model.attention import QueryLayout, slot_of
-from pagoda.model.llama import KVCache
+from pagoda.model.kv_cache import LayerKV
 
 
 class DraftModel(Protocol):
@@ -83,7 +83,7 @@ class ModelRunner:
         self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="pagoda-grammar")
 
     @property
-    def kv_caches(self) -> list[KVCache]:
+    def kv_caches(self) -> list[LayerKV]:
         return self.execution.kv_caches
 
     @property
@@ -168,9 +168,8 @@ class ModelRunner:
         request, first = item.request, item.request.num_computed_tokens
         source = slot_of(request.block_ids, first + rows[1], self.block_size)
         target = slot_of(request.block_ids, first + 1, self.block_size)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache[target] = k_cache[source]
-            v_cache[target] = v_cache[source]
+        for kv in self.kv_caches:
+            kv.copy_slot(source, target)
 
     def _sample_rows(self, scheduled: list[ScheduledRequest]) -> list[SampleRow]:
         """The step's rows to sample, in batch order: one per sampled position of each request, each with

@@ -53,7 +53,9 @@ def run_worker(spec: WorkerSpec, connection: Connection) -> None:
                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
         model = load_engine_model(spec.config, TensorParallel(spec.rank, spec.world_size))
-        execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device)
+        cache = spec.config.cache
+        execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device, cache.cache_dtype,
+                                   cache.calculate_kv_scales)
         connection.send(("ok", weight_bytes(model)))
     except BaseException:
         connection.send(("error", traceback.format_exc()))

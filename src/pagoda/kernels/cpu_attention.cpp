@@ -1,10 +1,15 @@
 // Paged decode attention on the CPU: one query token per sequence, keys and values read in place
 // from the paged cache through each sequence's slot list, without gathering them into a batch.
 //
-// q: [B, H, D]; k_cache, v_cache: [num_slots, KVH, D] (fp32 or bf16); slots: [B, L] int64 (padded);
-// seq_lens: [B] int64; window: 0 for none, else keys at positions >= seq_len - window.
+// q: [B, H, D]; the cache (kv_quant.h's view): K, V [num_slots, KVH, D] in q's dtype, int8 codes with their
+// scales [num_slots, KVH], or e4m3 codes with the layer's scales; slots: [B, L] int64 (padded); seq_lens: [B]
+// int64; window: 0 for none, else keys at positions >= seq_len - window. Codes are widened in registers: a key's
+// score is its codes' dot product times its scale, a value's weight its probability times its scale (fp8's layer
+// scales fold into the query's scale and the normalisation); nothing is dequantized to memory.
 // Work is split over (sequence, kv head); each task handles the G = H / KVH query heads sharing that
-// kv head, so every key and value row is read from memory once and used G times from registers.
+// kv head, so every key and value row is read from memory once and used G times: keys widened to fp32 once
+// per block of 16 into an L1 tile that every head scores from (widening int8 or e4m3 codes costs more than
+// the dot product), values from registers.
 // Three passes per task, each vectorised: scores (q.k, 16 keys at a time, one horizontal sum per 16
 // keys), exp (a polynomial over 16 scores at a time), then the weighted sum of values. Scores, the
 // softmax and the accumulation are in fp32.
@@ -18,8 +23,10 @@
 #include <immintrin.h>
 
 #include <limits>
+#include <type_traits>
 #include <vector>
 
+#include "cpu_kv_cache.h"
 #include "cpu_ops.h"
 #include "cpu_vec.h"
 
@@ -27,6 +34,9 @@ namespace {
 
 using pagoda::exp16;
 using pagoda::load16;
+using pagoda::kv_quant::fp8_e4m3;
+using pagoda::kv_quant::KVCacheView;
+using pagoda::kv_quant::KVFormat;
 
 constexpr int kMaxGroup = 16;  // query heads per kv head handled in registers
 
@@ -72,43 +82,140 @@ inline void prefetch_rows(const T* cache, const TaskRows& rows, int64_t from, in
   }
 }
 
-// One (sequence, kv head) task; C = D / 16 vector chunks per head. `next`: the rows this thread reads next.
-template <typename T, int C>
-void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, int64_t first,
-                 int64_t len, T* out, int64_t G, int64_t KVH, int64_t kvh, float scale, float* scores,
+// int8 keys scored in integers (C even: 32 int16 lanes a chunk): each head's scaled query rounded to int16 with its
+// own scale (amax / 32767: relative error 2^-16, far below the codes' own), a block of 16 keys' codes widened to
+// int16 once, and vpdpwssd summing code x query pairs in int32 (each lane at most 8 x 127 x 32767 < 2^25: exact,
+// and exact in fp32); a score is that sum times the query's and the key's scale. Half the instructions of
+// widening the codes to fp32 for FMAs. scores: [G, n]; rows: the task's slots; offset: its head's in a row.
+template <int C, typename Prefetch>
+void score_int8_keys(const float* queries, const int8_t* k_cache, const int64_t* rows, int64_t n, int64_t stride,
+                     int64_t offset, const float* key_scales, int64_t G, float* scores, const Prefetch& prefetch_block,
+                     int64_t next_count) {
+  constexpr int64_t D = 16 * C, P = D / 32;
+  alignas(64) int16_t q16[kMaxGroup * D];
+  float q_scales[kMaxGroup];
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 amax = _mm512_setzero_ps();
+    for (int c = 0; c < C; ++c) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_load_ps(queries + g * D + c * 16)));
+    const float top = _mm512_reduce_max_ps(amax);
+    q_scales[g] = top > 0.0f ? top / 32767.0f : 1.0f;
+    const __m512 inverse = _mm512_set1_ps(1.0f / q_scales[g]);
+    for (int c = 0; c < C; ++c) {
+      const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_load_ps(queries + g * D + c * 16), inverse));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(q16 + g * D + c * 16), _mm512_cvtsepi32_epi16(codes));
+    }
+  }
+  alignas(64) int16_t tile[16 * D];
+  auto widen = [&](int64_t i, int j) {
+    const int8_t* key = k_cache + rows[i] * stride + offset;
+    for (int p = 0; p < P; ++p)
+      _mm512_store_si512(tile + j * D + p * 32,
+                         _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + p * 32))));
+  };
+  auto dot = [&](int j, int64_t g) {
+    __m512i acc = _mm512_setzero_si512();
+    for (int p = 0; p < P; ++p)
+      acc = _mm512_dpwssd_epi32(acc, _mm512_load_si512(tile + j * D + p * 32), _mm512_load_si512(q16 + g * D + p * 32));
+    return _mm512_cvtepi32_ps(acc);
+  };
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    prefetch_block(i, i + 16);
+    for (int j = 0; j < 16; ++j) widen(i + j, j);
+    const __m512 key_scale = _mm512_loadu_ps(key_scales + i);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 partial[16];
+      for (int j = 0; j < 16; ++j) partial[j] = dot(j, g);
+      const __m512 scale = _mm512_mul_ps(key_scale, _mm512_set1_ps(q_scales[g]));
+      _mm512_storeu_ps(scores + g * n + i, _mm512_mul_ps(transpose_sum16(partial), scale));
+    }
+  }
+  prefetch_block(i, std::max(n, next_count));  // the tail, and the rest of a longer next task
+  for (; i < n; ++i) {
+    widen(i, 0);
+    for (int64_t g = 0; g < G; ++g) scores[g * n + i] = _mm512_reduce_add_ps(dot(0, g)) * (key_scales[i] * q_scales[g]);
+  }
+}
+
+// One (sequence, kv head) task; C = D / 16 vector chunks per head; KV the cache's element (T, int8_t or fp8_e4m3).
+// `next`: the rows this thread reads next. scores: [G, L] scratch; row_scales: [2 L] scratch (int8's key and value
+// scales of the task's rows).
+template <typename T, typename KV, int C>
+void attend_task(const T* q, const KVCacheView& cache, const int64_t* slots, int64_t first, int64_t len, T* out,
+                 int64_t G, int64_t KVH, int64_t kvh, float scale, float* scores, float* row_scales,
                  const TaskRows& next) {
   constexpr int64_t D = 16 * C;
+  constexpr bool kPerToken = std::is_same_v<KV, int8_t>;
+  const KV* k_cache = static_cast<const KV*>(cache.k);
+  const KV* v_cache = static_cast<const KV*>(cache.v);
   const int64_t n = len - first;
   const int64_t stride = KVH * D;  // elements between consecutive slots
   const TaskRows own{slots + first, n, kvh * D};
+  float* key_scales = row_scales;
+  float* value_scales = row_scales + n;
+  if constexpr (kPerToken) {
+    for (int64_t i = 0; i < n; ++i) {
+      key_scales[i] = cache.k_scales[slots[first + i] * KVH + kvh];
+      value_scales[i] = cache.v_scales[slots[first + i] * KVH + kvh];
+    }
+  }
+  scale *= cache.k_scale;
   auto prefetch_block = [&](int64_t from, int64_t to) {  // as the first head scores keys [from, to)
     prefetch_rows(v_cache, own, from, to, stride, D);
     prefetch_rows(k_cache, next, from, to, stride, D);
     prefetch_rows(v_cache, next, from, to, stride, D);
   };
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 query[C];
-    for (int c = 0; c < C; ++c) query[c] = _mm512_mul_ps(load16(q + g * D + c * 16), _mm512_set1_ps(scale));
-    float* row = scores + g * n;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-      if (g == 0) prefetch_block(i, i + 16);
-      __m512 partial[16];
-      for (int j = 0; j < 16; ++j) {
-        const T* key = k_cache + slots[first + i + j] * stride + kvh * D;
-        __m512 acc = _mm512_mul_ps(query[0], load16(key));
-        for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], load16(key + c * 16), acc);
-        partial[j] = acc;
+  // The scaled queries, and the task's keys widened to fp32 once per block of 16 (an fp32 cache is read in place):
+  // every head of the group scores the block from L1, instead of widening each key once per head.
+  alignas(64) float queries[kMaxGroup * D];
+  for (int64_t e = 0; e < G * D; e += 16) _mm512_store_ps(queries + e, _mm512_mul_ps(load16(q + e), _mm512_set1_ps(scale)));
+  int64_t i = 0;
+  if constexpr (kPerToken && C % 2 == 0) {
+    score_int8_keys<C>(queries, k_cache, slots + first, n, stride, kvh * D, key_scales, G, scores, prefetch_block,
+                       next.count);
+  } else {
+    alignas(64) float tile[16 * D];
+    auto widened = [&](int64_t i, int j) -> const float* {  // key i of the task, as fp32 (j: its row in the tile)
+      const KV* key = k_cache + slots[first + i] * stride + kvh * D;
+      if constexpr (std::is_same_v<KV, float>) {
+        return key;
+      } else {
+        for (int c = 0; c < C; ++c) _mm512_store_ps(tile + j * D + c * 16, load16(key + c * 16));
+        return tile + j * D;
       }
-      _mm512_storeu_ps(row + i, transpose_sum16(partial));
+    };
+    for (; i + 16 <= n; i += 16) {
+      prefetch_block(i, i + 16);
+      const float* keys[16];
+      for (int j = 0; j < 16; ++j) keys[j] = widened(i + j, j);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 query[C];
+        for (int c = 0; c < C; ++c) query[c] = _mm512_load_ps(queries + g * D + c * 16);
+        __m512 partial[16];
+        for (int j = 0; j < 16; ++j) {
+          __m512 acc = _mm512_mul_ps(query[0], _mm512_loadu_ps(keys[j]));
+          for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], _mm512_loadu_ps(keys[j] + c * 16), acc);
+          partial[j] = acc;
+        }
+        __m512 block = transpose_sum16(partial);
+        if constexpr (kPerToken) block = _mm512_mul_ps(block, _mm512_loadu_ps(key_scales + i));
+        _mm512_storeu_ps(scores + g * n + i, block);
+      }
     }
-    if (g == 0) prefetch_block(i, std::max(n, next.count));  // the tail, and the rest of a longer next task
+    prefetch_block(i, std::max(n, next.count));  // the tail, and the rest of a longer next task
     for (; i < n; ++i) {
-      const T* key = k_cache + slots[first + i] * stride + kvh * D;
-      __m512 acc = _mm512_mul_ps(query[0], load16(key));
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(query[c], load16(key + c * 16), acc);
-      row[i] = _mm512_reduce_add_ps(acc);
+      const float* key = widened(i, 0);
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc = _mm512_mul_ps(_mm512_load_ps(queries + g * D), _mm512_loadu_ps(key));
+        for (int c = 1; c < C; ++c)
+          acc = _mm512_fmadd_ps(_mm512_load_ps(queries + g * D + c * 16), _mm512_loadu_ps(key + c * 16), acc);
+        scores[g * n + i] = _mm512_reduce_add_ps(acc);
+        if constexpr (kPerToken) scores[g * n + i] *= key_scales[i];
+      }
     }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores + g * n;
     // Softmax weights in place: exp(score - max), and their sum.
     __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (i = 0; i + 16 <= n; i += 16) maxv = _mm512_max_ps(maxv, _mm512_loadu_ps(row + i));
@@ -122,15 +229,19 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
       total = _mm512_add_ps(total, w);
       _mm512_mask_storeu_ps(row + i, live, w);
     }
-    const float inv_total = 1.0f / _mm512_reduce_add_ps(total);
-    for (i = 0; i < n; ++i) row[i] *= inv_total;
+    const float inv_total = cache.v_scale / _mm512_reduce_add_ps(total);
+    if constexpr (kPerToken) {
+      for (i = 0; i < n; ++i) row[i] *= inv_total * value_scales[i];
+    } else {
+      for (i = 0; i < n; ++i) row[i] *= inv_total;
+    }
   }
   // Weighted sum of values: each value row is loaded once and used by all G heads.
   __m512 acc[kMaxGroup][C];
   for (int64_t g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    const T* value = v_cache + slots[first + i] * stride + kvh * D;
+    const KV* value = v_cache + slots[first + i] * stride + kvh * D;
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = load16(value + c * 16);
     for (int64_t g = 0; g < G; ++g) {
@@ -145,13 +256,14 @@ void attend_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   }
 }
 
-template <typename T, int C>
-void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots, const int64_t* seq_lens, T* out,
-            int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
+template <typename T, typename KV, int C>
+void attend(const T* q, const KVCacheView& cache, const int64_t* slots, const int64_t* seq_lens, T* out, int64_t B,
+            int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
   constexpr int64_t D = 16 * C;
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * L + 16);
+    std::vector<float> row_scales(std::is_same_v<KV, int8_t> ? 2 * L + 16 : 0);
     auto first_key = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0; };
     auto rows_of = [&](int64_t task) {
       if (task >= end) return TaskRows{};
@@ -161,25 +273,37 @@ void attend(const T* q, const T* k_cache, const T* v_cache, const int64_t* slots
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH;
       const int64_t head = b * H + kvh * G;
-      attend_task<T, C>(q + head * D, k_cache, v_cache, slots + b * L, first_key(b), seq_lens[b], out + head * D, G,
-                        KVH, kvh, scale, scores.data(), rows_of(task + 1));
+      attend_task<T, KV, C>(q + head * D, cache, slots + b * L, first_key(b), seq_lens[b], out + head * D, G, KVH,
+                            kvh, scale, scores.data(), row_scales.data(), rows_of(task + 1));
     }
   });
 }
 
-template <typename T>
-void dispatch_head_dim(int64_t D, const T* q, const T* k, const T* v, const int64_t* slots, const int64_t* lens,
+template <typename T, typename KV>
+void dispatch_head_dim(int64_t D, const T* q, const KVCacheView& cache, const int64_t* slots, const int64_t* lens,
                        T* out, int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
   switch (D / 16) {
-    case 1: return attend<T, 1>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 2: return attend<T, 2>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 3: return attend<T, 3>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 4: return attend<T, 4>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 5: return attend<T, 5>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 6: return attend<T, 6>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 7: return attend<T, 7>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
-    case 8: return attend<T, 8>(q, k, v, slots, lens, out, B, H, KVH, L, window, scale);
+    case 1: return attend<T, KV, 1>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 2: return attend<T, KV, 2>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 3: return attend<T, KV, 3>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 4: return attend<T, KV, 4>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 5: return attend<T, KV, 5>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 6: return attend<T, KV, 6>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 7: return attend<T, KV, 7>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 8: return attend<T, KV, 8>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
     default: TORCH_CHECK(false, "head_dim must be 16..128, a multiple of 16");
+  }
+}
+
+template <typename T>
+void dispatch_format(int64_t D, const T* q, const KVCacheView& cache, const int64_t* slots, const int64_t* lens,
+                     T* out, int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
+  switch (cache.format) {
+    case KVFormat::kModel: return dispatch_head_dim<T, T>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case KVFormat::kInt8:
+      return dispatch_head_dim<T, int8_t>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case KVFormat::kFp8:
+      return dispatch_head_dim<T, fp8_e4m3>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale);
   }
 }
 
@@ -187,11 +311,12 @@ void dispatch_head_dim(int64_t D, const T* q, const T* k, const T* v, const int6
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& slots,
-                                     const torch::Tensor& seq_lens, int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,H,D], caches [S,KVH,D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+                                     const torch::Tensor& seq_lens, int64_t window, double scale,
+                                     const std::optional<torch::Tensor>& k_scale,
+                                     const std::optional<torch::Tensor>& v_scale) {
+  TORCH_CHECK(q.dim() == 3, "q [B,H,D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "fp32 or bf16 only");
+  const KVCacheView cache = pagoda::kv_cache_view(k_cache, v_cache, k_scale, v_scale, q.scalar_type());
   TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 slots and lens");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && H / KVH <= kMaxGroup, "query heads per kv head: a divisor, at most 16");
@@ -203,15 +328,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto out = torch::empty_like(qc);
   const int64_t L = slot_rows.size(1);
   if (q.scalar_type() == at::kFloat) {
-    dispatch_head_dim<float>(D, qc.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-                             slot_rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H,
-                             KVH, L, window, static_cast<float>(scale));
+    dispatch_format<float>(D, qc.data_ptr<float>(), cache, slot_rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
+                           out.data_ptr<float>(), B, H, KVH, L, window, static_cast<float>(scale));
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "fp32 or bf16 only");
-    dispatch_head_dim<at::BFloat16>(D, qc.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(),
-                                    v_cache.data_ptr<at::BFloat16>(), slot_rows.data_ptr<int64_t>(),
-                                    lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, L, window,
-                                    static_cast<float>(scale));
+    dispatch_format<at::BFloat16>(D, qc.data_ptr<at::BFloat16>(), cache, slot_rows.data_ptr<int64_t>(),
+                                  lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, L, window,
+                                  static_cast<float>(scale));
   }
   return out;
 }

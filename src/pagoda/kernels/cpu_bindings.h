@@ -5,8 +5,12 @@
 #include "cpu_ops.h"
 
 inline void define_shared_ops(pybind11::module& m) {
+  namespace py = pybind11;
   m.def("paged_decode_attention", &paged_decode_attention,
-        "one query per sequence attending to its keys in the paged KV cache (window 0: none)");
+        "one query per sequence attending to its keys in the paged KV cache (window 0: none; scales: a quantized "
+        "cache's, int8 [slots, kv_heads] or fp8 [1] each)",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("seq_lens"), py::arg("window"),
+        py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("gemv_fp32", &gemv_fp32, "y = x @ w.T for fp32 w and 1..64 rows of x (x's dtype out)");
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for bf16 w and 1..64 rows of x (x's dtype out)");
   m.def("gemv_int8", &gemv_int8, "y = (x @ w.T) * scale for int8 w and 1..64 rows of x (x's dtype out)");
@@ -17,7 +21,10 @@ inline void define_shared_ops(pybind11::module& m) {
         "y = x @ W.T for W in pagoda's int4 layout, x quantized per group to int8 (x's dtype out)");
   m.attr("matmul_int4_max_rows") = matmul_int4_max_rows();
   m.def("add_rms_norm_", &add_rms_norm_, "x += delta (if given) in place; returns RMSNorm(x) * weight");
-  m.def("rotary_write_kv_", &rotary_write_kv_, "rotates qkv's q and k heads in place; writes k, v to the cache");
+  m.def("rotary_write_kv_", &rotary_write_kv_,
+        "rotates qkv's q and k heads in place; writes k, v to the cache (quantized, where it is, with its scales)",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+        py::arg("num_heads"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("silu_mul", &silu_mul, "[gate | up] -> silu(gate) * up");
   define_decode_stack(m);
 }

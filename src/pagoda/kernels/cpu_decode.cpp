@@ -25,6 +25,9 @@ using OptionalTensor = std::optional<torch::Tensor>;
 // [N, K] with its per-channel scale [N], or int4 codes uint8 [N, K / 2] (pagoda's int4 layout) with their bf16
 // (scale, offset) pairs, block-major [N / 32, K / group, 32, 2].
 using LinearSpec = std::tuple<torch::Tensor, OptionalTensor, OptionalTensor>;
+// A layer's KV cache as Python hands it over (model/kv_cache.py's LayerKV.kernel_args): k, v, and their scales
+// (int8: per token and head; fp8: the layer's; None: the model's dtype).
+using KVSpec = std::tuple<torch::Tensor, torch::Tensor, OptionalTensor, OptionalTensor>;
 
 struct Linear {
   torch::Tensor weight;
@@ -76,27 +79,26 @@ class DecodeStack {
                        Linear(o), Linear(gate_up), Linear(down), window});
   }
 
-  // x: the embedded tokens [B, hidden] (the residual stream, updated in place); kv_caches: one (k, v) a
-  // layer; the rest as AttentionMetadata has them. Returns the final norm's output [B, hidden].
+  // x: the embedded tokens [B, hidden] (the residual stream, updated in place); kv_caches: one (k, v, k_scale,
+  // v_scale) a layer; the rest as AttentionMetadata has them. Returns the final norm's output [B, hidden].
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
-                        const torch::Tensor& slot_mapping, const torch::Tensor& key_slots,
-                        const torch::Tensor& seq_lens) const {
-    TORCH_CHECK(kv_caches.size() == layers_.size(), "one (k, v) cache pair per layer");
+                        const std::vector<KVSpec>& kv_caches, const torch::Tensor& slot_mapping,
+                        const torch::Tensor& key_slots, const torch::Tensor& seq_lens) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     c10::InferenceMode inference;
     OptionalTensor delta;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      auto [k_cache, v_cache] = kv_caches[i];
+      auto [k_cache, v_cache, k_scale, v_scale] = kv_caches[i];
       torch::Tensor qkv = layer.qkv(add_rms_norm_(x, delta, layer.input_norm, eps_));
       qkv = qkv.view({-1, heads_ + 2 * kv_heads_, head_dim_});
       if (layer.q_norm) {
         norm_heads_(qkv.slice(1, 0, heads_), *layer.q_norm, eps_);
         norm_heads_(qkv.slice(1, heads_, heads_ + kv_heads_), *layer.k_norm, eps_);
       }
-      rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_);
+      rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_, k_scale, v_scale);
       torch::Tensor attended = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, key_slots,
-                                                      seq_lens, layer.window, scale_);
+                                                      seq_lens, layer.window, scale_, k_scale, v_scale);
       attended = layer.o(attended.reshape({-1, heads_ * head_dim_}));
       delta = layer.down(silu_mul(layer.gate_up(add_rms_norm_(x, attended, layer.post_norm, eps_))));
     }

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <optional>
 
+#include "cpu_kv_cache.h"
 #include "cpu_ops.h"
 #include "cpu_vec.h"
 
@@ -71,17 +72,18 @@ void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
   }
 }
 
-// qkv rows [tokens, H + 2 KVH, D]: q and k heads rotated in place, then k and v copied to their slots.
+// qkv rows [tokens, H + 2 KVH, D]: q and k heads rotated in place, then k and v stored at their slots in the
+// cache's format (kv_quant.h: copied, or quantized).
 template <typename T>
-void rotary_write_kv_rows(T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache, const int64_t* slots,
-                          int64_t tokens, int64_t H, int64_t KVH, int64_t D) {
-  const int64_t row_elements = (H + 2 * KVH) * D, kv_elements = KVH * D;
+void rotary_write_kv_rows(T* qkv, const T* cos, const T* sin, const pagoda::kv_quant::KVCacheView& cache,
+                          const int64_t* slots, int64_t tokens, int64_t H, int64_t KVH, int64_t D) {
+  const int64_t row_elements = (H + 2 * KVH) * D;
   at::parallel_for(0, tokens, grain_for(row_elements), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       T* row = qkv + t * row_elements;
       for (int64_t h = 0; h < H + KVH; ++h) rotate_head(row + h * D, cos + t * D, sin + t * D, D / 2);
-      std::memcpy(k_cache + slots[t] * kv_elements, row + H * D, kv_elements * sizeof(T));
-      std::memcpy(v_cache + slots[t] * kv_elements, row + (H + KVH) * D, kv_elements * sizeof(T));
+      pagoda::kv_quant::write_token(cache, row + H * D, row + (H + KVH) * D, slots[t], KVH, D,
+                                    [](T x) { return static_cast<float>(x); });
     }
   });
 }
@@ -141,24 +143,26 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>
   return out;
 }
 
-// qkv [tokens, H + 2 KVH, D]; cos, sin [tokens, ..., D] in qkv's dtype; caches [slots, KVH, D].
+// qkv [tokens, H + 2 KVH, D]; cos, sin [tokens, ..., D] in qkv's dtype; caches [slots, KVH, D] in qkv's dtype,
+// or quantized with their scales (cpu_kv_cache.h).
 void rotary_write_kv_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                      torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t num_heads) {
-  const std::initializer_list<const torch::Tensor*> tensors = {&qkv, &cos, &sin, &k_cache, &v_cache};
-  for (const auto* t : tensors) check_float_types(*t, "qkv, cos, sin and caches");
-  TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "qkv [T,heads,D], caches [S,KVH,D]");
+                      torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
+                      const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale) {
+  const std::initializer_list<const torch::Tensor*> tensors = {&qkv, &cos, &sin};
+  for (const auto* t : tensors) check_float_types(*t, "qkv, cos and sin");
+  TORCH_CHECK(qkv.dim() == 3, "qkv [T,heads,D]");
+  const auto cache = pagoda::kv_cache_view(k_cache, v_cache, k_scale, v_scale, qkv.scalar_type());
   const int64_t tokens = qkv.size(0), KVH = k_cache.size(1), D = qkv.size(2);
   TORCH_CHECK(qkv.size(1) == num_heads + 2 * KVH && k_cache.size(2) == D && D % 2 == 0, "qkv's heads and D");
   TORCH_CHECK(cos.numel() == tokens * D && sin.numel() == tokens * D, "one cos/sin row per token");
   for (const auto* t : tensors)
-    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "qkv, cos, sin and caches must share a dtype");
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "qkv, cos and sin must share a dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == tokens && slot_mapping.is_contiguous(),
               "slot_mapping: int64 [tokens]");
   dispatch_float_types(qkv.scalar_type(), [&](auto zero) {
     using scalar_t = decltype(zero);
     rotary_write_kv_rows<scalar_t>(qkv.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
-                                   k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                                   slot_mapping.data_ptr<int64_t>(), tokens, num_heads, KVH, D);
+                                   cache, slot_mapping.data_ptr<int64_t>(), tokens, num_heads, KVH, D);
   });
 }
 

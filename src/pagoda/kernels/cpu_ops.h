@@ -20,10 +20,13 @@ torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, i
 // The most rows of x for which matmul_int4 beats dequantized tiles into a GEMM (the largest int64: no bound).
 int64_t matmul_int4_max_rows();
 
-// cpu_attention.cpp, cpu_prefill_attention*.cpp: paged attention reading the cache in place.
+// cpu_attention.cpp, cpu_prefill_attention*.cpp: paged attention reading the cache in place. The decode takes a
+// cache in q's dtype (no scales), or quantized with its scales (cpu_kv_cache.h); the prefill q's dtype only.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& slots,
-                                     const torch::Tensor& seq_lens, int64_t window, double scale);
+                                     const torch::Tensor& seq_lens, int64_t window, double scale,
+                                     const std::optional<torch::Tensor>& k_scale,
+                                     const std::optional<torch::Tensor>& v_scale);
 // use_amx: bf16 on AMX tiles where prefill_attention_amx_available() (cpu_prefill_attention_amx.cpp).
 void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out,
@@ -33,8 +36,10 @@ bool prefill_attention_amx_available();
 // cpu_fused.cpp: the small steps between a layer's matmuls.
 torch::Tensor add_rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>& delta, const torch::Tensor& weight,
                             double eps);
+// The cache in qkv's dtype, or quantized as it is written, with its scales (cpu_kv_cache.h).
 void rotary_write_kv_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                      torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t num_heads);
+                      torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
+                      const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
 // cpu_decode.cpp: registers the DecodeStack class on the module.

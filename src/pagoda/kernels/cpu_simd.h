@@ -17,7 +17,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kv_quant.h"
+
 namespace pagoda::simd {
+
+using kv_quant::fp8_e4m3;
 
 // bf16 in memory: the upper 16 bits of an fp32, c10::BFloat16's layout (simd_tensors.h casts tensors to it).
 struct bf16 {
@@ -36,6 +40,19 @@ struct Vec {
   static Vec load(const bf16* p) {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+  }
+  static Vec load(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  // e4m3 codes, exactly (kv_quant::fp8_to_float): a normal's bits moved into fp32's, a subnormal converted.
+  static Vec load(const fp8_e4m3* p) {
+    const __m512i codes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m512i magnitude = _mm512_and_si512(codes, _mm512_set1_epi32(0x7F));
+    const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(magnitude, 20), _mm512_set1_epi32(120 << 23)));
+    const __m512 subnormal = _mm512_mul_ps(_mm512_cvtepi32_ps(magnitude), _mm512_set1_ps(1.0f / 512));
+    const __m512 value = _mm512_mask_mov_ps(normal, _mm512_cmplt_epi32_mask(magnitude, _mm512_set1_epi32(8)), subnormal);
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(codes, _mm512_set1_epi32(0x80)), 24);
+    return {_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign))};
   }
   // 2 * kLanes bf16 as fp32: even receives elements 0, 2, 4, ..., odd 1, 3, 5, ... (a shift and a mask of one
   // load, no shuffle: bf16 is the upper half of fp32).
@@ -92,6 +109,20 @@ struct Vec {
   static Vec load(const bf16* p) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
     return {_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16))};
+  }
+  static Vec load(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+  }
+  // e4m3 codes, exactly (kv_quant::fp8_to_float): a normal's bits moved into fp32's, a subnormal converted.
+  static Vec load(const fp8_e4m3* p) {
+    const __m256i codes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    const __m256i magnitude = _mm256_and_si256(codes, _mm256_set1_epi32(0x7F));
+    const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(magnitude, 20), _mm256_set1_epi32(120 << 23)));
+    const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(magnitude), _mm256_set1_ps(1.0f / 512));
+    const __m256 is_subnormal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), magnitude));
+    const __m256 value = _mm256_blendv_ps(normal, subnormal, is_subnormal);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(codes, _mm256_set1_epi32(0x80)), 24);
+    return {_mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(value), sign))};
   }
   // 2 * kLanes bf16 as fp32: even receives elements 0, 2, 4, ..., odd 1, 3, 5, ... (a shift and a mask of one
   // load, no shuffle: bf16 is the upper half of fp32).
@@ -161,6 +192,23 @@ struct Vec {
   static Vec load(const bf16* p) {
     const uint16x8_t raw = vld1q_u16(reinterpret_cast<const uint16_t*>(p));
     return {vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(raw), 16)), vreinterpretq_f32_u32(vshll_high_n_u16(raw, 16))};
+  }
+  static Vec load(const int8_t* p) {
+    const int16x8_t wide = vmovl_s8(vld1_s8(p));
+    return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(wide))), vcvtq_f32_s32(vmovl_high_s16(wide))};
+  }
+  // e4m3 codes, exactly (kv_quant::fp8_to_float): a normal's bits moved into fp32's, a subnormal converted.
+  static float32x4_t fp8_lanes(uint32x4_t codes) {
+    const uint32x4_t magnitude = vandq_u32(codes, vdupq_n_u32(0x7F));
+    const float32x4_t normal = vreinterpretq_f32_u32(vaddq_u32(vshlq_n_u32(magnitude, 20), vdupq_n_u32(120u << 23)));
+    const float32x4_t subnormal = vmulq_f32(vcvtq_f32_u32(magnitude), vdupq_n_f32(1.0f / 512));
+    const float32x4_t value = vbslq_f32(vcltq_u32(magnitude, vdupq_n_u32(8)), subnormal, normal);
+    const uint32x4_t sign = vshlq_n_u32(vandq_u32(codes, vdupq_n_u32(0x80)), 24);
+    return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(value), sign));
+  }
+  static Vec load(const fp8_e4m3* p) {
+    const uint16x8_t wide = vmovl_u8(vld1_u8(reinterpret_cast<const uint8_t*>(p)));
+    return {fp8_lanes(vmovl_u16(vget_low_u16(wide))), fp8_lanes(vmovl_high_u16(wide))};
   }
   // 2 * kLanes bf16 as fp32: even receives elements 0, 2, 4, ..., odd 1, 3, 5, ... (as the x86 forms).
   static void load_pairs(const bf16* p, Vec& even, Vec& odd) {
@@ -260,6 +308,15 @@ inline void store_at(T* row, int64_t i, int64_t n, Vec v) {
   } else {
     store_first(row + i, v, n - i);
   }
+}
+
+// One element as fp32 (the kv_quant.h writers' `widen`).
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
 }
 
 // v rounded to T and back: where torch's op on T-typed tensors would round an intermediate.

@@ -1,13 +1,18 @@
 // Helpers shared by the CPU kernels: 16 fp32 lanes loaded from, and stored to, fp32 or bf16 memory
-// (bf16 stores round to nearest even, as torch's conversion does), and a vectorised exp.
+// (bf16 stores round to nearest even, as torch's conversion does), loaded from a quantized KV cache's int8 or
+// e4m3 codes (cpu_simd.h's conversions, exact), and a vectorised exp.
 #pragma once
 
 #include <ATen/ATen.h>
 #include <immintrin.h>
 
+#include "cpu_simd.h"
+
 namespace pagoda {
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) { return simd::Vec::load(p).v; }
+inline __m512 load16(const kv_quant::fp8_e4m3* p) { return simd::Vec::load(p).v; }
 inline __m512 load16(const at::BFloat16* p) {
   __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));

@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "cpu_kv_cache.h"
 #include "cpu_ops.h"
 #include "simd_attention.h"
 #include "simd_tensors.h"
@@ -12,19 +13,20 @@ namespace {
 namespace kernels = pagoda::simd_kernels;
 
 template <typename T>
-void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-            const torch::Tensor& slots, const torch::Tensor& seq_lens, torch::Tensor& out, int64_t window,
-            float scale) {
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1), L = slots.size(1);
+void attend(const torch::Tensor& q, const pagoda::kv_quant::KVCacheView& cache, int64_t KVH, const torch::Tensor& slots,
+            const torch::Tensor& seq_lens, torch::Tensor& out, int64_t window, float scale) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2), L = slots.size(1);
   const auto* q_data = kernels::core_data<T>(q);
-  const auto* k_data = kernels::core_data<T>(k_cache);
-  const auto* v_data = kernels::core_data<T>(v_cache);
   auto* out_data = kernels::core_data<T>(out);
   const int64_t* slot_data = slots.data_ptr<int64_t>();
   const int64_t* len_data = seq_lens.data_ptr<int64_t>();
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    kernels::attend_tasks(q_data, k_data, v_data, slot_data, len_data, out_data, H, KVH, L, D, window, scale, begin,
-                          end);
+  using Core = kernels::CoreType<T>;
+  kernels::dispatch_kv_format<Core>(cache.format, [&](auto element) {
+    using KV = decltype(element);
+    at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+      kernels::attend_tasks<Core, KV>(q_data, cache, slot_data, len_data, out_data, H, KVH, L, D, window, scale, begin,
+                                      end);
+    });
   });
 }
 
@@ -32,11 +34,12 @@ void attend(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::T
 
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& slots,
-                                     const torch::Tensor& seq_lens, int64_t window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "q [B,H,D], caches [S,KVH,D]");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share a dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
+                                     const torch::Tensor& seq_lens, int64_t window, double scale,
+                                     const std::optional<torch::Tensor>& k_scale,
+                                     const std::optional<torch::Tensor>& v_scale) {
+  TORCH_CHECK(q.dim() == 3, "q [B,H,D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "fp32 or bf16 only");
+  const auto cache = pagoda::kv_cache_view(k_cache, v_cache, k_scale, v_scale, q.scalar_type());
   TORCH_CHECK(slots.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 slots and lens");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0 && H / KVH <= kernels::kMaxGroup, "query heads per kv head: a divisor, at most 16");
@@ -47,10 +50,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(qc);
   if (q.scalar_type() == at::kFloat) {
-    attend<float>(qc, k_cache, v_cache, slot_rows, lens, out, window, static_cast<float>(scale));
+    attend<float>(qc, cache, KVH, slot_rows, lens, out, window, static_cast<float>(scale));
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "fp32 or bf16 only");
-    attend<at::BFloat16>(qc, k_cache, v_cache, slot_rows, lens, out, window, static_cast<float>(scale));
+    attend<at::BFloat16>(qc, cache, KVH, slot_rows, lens, out, window, static_cast<float>(scale));
   }
   return out;
 }

@@ -5,6 +5,7 @@
 
 #include <optional>
 
+#include "cpu_kv_cache.h"
 #include "cpu_ops.h"
 #include "simd_fused.h"
 #include "simd_tensors.h"
@@ -56,17 +57,20 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const std::optional<torch::Tensor>
   return out;
 }
 
-// qkv [tokens, H + 2 KVH, D]; cos, sin [tokens, ..., D] in qkv's dtype; caches [slots, KVH, D].
+// qkv [tokens, H + 2 KVH, D]; cos, sin [tokens, ..., D] in qkv's dtype; caches [slots, KVH, D] in qkv's dtype,
+// or quantized with their scales (cpu_kv_cache.h).
 void rotary_write_kv_(torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& k_cache,
-                      torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t num_heads) {
-  const std::initializer_list<const torch::Tensor*> tensors = {&qkv, &cos, &sin, &k_cache, &v_cache};
-  for (const auto* t : tensors) check_float_types(*t, "qkv, cos, sin and caches");
-  TORCH_CHECK(qkv.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "qkv [T,heads,D], caches [S,KVH,D]");
+                      torch::Tensor& v_cache, const torch::Tensor& slot_mapping, int64_t num_heads,
+                      const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale) {
+  const std::initializer_list<const torch::Tensor*> tensors = {&qkv, &cos, &sin};
+  for (const auto* t : tensors) check_float_types(*t, "qkv, cos and sin");
+  TORCH_CHECK(qkv.dim() == 3, "qkv [T,heads,D]");
+  const pagoda::kv_quant::KVCacheView cache = pagoda::kv_cache_view(k_cache, v_cache, k_scale, v_scale, qkv.scalar_type());
   const int64_t tokens = qkv.size(0), KVH = k_cache.size(1), D = qkv.size(2);
   TORCH_CHECK(qkv.size(1) == num_heads + 2 * KVH && k_cache.size(2) == D && D % 2 == 0, "qkv's heads and D");
   TORCH_CHECK(cos.numel() == tokens * D && sin.numel() == tokens * D, "one cos/sin row per token");
   for (const auto* t : tensors)
-    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "qkv, cos, sin and caches must share a dtype");
+    TORCH_CHECK(t->scalar_type() == qkv.scalar_type(), "qkv, cos and sin must share a dtype");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == tokens && slot_mapping.is_contiguous(),
               "slot_mapping: int64 [tokens]");
   dispatch_float_types(qkv.scalar_type(), [&](auto zero) {
@@ -74,12 +78,9 @@ void rotary_write_kv_(torch::Tensor& qkv, const torch::Tensor& cos, const torch:
     auto* qkv_data = core_data<scalar_t>(qkv);
     const auto* cos_data = core_data<scalar_t>(cos);
     const auto* sin_data = core_data<scalar_t>(sin);
-    auto* k_data = core_data<scalar_t>(k_cache);
-    auto* v_data = core_data<scalar_t>(v_cache);
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     at::parallel_for(0, tokens, grain_for((num_heads + 2 * KVH) * D), [&](int64_t begin, int64_t end) {
-      kernels::rotary_write_kv_rows(qkv_data, cos_data, sin_data, k_data, v_data, slots, num_heads, KVH, D, begin,
-                                    end);
+      kernels::rotary_write_kv_rows(qkv_data, cos_data, sin_data, cache, slots, num_heads, KVH, D, begin, end);
     });
   });
 }

@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "cpu_simd.h"
+#include "kv_quant.h"
 
 namespace pagoda::simd_kernels {
 
@@ -59,17 +60,17 @@ void rotate_head(T* x, const T* cos, const T* sin, int64_t half) {
   }
 }
 
-// qkv rows [tokens, H + 2 KVH, D]: q and k heads rotated in place (cos, sin [tokens, D]), then k and v copied
-// to their slots of the caches [slots, KVH, D].
+// qkv rows [tokens, H + 2 KVH, D]: q and k heads rotated in place (cos, sin [tokens, D]), then k and v stored
+// at their slots of the cache [slots, KVH, D] in its format (kv_quant.h: copied, or quantized).
 template <typename T>
-void rotary_write_kv_rows(T* qkv, const T* cos, const T* sin, T* k_cache, T* v_cache, const int64_t* slots,
-                          int64_t H, int64_t KVH, int64_t D, int64_t begin, int64_t end) {
-  const int64_t row_elements = (H + 2 * KVH) * D, kv_elements = KVH * D;
+void rotary_write_kv_rows(T* qkv, const T* cos, const T* sin, const kv_quant::KVCacheView& cache,
+                          const int64_t* slots, int64_t H, int64_t KVH, int64_t D, int64_t begin, int64_t end) {
+  const int64_t row_elements = (H + 2 * KVH) * D;
   for (int64_t t = begin; t < end; ++t) {
     T* row = qkv + t * row_elements;
     for (int64_t h = 0; h < H + KVH; ++h) rotate_head(row + h * D, cos + t * D, sin + t * D, D / 2);
-    std::memcpy(k_cache + slots[t] * kv_elements, row + H * D, kv_elements * sizeof(T));
-    std::memcpy(v_cache + slots[t] * kv_elements, row + (H + KVH) * D, kv_elements * sizeof(T));
+    kv_quant::write_token(cache, row + H * D, row + (H + KVH) * D, slots[t], KVH, D,
+                          [](T x) { return simd::widen(x); });
   }
 }
 

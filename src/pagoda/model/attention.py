@@ -1,8 +1,9 @@
 """Paged attention: one interface, a backend per device.
 
-The KV cache of a layer is two tensors [num_slots, num_kv_heads, head_dim] (num_slots = blocks x
-block_size). Each step, `rotate_and_write_kv` applies rope to the new tokens' q and k and stores their
-K/V at their slots, and `forward` attends each
+The KV cache of a layer is a `LayerKV` (model/kv_cache.py): K and V [num_slots, num_kv_heads, head_dim]
+(num_slots = blocks x block_size), in the model's dtype or quantized, with their scales. Each step,
+`rotate_and_write_kv` applies rope to the new tokens' q and k and stores their K/V at their slots (quantized
+as they are written), and `forward` attends each
 sequence's queries to the keys its block table points at. Everything shape-dependent (gather indices,
 masks) is built once per step in `build_metadata`, outside the layers (a prefill's mask at the first
 layer that needs one): no hidden global context.
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from pagoda.model.kv_cache import LayerKV
 from pagoda.model.layers import apply_rotary
 
 if TYPE_CHECKING:
@@ -166,7 +168,7 @@ class DecodeRunner(Protocol):
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool: ...
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                 kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output for the step's tokens; x (the embedded tokens) is updated in place."""
         ...
 
@@ -183,53 +185,48 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def rotate_and_write_kv(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, num_heads: int,
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
+        num_heads: int,
     ) -> torch.Tensor:
         """qkv: [num_tokens, heads + 2 kv_heads, head_dim]. Rotates q and k, stores k and v at the tokens'
         slots, and returns the rotated q [num_tokens, heads, head_dim]."""
 
     @abstractmethod
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, window: int | None) -> torch.Tensor:
+    def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
+               window: int | None) -> torch.Tensor:
         """The step's decodes, one query [heads, D] each (q: [num_decodes, heads, D]), as one batch."""
 
     @abstractmethod
-    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, scale: float,
-                window: int | None, out: torch.Tensor) -> None:
+    def prefill(self, q: torch.Tensor, kv: LayerKV, seq: PrefillSeq, scale: float, window: int | None,
+                out: torch.Tensor) -> None:
         """One sequence's queries [q_len, heads, D] attending to its keys, written into out."""
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        window: int | None,
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
+                window: int | None) -> torch.Tensor:
         """q: [num_tokens, num_heads, head_dim] -> [num_tokens, num_heads, head_dim]."""
         if not meta.prefills:  # a decode-only step: no scatter into a shared output
-            return self.decode(q, k_cache, v_cache, meta, scale, window)
+            return self.decode(q, kv, meta, scale, window)
         out = torch.empty_like(q)
         if meta.num_decodes:
             rows = meta.decode_token_index
-            out[rows] = self.decode(q[rows], k_cache, v_cache, meta, scale, window)
+            out[rows] = self.decode(q[rows], kv, meta, scale, window)
         for seq in meta.prefills:
             seq_rows = slice(seq.query_start, seq.query_end)
-            self.prefill(q[seq_rows], k_cache, v_cache, seq, scale, window, out[seq_rows])
+            self.prefill(q[seq_rows], kv, seq, scale, window, out[seq_rows])
         return out
 
 
-def sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, scale: float,
-                 window: int | None, out: torch.Tensor) -> None:
-    """The reference prefill of one sequence: its keys gathered and attended to with torch's SDPA."""
-    group = q.shape[1] // k_cache.shape[1]
+def sdpa_prefill(q: torch.Tensor, kv: LayerKV, seq: PrefillSeq, scale: float, window: int | None,
+                 out: torch.Tensor) -> None:
+    """The reference prefill of one sequence: its keys gathered (dequantized, if quantized) and attended to with
+    torch's SDPA."""
+    group = q.shape[1] // kv.num_kv_heads
     query = q.transpose(0, 1)[None]  # [1, heads, q_len, D]
+    keys, values = kv.gather(seq.key_slots, q.dtype)
     # Key/value heads repeated to the query heads: on CPU, SDPA's fused (flash) kernel takes only
     # 4-D inputs of equal head counts; `enable_gqa` falls back to the math path, 4x slower.
-    keys = k_cache[seq.key_slots].repeat_interleave(group, dim=1).transpose(0, 1)[None]
-    values = v_cache[seq.key_slots].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+    values = values.repeat_interleave(group, dim=1).transpose(0, 1)[None]
     # A whole prompt under a plain causal mask needs no mask tensor (the kernel skips masked tiles).
     causal = window is None and query.shape[2] == keys.shape[2]
     attended = F.scaled_dot_product_attention(
@@ -238,36 +235,38 @@ def sdpa_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     out.copy_(attended[0].transpose(0, 1))
 
 
+def torch_rotate_and_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV,
+                              meta: AttentionMetadata, num_heads: int) -> torch.Tensor:
+    """The reference rope + KV write: q and k rotated in one call (half the small ops), K/V stored (quantized)."""
+    kv_heads = kv.num_kv_heads
+    rotated = apply_rotary(qkv[:, : num_heads + kv_heads], cos, sin)
+    kv.write(meta.slot_mapping, rotated[:, num_heads:], qkv[:, num_heads + kv_heads :])
+    return rotated[:, :num_heads]
+
+
 class TorchAttentionBackend(AttentionBackend):
     """The reference backend: gathers keys through the block tables and calls SDPA."""
 
     def rotate_and_write_kv(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, num_heads: int,
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
+        num_heads: int,
     ) -> torch.Tensor:
-        # q and k rotated in one call: half the small ops.
-        rotated = apply_rotary(qkv[:, : num_heads + k_cache.shape[1]], cos, sin)
-        k_cache.index_copy_(0, meta.slot_mapping, rotated[:, num_heads:])
-        v_cache.index_copy_(0, meta.slot_mapping, qkv[:, num_heads + k_cache.shape[1] :])
-        return rotated[:, :num_heads]
+        return torch_rotate_and_write_kv(qkv, cos, sin, kv, meta, num_heads)
 
-    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, scale: float,
-                window: int | None, out: torch.Tensor) -> None:
-        sdpa_prefill(q, k_cache, v_cache, seq, scale, window, out)
+    def prefill(self, q: torch.Tensor, kv: LayerKV, seq: PrefillSeq, scale: float, window: int | None,
+                out: torch.Tensor) -> None:
+        sdpa_prefill(q, kv, seq, scale, window, out)
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, window: int | None) -> torch.Tensor:
-        """Two batched matmuls in fp32.
+    def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
+               window: int | None) -> torch.Tensor:
+        """Two batched matmuls in fp32 over the gathered (and dequantized) keys.
 
         CPU SDPA spends most of its time on setup at this size (and is slow in bf16); plain matmuls
         over the gathered keys are several times faster and accumulate in fp32 whatever the model dtype.
         """
         batch, num_heads, head_dim = q.shape
-        slots = meta.decode_key_slots
-        num_kv_heads = k_cache.shape[1]
-        gathered_shape = (*slots.shape, num_kv_heads, head_dim)  # [B, L, kv_heads, D]
-        keys = k_cache.index_select(0, slots.view(-1)).view(gathered_shape).float()
-        values = v_cache.index_select(0, slots.view(-1)).view(gathered_shape).float()
+        num_kv_heads = kv.num_kv_heads
+        keys, values = kv.gather(meta.decode_key_slots, torch.float32)  # [B, L, kv_heads, D]
         query = q.float().view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         scores = torch.matmul(query, keys.permute(0, 2, 3, 1)) * scale  # [B, kv_heads, group, L]
         scores = scores.masked_fill(~meta.decode_masks[window], float("-inf"))
@@ -277,32 +276,37 @@ class TorchAttentionBackend(AttentionBackend):
 
 class CpuAttentionBackend(AttentionBackend):
     """Attends through pagoda's paged-attention kernels, which read keys in place (nothing gathered or
-    repeated to the query heads): decodes one query a sequence, prefills flash-attention style (bf16 on
-    vdpbf16ps: torch's SDPA runs at a quarter of the bf16 GEMMs' rate without AMX; head dims that are not
-    a multiple of 32, and every prefill on the AVX2 target, through the reference's SDPA). Rotates q/k and
-    writes the cache in one kernel call. With `decode_stack`, `native_decode.bind_decode_stack` makes the native
-    decode stack its decode runner, which runs decode-only steps whole."""
+    repeated to the query heads): decodes one query a sequence, in any KV format (int8 and fp8 codes
+    dequantized in registers), prefills flash-attention style (bf16 on vdpbf16ps: torch's SDPA runs at a
+    quarter of the bf16 GEMMs' rate without AMX; head dims that are not a multiple of 32, every prefill on the
+    AVX2 target, and every prefill over a quantized cache, through the reference's SDPA on the sequence's
+    dequantized keys). Rotates q/k and writes (quantizes) the cache in one kernel call. With `decode_stack`,
+    `native_decode.bind_decode_stack` makes the native decode stack its decode runner, which runs decode-only
+    steps whole."""
 
     def __init__(self, kernels: CpuKernels, decode_stack: bool = False) -> None:
         self.kernels = kernels
         self.decode_stack = decode_stack
 
     def rotate_and_write_kv(
-        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-        meta: AttentionMetadata, num_heads: int,
+        self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV, meta: AttentionMetadata,
+        num_heads: int,
     ) -> torch.Tensor:
-        self.kernels.rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, num_heads)
+        if kv.scales_pending:  # fp8's scales come from this first write's rotated keys: the reference computes them
+            return torch_rotate_and_write_kv(qkv, cos, sin, kv, meta, num_heads)
+        self.kernels.rotary_write_kv_(qkv, cos, sin, kv.k, kv.v, meta.slot_mapping, num_heads, kv.k_scale,
+                                      kv.v_scale)
         return qkv[:, :num_heads]
 
-    def prefill(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq: PrefillSeq, scale: float,
-                window: int | None, out: torch.Tensor) -> None:
-        if q.shape[-1] % 32 or self.kernels.target != "avx512":  # a head size or a target without the kernel
-            sdpa_prefill(q, k_cache, v_cache, seq, scale, window, out)
+    def prefill(self, q: torch.Tensor, kv: LayerKV, seq: PrefillSeq, scale: float, window: int | None,
+                out: torch.Tensor) -> None:
+        # A head size, a target or a KV format without the kernel
+        if q.shape[-1] % 32 or self.kernels.target != "avx512" or kv.format != "auto":
+            sdpa_prefill(q, kv, seq, scale, window, out)
         else:
-            self.kernels.paged_prefill_attention_(q, k_cache, v_cache, seq.key_slots, window or 0, scale, out)
+            self.kernels.paged_prefill_attention_(q, kv.k, kv.v, seq.key_slots, window or 0, scale, out)
 
-    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, window: int | None) -> torch.Tensor:
-        return self.kernels.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_key_slots, meta.decode_seq_lens, window or 0, scale
-        )
+    def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
+               window: int | None) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(q, kv.k, kv.v, meta.decode_key_slots, meta.decode_seq_lens,
+                                                   window or 0, scale, kv.k_scale, kv.v_scale)

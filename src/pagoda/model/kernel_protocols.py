@@ -12,6 +12,9 @@ import torch
 
 # weight, scale (int8: per channel; int4: the (scale, offset) pairs), bias; as kernels/cpu_decode.cpp reads it
 LinearSpec = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+# One layer's KV cache as the kernels take it (kv_cache.LayerKV.kernel_args): k, v, and their scales (int8: per
+# token and head [slots, kv_heads]; fp8: the layer's [1]; None: the model's dtype).
+KVSpec = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 class CompiledDecodeStack(Protocol):
@@ -22,7 +25,7 @@ class CompiledDecodeStack(Protocol):
                   gate_up: LinearSpec, down: LinearSpec, window: int) -> None: ...
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], slot_mapping: torch.Tensor,
+                kv_caches: list[KVSpec], slot_mapping: torch.Tensor,
                 key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
 
 
@@ -53,10 +56,12 @@ class CpuKernels(QuantizedKernels, Protocol):
                       eps: float) -> torch.Tensor: ...
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
     def rotary_write_kv_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int) -> None: ...
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                         k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None: ...
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                               key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int,
-                               scale: float) -> torch.Tensor: ...
+                               key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int, scale: float,
+                               k_scale: torch.Tensor | None = None,
+                               v_scale: torch.Tensor | None = None) -> torch.Tensor: ...
     # the "avx512" target only
     def paged_prefill_attention_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor,

@@ -16,10 +16,9 @@ from pagoda.config import ModelConfig
 from pagoda.model.attention import AttentionBackend, AttentionMetadata
 from pagoda.model.backends import ModelRuntime
 from pagoda.model.kernel_protocols import CpuKernels
+from pagoda.model.kv_cache import LayerKV
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, row_linear
 from pagoda.model.parallel import TensorParallel, VocabParallelEmbedding
-
-KVCache = tuple[torch.Tensor, torch.Tensor]  # one layer's (keys, values), [num_slots, kv_heads, head_dim] each
 
 
 def fused_row_offsets(config: ModelConfig) -> dict[str, dict[str, int]]:
@@ -50,16 +49,15 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: LayerKV,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
         qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norms before rope, into qkv
             qkv[:, :heads] = self.q_norm(qkv[:, :heads])
             qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])
-        k_cache, v_cache = kv_cache
-        q = backend.rotate_and_write_kv(qkv, cos, sin, k_cache, v_cache, meta, heads)
-        attended = backend.forward(q, k_cache, v_cache, meta, self.scale, self.window)
+        q = backend.rotate_and_write_kv(qkv, cos, sin, kv_cache, meta, heads)
+        attended = backend.forward(q, kv_cache, meta, self.scale, self.window)
         out: torch.Tensor = self.o_proj(attended.reshape(-1, self.q_size))
         return out
 
@@ -74,7 +72,7 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, parallel)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+                kv_cache: LayerKV, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """x: the residual stream, to which the previous sublayer's output `delta` is added in place (by
         the norm, fused); returns this layer's MLP output, the next layer's delta."""
         attended = self.self_attn(self.input_layernorm(x, delta), cos, sin, kv_cache, meta, backend)
@@ -116,14 +114,15 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[KVCache],
+        kv_caches: list[LayerKV],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Returns final hidden states [num_tokens, hidden]; call compute_logits on the rows to sample."""
         x: torch.Tensor = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         runner = self.backend.decode_runner
-        if runner is not None and runner.takes(meta, x.shape[0]):
+        # fp8 scales still to be calculated are set by the modules' first write (the stack only reads them).
+        if runner is not None and runner.takes(meta, x.shape[0]) and not kv_caches[0].scales_pending:
             return runner(x, cos, sin, kv_caches, meta)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):

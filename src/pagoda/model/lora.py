@@ -24,6 +24,7 @@ from torch import nn
 
 from pagoda.config import ModelConfig
 from pagoda.model.attention import AttentionMetadata, DecodeRunner
+from pagoda.model.kv_cache import LayerKV
 from pagoda.model.lora_checkpoint import LoRAAdapter, module_shape
 
 if TYPE_CHECKING:
@@ -131,7 +132,7 @@ class BaseOnlyDecode:
         return not self.stack.active and self.inner.takes(meta, num_tokens)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                 kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
         return self.inner(x, cos, sin, kv_caches, meta)
 
 

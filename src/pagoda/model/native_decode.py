@@ -19,6 +19,7 @@ from torch import nn
 
 from pagoda.model.attention import AttentionMetadata, CpuAttentionBackend
 from pagoda.model.int4 import Int4Linear
+from pagoda.model.kv_cache import LayerKV
 from pagoda.model.quantization import KERNEL_MAX_ROWS, DenseLinear, Int8Linear
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class NativeDecode:
         return not meta.prefills and num_tokens <= self.max_rows
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                 kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
         """The final norm's output for the step's tokens; x (the embedded tokens) is updated in place."""
-        return self.stack.forward(x, cos, sin, kv_caches, meta.slot_mapping, meta.decode_key_slots,
-                                  meta.decode_seq_lens)
+        return self.stack.forward(x, cos, sin, [kv.kernel_args() for kv in kv_caches], meta.slot_mapping,
+                                  meta.decode_key_slots, meta.decode_seq_lens)

@@ -109,7 +109,10 @@ def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Calla
 
 
 def _warm_up(engine: LLMEngine) -> None:
-    """One tiny generation (or embedding) before /health turns 200, so the first user does not pay for lazy init."""
+    """One tiny generation (or embedding) before /health turns 200, so the first user does not pay for lazy init.
+    Not with calculate_kv_scales: fp8's scales come from the first K/V written, which must be a real prompt's."""
+    if engine.config.cache.calculate_kv_scales:
+        return
     params = PoolingParams() if engine.config.runner == "pooling" else SamplingParams(max_tokens=2)
     engine.add_request("warmup", [engine.tokenizer.bos_token_id or 0] * 4, params)
     while engine.has_unfinished_requests():
