@@ -189,6 +189,20 @@ def launch_server(
     return ServerProcess(process, port, served_model_name or str(model_dir), log_path, api_key)
 
 
+def launch_router(replica_urls: list[str], log_dir: Path, *args: str, served_model_name: str) -> ServerProcess:
+    """Starts `python -m pagoda route` over the replicas, polling often, without waiting for it."""
+    port = free_port()
+    command = [sys.executable, "-m", "pagoda", "route", "--host", LOOPBACK, "--port", str(port),
+               "--poll-interval", "0.2", *args]
+    for url in replica_urls:
+        command += ["--replica", url]
+    log_path = Path(log_dir) / f"router-{port}.log"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    return ServerProcess(process, port, served_model_name, log_path)
+
+
 def start_server(model_dir: Path, log_dir: Path, *args: str, **kwargs) -> ServerProcess:
     """launch_server, then wait for /health 200 (stopping the process if it never gets there)."""
     server = launch_server(model_dir, log_dir, *args, **kwargs)

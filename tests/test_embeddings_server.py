@@ -8,7 +8,7 @@ import openai
 import pytest
 import torch
 from embedding_models import embedding_model
-from server_fixtures import assert_openai_error, make_server_checkpoint, start_server
+from server_fixtures import assert_openai_error, launch_router, make_server_checkpoint, start_server
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -125,3 +125,14 @@ def test_a_generate_server_refuses_embeddings(tmp_path_factory):
                                                                      "--runner pooling"])
     finally:
         generate.stop()
+
+
+def test_the_router_serves_embeddings_from_its_replica(server, offline, tmp_path):
+    router = launch_router([server.url], tmp_path, served_model_name=MODEL)
+    try:
+        router.wait_for_health(200)
+        answer = router.client().embeddings.create(model=MODEL, input=INPUTS, encoding_format="float")
+        for item, output in zip(answer.data, offline.embed(INPUTS)):
+            _close(item.embedding, output.outputs.embedding)
+    finally:
+        router.stop()

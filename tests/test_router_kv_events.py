@@ -5,15 +5,13 @@ tier, the shared store), and one real server whose published hashes are the ones
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from typing import Any
 
 import msgpack
 import msgspec
 import pytest
+import server_fixtures
 import zmq
 from server_fixtures import ServerProcess, free_port, launch_server, make_server_checkpoint, wait_until
 
@@ -306,15 +304,8 @@ def test_the_router_index_follows_a_replicas_events():
 
 
 def launch_router(tmp_path, model_dir, server, events_port: int) -> ServerProcess:
-    port = free_port()
-    command = [sys.executable, "-m", "pagoda", "route", "--tokenizer", str(model_dir), "--host", "127.0.0.1",
-               "--port", str(port), "--poll-interval", "0.2", "--replica", server.url,
-               "--replica-kv-events", f"{server.url}=tcp://127.0.0.1:{events_port}"]
-    log_path = tmp_path / "router.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return ServerProcess(process, port, "m", log_path)
+    return server_fixtures.launch_router([server.url], tmp_path, "--tokenizer", str(model_dir), "--replica-kv-events",
+                                         f"{server.url}=tcp://127.0.0.1:{events_port}", served_model_name="m")
 
 
 def test_a_server_publishes_the_hashes_the_router_computes_and_the_router_follows_them(tmp_path):

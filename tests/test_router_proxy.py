@@ -259,3 +259,26 @@ def test_a_continued_response_is_pinned_to_its_replica_and_fails_clearly_when_it
         assert "http://a" in error["message"]
 
     run(fleet, requests)
+
+
+EMBEDDING = {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [0.6, 0.8]}],
+             "model": "m", "usage": {"prompt_tokens": 3, "total_tokens": 3}}
+
+
+def test_embeddings_are_forwarded_unchanged_and_retried_like_generations():
+    seen: list[bytes] = []
+
+    def embed(request: httpx.Request) -> httpx.Response:
+        seen.append(request.content)
+        return httpx.Response(200, json=EMBEDDING)
+
+    fleet = Fleet(a=refuse(httpx.ConnectError), b=embed)
+
+    async def requests(client: httpx.AsyncClient, router: Router) -> None:
+        body = {"model": "m", "input": [[1, 2, 3]], "encoding_format": "float"}
+        answer = await client.post("/v1/embeddings", json=body)
+        assert answer.status_code == 200 and answer.json() == EMBEDDING
+        assert fleet.calls == ["a", "b"] and [json.loads(s) for s in seen] == [body]
+        assert_openai_error(await client.post("/v1/embeddings", content=b"[1"), 400)
+
+    run(fleet, requests)

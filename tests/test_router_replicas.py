@@ -9,22 +9,18 @@ share. Then one replica is killed mid-run: no request that had not started strea
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
+import server_fixtures
 from server_fixtures import (
-    LOOPBACK,
     Metrics,
     ServerProcess,
-    free_port,
     launch_server,
     make_server_checkpoint,
     wait_until,
@@ -51,16 +47,8 @@ WORDS = ["river", "stone", "cloud", "forest", "lantern", "harbor", "copper", "me
 
 
 def launch_router(replicas: list[ServerProcess], model_dir: Path, log_dir: Path, policy: str) -> ServerProcess:
-    port = free_port()
-    command = [sys.executable, "-m", "pagoda", "route", "--tokenizer", str(model_dir), "--policy", policy,
-               "--host", LOOPBACK, "--port", str(port), "--poll-interval", "0.2", "--retry-backoff", "0.01"]
-    for replica in replicas:
-        command += ["--replica", replica.url]
-    log_path = log_dir / f"router-{policy}.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-    router = ServerProcess(process, port, MODEL, log_path)
+    router = server_fixtures.launch_router([r.url for r in replicas], log_dir, "--tokenizer", str(model_dir),
+                                           "--policy", policy, "--retry-backoff", "0.01", served_model_name=MODEL)
     try:
         router.wait_for_health(200)
         router.wait_for_metrics(  # the block size comes from the replicas' first poll

@@ -26,7 +26,7 @@ from pagoda.router.faults import Outcome, classify_answer
 from pagoda.router.policies import RoutedPrompt
 from pagoda.router.poller import poll_forever
 from pagoda.router.proxy import Forwarder, error_response
-from pagoda.router.tokens import PromptReader, responses_as_chat
+from pagoda.router.tokens import PromptReader, embedding_as_completion, responses_as_chat
 from pagoda.version import __version__
 from pagoda.wire import OpenAIError
 from pagoda.wire.guards import BodySizeLimit, JsonDecoder
@@ -133,6 +133,10 @@ def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncCl
     @app.post("/v1/responses")
     async def responses(raw: Request) -> Response:
         return await proxied(raw, "/v1/responses", lambda body: reader.chat(responses_as_chat(body)))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(raw: Request) -> Response:
+        return await proxied(raw, "/v1/embeddings", lambda body: reader.completion(embedding_as_completion(body)))
 
     @app.get("/v1/responses/{response_id}")
     async def stored_response(response_id: str, raw: Request) -> Response:

@@ -41,6 +41,12 @@ def responses_as_chat(body: dict[str, Any]) -> dict[str, Any]:
         return {}
 
 
+def embedding_as_completion(body: dict[str, Any]) -> dict[str, Any]:
+    """A /v1/embeddings body as the completion body its `input` would be, for routing by its prompt: both take
+    text, token ids or a batch of either, and the replica's prefix cache serves either."""
+    return {"prompt": body.get("input"), "model": body.get("model")}
+
+
 class LoadOnlyReader:
     """No tokenizer: every prompt is unknown, so policies route by load alone."""
 
