@@ -178,6 +178,22 @@ def test_a_name_reloaded_with_new_weights_never_serves_its_old_blocks(checkpoint
     assert [a.generation for a in llm.engine.lora.loaded()] == [2]  # max_cpu_loras defaults to max_loras, 1
 
 
+def test_removing_an_adapter_frees_its_weights_but_not_a_running_requests(checkpoint, adapters, make_llm):
+    base, paths = checkpoint("llama"), adapters("llama")
+    llm = make_llm(base, enable_lora=True, max_loras=2, max_cpu_loras=2)
+    engine = llm.engine
+    for index, name in enumerate(("attn", "mlp"), 1):
+        engine.add_lora(LoRARequest(name, index, paths[name]))
+    engine.add_request("busy", PROMPTS[0], greedy(), lora_request=LoRARequest("mlp", 2, paths["mlp"]))
+    engine.remove_lora("attn")
+    engine.remove_lora("mlp")  # its request is waiting: its weights stay
+    assert [a.name for a in engine.lora.loaded()] == ["mlp"]
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.remove_lora("mlp")
+    assert engine.lora.loaded() == []
+
+
 @pytest.mark.skipif(not available_targets(), reason="this CPU has neither AVX2 + FMA nor AVX-512")
 def test_native_decode_stack_runs_base_only_steps(checkpoint, adapters, make_llm):
     """The native stack takes no adapters: steps with adapter rows run the modules (and match PEFT); steps of the

@@ -42,6 +42,8 @@ def run_serve(args: argparse.Namespace) -> int:
         limits = ServerLimits(**given)
         kv_events = kv_events_config(args.kv_events_config)
         lora_modules = lora_modules_of(args)
+        if args.allow_runtime_lora_updating and not args.enable_lora:
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
     except (OSError, ValueError) as error:
         raise SystemExit(f"pagoda serve: {error}") from None
     args.model = model_to_load(args.model, "serve")
@@ -61,6 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
         kv_events=kv_events,
         profile_dir=args.profile_dir,
         lora_modules=lora_modules,
+        runtime_lora_updating=args.allow_runtime_lora_updating,
     )
     exit_now(code)
 
@@ -199,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
                        help="LoRA adapters a request's model may name, with --enable-lora: name=path, or vLLM's JSON "
                             '\'{"name": ..., "path": ..., "base_model_name": ...}\' (docs/lora.md)')
+    serve.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       help="with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the "
+                            "served adapters (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; docs/lora.md)")
     add_api_key_arguments(serve)
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 429 to a request whose sequences (prompts x n) would take the waiting queue "

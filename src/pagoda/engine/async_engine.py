@@ -14,7 +14,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pagoda.engine.api import (
     EmbeddingRequestOutput,
@@ -30,6 +30,8 @@ from pagoda.lora_request import LoRARequest
 from pagoda.pooling import PoolingParams
 from pagoda.sampling import SamplingParams
 from pagoda.structured.interface import GrammarStateError
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -148,18 +150,30 @@ class AsyncEngine:
 
     async def reset_prefix_cache(self) -> int:
         """Forgets the prefix cache's free blocks (on the engine thread); returns how many."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[int] = loop.create_future()
+        return await self._on_engine_thread(self._engine.reset_prefix_cache)
 
-        def reset() -> None:
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Loads and checks an adapter on the engine thread (RequestRejected says what is wrong with it)."""
+        await self._on_engine_thread(lambda: self._engine.add_lora(lora_request))
+
+    async def remove_lora(self, name: str) -> None:
+        """Frees an adapter's weights on the engine thread; requests already on it finish."""
+        await self._on_engine_thread(lambda: self._engine.remove_lora(name))
+
+    async def _on_engine_thread(self, call: Callable[[], T]) -> T:
+        """Runs `call` between two steps, where the engine's state may be touched; its result or error comes back."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
             try:
-                forgotten = self._engine.reset_prefix_cache()
+                result = call()
             except Exception as error:  # handed back to the caller
                 loop.call_soon_threadsafe(future.set_exception, error)
             else:
-                loop.call_soon_threadsafe(future.set_result, forgotten)
+                loop.call_soon_threadsafe(future.set_result, result)
 
-        self._submit(reset)
+        self._submit(run)
         return await future
 
     def shutdown(self, timeout: float = 5.0) -> None:

@@ -110,6 +110,14 @@ class LLMEngine:
         except LoRALoadError as error:
             raise RequestRejected(str(error), "model") from error
 
+    def remove_lora(self, name: str) -> None:
+        """Frees the adapter's loaded weights; requests already on it keep running (they read it again if they
+        must)."""
+        if self.lora is not None:
+            scheduler = self.scheduler
+            in_use = distinct_adapters(request.lora for request in [*scheduler.running, *scheduler.waiting])
+            self.lora.forget(name, in_use)
+
     def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raises RequestRejected for a request that can never run. Thread-safe (input_processor.py)."""
         self._check_generates()

@@ -77,6 +77,12 @@ class LoRAManager:
         self._keep(adapter_id, adapter)
         return adapter_id
 
+    def forget(self, name: str, in_use: Sequence[AdapterId]) -> None:
+        """Drops the weights of the name's generations that no request in `in_use` holds. Its generation count
+        stays: loaded again with other weights, the name is a new generation, whose blocks never mix with these."""
+        for adapter_id in [a for a in self._loaded if a.name == name and a not in in_use]:
+            del self._loaded[adapter_id]
+
     def loaded(self) -> list[AdapterId]:
         """The adapters in memory, least recently used first."""
         return list(self._loaded)

@@ -30,6 +30,7 @@ from pagoda.server.admission import WaitingSlots
 from pagoda.server.chat_output import ChatOutputFormat
 from pagoda.server.embeddings import mount_embeddings, require_generate_runner
 from pagoda.server.generation import Generation
+from pagoda.server.lora_routes import mount_lora_routes
 from pagoda.server.openapi import install_openapi
 from pagoda.server.profile import mount_profile
 from pagoda.server.prompts import check_prompt_chars, conversation_of, echo_texts, encode_prompts, render_chat_prompt
@@ -97,6 +98,8 @@ def build_app(state: ServerState) -> FastAPI:
     web_pages = mount_web_ui(app, state) if state.web_ui else frozenset()  # static: served without a key
     if state.profile_dir is not None:
         mount_profile(app, state, state.profile_dir)
+    if state.runtime_lora_updating:
+        mount_lora_routes(app, state)
     app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_request_body_bytes)
     # outermost: a request without a key is not read
     app.add_middleware(ApiKeyGuard, keys=state.api_keys, error_response=error_response, public_paths=web_pages)

@@ -123,12 +123,14 @@ def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int,
           limits: ServerLimits, max_waiting_requests: int | None, drain_timeout: float, log_level: str = "info",
           tool_call_parser: str | None = None, reasoning_parser: str | None = None, web_ui: bool = True,
           kv_events: KVEventsConfig | None = None, builtin_model: bool = False,
-          lora_modules: list[LoRARequest] | None = None, profile_dir: Path | None = None) -> int:
+          lora_modules: list[LoRARequest] | None = None, runtime_lora_updating: bool = False,
+          profile_dir: Path | None = None) -> int:
     limit_malloc_arenas()  # before the serving threads start (server/memory.py)
     state = ServerState(model_name=model_name, api_keys=api_keys, limits=limits,
                         admission=Admission(max_waiting_requests), tool_call_parser=tool_call_parser,
                         reasoning_parser=reasoning_parser, web_ui=web_ui, builtin_model=builtin_model,
                         lora_modules={module.lora_name: module for module in lora_modules or []},
+                        runtime_lora_updating=runtime_lora_updating,
                         profile_dir=profile_dir)
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,

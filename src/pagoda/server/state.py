@@ -55,7 +55,9 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses kept to be continued
     profile_dir: Path | None = None  # --profile-dir: where /stop_profile writes step timelines (None: no routes)
     # --lora-modules: the adapters a request's `model` may name, by name (loaded and checked at start-up)
+    # ... and those loaded since by POST /v1/load_lora_adapter, which exists with --allow-runtime-lora-updating
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
+    runtime_lora_updating: bool = False
 
     @property
     def engine(self) -> AsyncEngine | None:
