@@ -2,13 +2,16 @@
 
     .venv/bin/python benchmarks/quality.py                          # every path, 1,000 items per task
     .venv/bin/python benchmarks/quality.py --limit 100 --paths fp32  # a quick look
+    .venv/bin/python benchmarks/quality.py --paths fp32,fp32+kv-int8,fp32+kv-fp8 \
+        --out benchmarks/results/quality-kv.json                    # the quantized KV caches
 
 The held-out set (pagoda.demo.tasks.held_out_set) is never trained on. Every path decodes greedily the
 same chat-formatted token ids. `transformers` (fp32) is the reference: the fp32 path must produce
 exactly its tokens (a divergence is tolerated only at a near-tie, where the two tokens' reference logits
 differ by < 1e-3 * max(1, |logit|), and counted); bf16 and int8 are judged by accuracy, with their
 agreement reported. The speculative paths (fp32 with n-gram drafts, and with the model's own int8 copy
-as a draft model) must give fp32's answers token for token. Writes benchmarks/results/quality.json.
+as a draft model) must give fp32's answers token for token. The quantized KV caches (int8, fp8) must keep every
+family within a point of the same model dtype with its own KV. Writes benchmarks/results/quality.json.
 """
 
 from __future__ import annotations
@@ -40,8 +43,21 @@ ENGINE_PATHS: dict[str, dict[str, Any]] = {
     "fp32+ngram": {"dtype": "float32", "speculative_config": {"method": "ngram", "num_speculative_tokens": 4}},
     "fp32+draft": {"dtype": "float32", "speculative_config": {
         "method": "draft_model", "model": "{model}", "quantization": "int8", "num_speculative_tokens": 3}},
+    # A quantized KV cache is judged against its model dtype's path: every family within KV_TOLERANCE points.
+    "fp32+kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
+    "fp32+kv-fp8": {"dtype": "float32", "kv_cache_dtype": "fp8"},
 }
 SPECULATIVE_BASE = "fp32"
+KV_TOLERANCE = 1.0
+
+
+def kv_base(path: str) -> str | None:
+    """The path a quantized-KV path is compared with: the same options with the model dtype's KV."""
+    options = ENGINE_PATHS[path]
+    if "kv_cache_dtype" not in options:
+        return None
+    rest = {k: v for k, v in options.items() if k != "kv_cache_dtype"}
+    return next(p for p, o in ENGINE_PATHS.items() if o == rest)
 
 
 def parse_args() -> argparse.Namespace:
@@ -167,6 +183,10 @@ def main() -> int:
                 agreement["identical_to_" + SPECULATIVE_BASE] = sum(
                     a == b for a, b in zip(outputs[path], outputs[SPECULATIVE_BASE]))
             results[path]["agreement"] = agreement
+            if (base := kv_base(path)) in results and "accuracy" in results[base]:
+                deltas = {task: round(value - results[base]["accuracy"][task], 2)
+                          for task, value in accuracy.items() if task != "mean"}
+                results[path]["family_delta_vs_" + base] = deltas
 
     print_table(results, list(sets))
     report = {"model": str(args.model), "items_per_task": args.limit, "max_tokens": args.max_tokens,
@@ -178,8 +198,13 @@ def main() -> int:
         "identical_to_" + SPECULATIVE_BASE, len(items)) != len(items)]
     if speculation_changed:
         print(f"speculation changed greedy answers: {speculation_changed}")
-    # A real fp32 divergence from transformers, or speculation changing an answer, is a bug.
-    return 1 if fp32.get("real") or speculation_changed else 0
+    kv_outside = [path for path in paths if any(abs(d) > KV_TOLERANCE for d in next(
+        (v for k, v in results[path].items() if k.startswith("family_delta_vs_")), {}).values())]
+    if kv_outside:
+        print(f"a quantized KV cache moved a family by more than {KV_TOLERANCE} point(s): {kv_outside}")
+    # A real fp32 divergence from transformers, speculation changing an answer, or a quantized KV cache
+    # costing a family more than its tolerance, is a bug.
+    return 1 if fp32.get("real") or speculation_changed or kv_outside else 0
 
 
 if __name__ == "__main__":
