@@ -13,10 +13,13 @@ with n-gram drafts: both ways give the same tokens (checked).
       with the acceptance per position, the measured step costs and `pagoda calc`'s predicted speed-up;
   (c) random prompts (drafts mostly fail): the demo model with n-gram (sampled, seeded), the bench model
       with its draft (greedy);
-  (d) the batch size above which speculation stops paying: the demo model, n-gram, copy prompts.
+  (d) the batch size above which speculation stops paying: the demo model, n-gram, copy prompts;
+  (e) suffix decoding (vLLM's defaults) on every demo-model family, batch 1: each repeat a fresh engine, so the
+      global index starts empty and holds only the answers of the run's earlier items, each item seen once.
 
     python benchmarks/speculative.py [--threads 2] [--quick]
     python benchmarks/speculative.py --sections b --bench-model bench-1b --draft-dtype float32
+    python benchmarks/speculative.py --sections e --out benchmarks/results/speculative-suffix.json
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from common import add_common_args, environment, load_average, log, make_prompts
 from pagoda import LLM, SamplingParams
 from pagoda.calc.formulas import spec_speedup
 from pagoda.demo import DEMO_MODEL_DIR, encode_prompts
+from pagoda.demo.tasks import TASKS
 from pagoda.demo.tasks import generate as task_items
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO_ROOT / "models"
 NGRAM = {"method": "ngram", "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+SUFFIX = {"method": "suffix"}  # vLLM's defaults: depth 24 (and so k), spec factor 1, min token probability 0.1
 # The draft's default dtype per quantization: bf16 activations keep the int8 copy's step cheap where int8's matmul
 # is torch's (CPUs without pagoda's AVX-512 kernels); int4's kernel quantizes x to int8 itself.
 DRAFT_DTYPES = {"int8": "bfloat16", "int4": "float32"}
@@ -217,6 +222,23 @@ def section_d(args, k: int) -> list[dict]:
     return rows
 
 
+def section_e(args) -> list[dict]:
+    """Suffix decoding on each demo-model family, batch 1, greedy: a fresh engine per repeat (empty indexes)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=args.demo_max_tokens)
+    plain = engine(DEMO_MODEL_DIR, None)
+    rows = []
+    for task in TASKS:
+        prompts = demo_prompts(plain, task, args.prompts)
+        runs = []
+        for _ in range(args.repeats):
+            spec_llm = engine(DEMO_MODEL_DIR, SUFFIX)
+            runs.append((measure(plain, prompts, greedy), measure(spec_llm, prompts, greedy)))
+            spec_llm.close()
+        k = spec_llm.engine.speculator.config.num_speculative_tokens if spec_llm.engine.speculator else None
+        rows.append(row("e", task, "suffix", k, _total([b for b, _ in runs]), _total([s for _, s in runs])))
+    return rows
+
+
 def print_table(rows: list[dict]) -> None:
     header = f"{'':2} {'workload':>12} {'method':>11} {'k':>2} {'c':>2} {'batch':>5} {'base tok/s':>10} " \
              f"{'spec tok/s':>10} {'speedup':>7} {'accept':>6} {'len':>5} {'pred':>5}"
@@ -245,7 +267,7 @@ def main() -> None:
                         help="section b's draft: the bench model's own copy in this quantization")
     parser.add_argument("--candidates", type=int, nargs="+", default=[1],
                         help="section b: first_token_candidates values, each run at every k")
-    parser.add_argument("--sections", default="abcd")
+    parser.add_argument("--sections", default="abcde")
     args = parser.parse_args()
     if args.quick:
         args.prompts, args.demo_max_tokens, args.bench_prompts, args.bench_max_tokens = 2, 48, 1, 16
@@ -264,6 +286,8 @@ def main() -> None:
             "section b skipped")
     if "d" in args.sections:
         rows += section_d(args, args.ks[-1])
+    if "e" in args.sections:
+        rows += section_e(args)
     print_table(rows)
     paying = {workload: [r["batch_size"] for r in rows if r["section"] == "d" and r["workload"] == workload
                          and r.get("speedup", 0) >= 1.0] for workload in ("copy", "random")}

@@ -10,8 +10,9 @@ import sys
 import pytest
 
 from pagoda.cli import build_parser
-from pagoda.config import CacheConfig, EngineConfig, Int4Options, ParallelConfig, SchedulerConfig
+from pagoda.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from pagoda.flag_values import format_bytes, parse_bytes
+from pagoda.int4_format import Int4Options
 from pagoda.router.config import RouterConfig
 from pagoda.structured.limits import GrammarLimits
 from pagoda.wire.limits import ServerLimits

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pagoda.kernels
-from pagoda.config import Int4Options
+from pagoda.int4_format import Int4Options
 from pagoda.model.int4 import (
     Int4Linear,
     pack_group_pairs,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pagoda.config import Int4Options
+from pagoda.int4_format import Int4Options
 from pagoda.model.int4 import Int4Linear, quantize_int4
 from pagoda.sampling import SamplingParams
 from tests.conftest import random_prompts

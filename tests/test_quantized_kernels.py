@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import pagoda.kernels
-from pagoda.config import Int4Options
+from pagoda.int4_format import Int4Options
 from pagoda.model.int4 import Int4Linear, quantize_int4
 from pagoda.model.quantization import INT8_MATMUL_MAX_ROWS, Int8Linear
 from pagoda.sampling import SamplingParams

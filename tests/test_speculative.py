@@ -26,18 +26,12 @@ import pagoda.kernels
 from pagoda import SamplingParams
 from pagoda.config import SchedulerConfig, SpeculativeConfig
 from pagoda.engine.api import EngineStats, RequestOutput, SpecDecodeStats
+from pagoda.engine.core.drafts import Draft, draft_room
 from pagoda.engine.core.kv_cache import KVCacheManager, hash_block
 from pagoda.engine.core.request import FinishReason, Request, RequestStatus
 from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import Scheduler
-from pagoda.engine.core.speculative import (
-    Draft,
-    Speculator,
-    accept_drafts,
-    accepted_rows,
-    draft_room,
-    ngram_lookup,
-)
+from pagoda.engine.core.speculative import Speculator, accept_drafts, accepted_rows, ngram_lookup
 from pagoda.engine.sampler import SampleRow, build_sampling_metadata
 from pagoda.model.attention import build_metadata
 from pagoda.server.metrics import ServerMetrics
@@ -120,6 +114,9 @@ class OracleProposer:
         self.k = k
         self.wrong_every = wrong_every
         self.num_proposed = 0
+
+    def finished(self, request: Request) -> None:
+        pass
 
     def propose(self, requests: Sequence[Request]) -> list[Draft]:
         drafts = []
@@ -514,6 +511,9 @@ class StepDrafts:
         drafts, self.next = self.next, {}
         return {request_id: Draft(tokens) for request_id, tokens in drafts.items()}
 
+    def finished(self, request: Request) -> None:
+        pass
+
 
 def make_scheduler(num_blocks: int = 32, budget: int = 64) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=1024)
@@ -649,6 +649,9 @@ class FixedProposer:
     def __init__(self, draft: list[int]) -> None:
         self.draft = draft
         self.asked: list[str] = []
+
+    def finished(self, request: Request) -> None:
+        pass
 
     def propose(self, requests: Sequence[Request]) -> list[Draft]:
         self.asked += [r.request_id for r in requests]

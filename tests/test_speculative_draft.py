@@ -36,8 +36,8 @@ import pagoda.kernels
 from pagoda import SamplingParams
 from pagoda.config import SpeculativeConfig
 from pagoda.engine import runner as runner_module
+from pagoda.engine.core.drafts import Draft
 from pagoda.engine.core.request import Request
-from pagoda.engine.core.speculative import Draft
 from pagoda.engine.draft_model import DraftMismatch
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample
 from pagoda.server.metrics import ServerMetrics
@@ -390,6 +390,9 @@ class DraftSpy:
 
     def __init__(self, proposer) -> None:
         self.proposer, self.proposed = proposer, {}
+
+    def finished(self, request: Request) -> None:
+        self.proposer.finished(request)
 
     def propose(self, requests: Sequence[Request]) -> list[Draft]:
         drafts = self.proposer.propose(requests)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any
 
-from pagoda.int4_format import DEFAULT_GROUP_SIZE, GROUP_SIZES
+from pagoda.int4_format import Int4Options
 from pagoda.kv_format import is_quantized, kv_bytes_per_head, kv_cache_dtype_name
 from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.structured.limits import GrammarLimits
@@ -132,13 +132,31 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 # The speculative decoding methods built; vLLM's others ("eagle", "medusa", ...) are refused by name.
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "suffix")
 # vLLM's default n-gram length when neither prompt_lookup_min nor prompt_lookup_max is given.
 DEFAULT_PROMPT_LOOKUP = 5
 # Keys that belong to one method only: given with another, they are refused by name.
 _NGRAM_KEYS = ("prompt_lookup_min", "prompt_lookup_max")
 _STRING_KEYS = ("model", "quantization", "dtype")
 _DRAFT_MODEL_KEYS = (*_STRING_KEYS, "first_token_candidates")
+# "suffix" only, with vLLM's defaults (the tree depth is also its default num_speculative_tokens).
+SUFFIX_DEFAULTS: dict[str, int | float] = {
+    "suffix_decoding_max_tree_depth": 24,
+    "suffix_decoding_max_cached_requests": 10000,
+    "suffix_decoding_max_spec_factor": 1.0,
+    "suffix_decoding_min_token_prob": 0.1,
+}
+_FLOAT_KEYS = ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
+
+
+@dataclass(frozen=True)
+class SuffixOptions:
+    """SpeculativeConfig's suffix_decoding_* settings, in SUFFIX_DEFAULTS' order."""
+
+    max_tree_depth: int
+    max_cached_requests: int
+    max_spec_factor: float
+    min_token_prob: float
 
 
 @dataclass(frozen=True)
@@ -154,6 +172,10 @@ class SpeculativeConfig:
     first_token_candidates ("draft_model" only, a pagoda extension): a request's first draft position
     is checked with this many of the draft's likeliest tokens (None: 1, the draft's own choice alone).
     disable_by_batch_size: no drafts in a step that starts with more running requests than this.
+    suffix_decoding_* ("suffix" only; engine/core/suffix_decoding.py): the indexes' depth (which bounds match and
+    draft together), how many requests' outputs the global index holds (0: none, each request's own only), the
+    draft's length at most this factor times the matched length, and the least estimated probability of a
+    drafted token. Absent, they take SUFFIX_DEFAULTS (vLLM's).
     """
 
     method: str
@@ -165,12 +187,20 @@ class SpeculativeConfig:
     dtype: str | None = None
     first_token_candidates: int | None = None
     disable_by_batch_size: int | None = None
+    suffix_decoding_max_tree_depth: int | None = None
+    suffix_decoding_max_cached_requests: int | None = None
+    suffix_decoding_max_spec_factor: float | None = None
+    suffix_decoding_min_token_prob: float | None = None
 
     def __post_init__(self) -> None:
         _check_speculative_method(self.method)
         _require_positive(self, "num_speculative_tokens")
+        if self.method != "suffix":
+            _refuse_keys(self, tuple(SUFFIX_DEFAULTS))
         if self.method == "ngram":
             self._resolve_lookup()
+        elif self.method == "suffix":
+            self._resolve_suffix()
         else:
             self._check_draft_model()
         if self.disable_by_batch_size is not None:
@@ -187,6 +217,28 @@ class SpeculativeConfig:
         _require_positive(self, "prompt_lookup_min")
         if high < low:
             raise ValueError(f"prompt_lookup_max ({high}) must be at least prompt_lookup_min ({low})")
+
+    def _resolve_suffix(self) -> None:
+        _refuse_keys(self, (*_NGRAM_KEYS, *_DRAFT_MODEL_KEYS))
+        for name, default in SUFFIX_DEFAULTS.items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+        options = self.suffix_options()
+        if options.max_tree_depth < 2:
+            raise ValueError("suffix_decoding_max_tree_depth must be at least 2 (a match and a drafted token)")
+        if options.max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_cached_requests must be at least 0 (0: no global index)")
+        if not options.max_spec_factor > 0:
+            raise ValueError("suffix_decoding_max_spec_factor must be positive")
+        if not 0 <= options.min_token_prob <= 1:
+            raise ValueError("suffix_decoding_min_token_prob must be in [0, 1]")
+
+    def suffix_options(self) -> SuffixOptions:
+        """The suffix_decoding_* settings, resolved ("suffix" only)."""
+        values = [getattr(self, name) for name in SUFFIX_DEFAULTS]
+        if self.method != "suffix" or None in values:
+            raise ValueError(f"method {self.method!r} has no suffix decoding options")
+        return SuffixOptions(*values)
 
     def _check_draft_model(self) -> None:
         _refuse_keys(self, _NGRAM_KEYS)
@@ -215,6 +267,11 @@ class SpeculativeConfig:
             raise ValueError(
                 f"speculative_config: unsupported key(s) {', '.join(unknown)}; pagoda takes {', '.join(names)}"
             )
+        options = dict(options)
+        if method == "suffix" and options.get("num_speculative_tokens") is None:  # vLLM's default: the depth
+            depth = options.get("suffix_decoding_max_tree_depth")
+            options["num_speculative_tokens"] = SUFFIX_DEFAULTS["suffix_decoding_max_tree_depth"] if depth is None \
+                else depth
         if "num_speculative_tokens" not in options:
             raise ValueError("speculative_config needs num_speculative_tokens")
         for name in names[1:]:
@@ -224,6 +281,10 @@ class SpeculativeConfig:
             if name in _STRING_KEYS:
                 if not isinstance(value, str):
                     raise ValueError(f"speculative_config: {name} must be a string, got {value!r}")
+            elif name in _FLOAT_KEYS:
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ValueError(f"speculative_config: {name} must be a number, got {value!r}")
+                options[name] = float(value)
             elif isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"speculative_config: {name} must be an integer, got {value!r}")
         return cls(**options)
@@ -249,33 +310,6 @@ def speculative_config_from(value: SpeculativeConfig | Mapping[str, Any] | None)
     if not isinstance(value, Mapping):
         raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
     return SpeculativeConfig.from_dict(value)
-
-
-@dataclass(frozen=True)
-class Int4Options:
-    """How pagoda quantizes a checkpoint to int4 at load (`--quantization int4`; model/int4.py)."""
-
-    group_size: int = DEFAULT_GROUP_SIZE
-    sym: bool = False  # symmetric: no offset (zero point 8); asymmetric fits each group's [min, max]
-    lm_head: bool = True  # quantize the LM head too (the embedding is a gather and stays as loaded)
-    search: bool = True  # search each group's clipping range for the least squared error (not just min/max)
-
-    KEYS: ClassVar[tuple[str, ...]] = ("group_size", "sym", "lm_head", "search")
-
-    def __post_init__(self) -> None:
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
-        for key in ("sym", "lm_head", "search"):
-            if not isinstance(getattr(self, key), bool):
-                raise ValueError(f"int4 {key} must be true or false, got {getattr(self, key)!r}")
-
-    @classmethod
-    def from_dict(cls, options: dict[str, object] | None) -> Int4Options:
-        options = dict(options or {})
-        unknown = sorted(set(options) - set(cls.KEYS))
-        if unknown:
-            raise ValueError(f"unknown int4 option(s) {unknown}; known: {list(cls.KEYS)}")
-        return cls(**options)  # type: ignore[arg-type]
 
 
 # How the ranks of one model are started (vLLM's names): "uni" one process, "mp" pagoda starts them as processes on
@@ -364,12 +398,3 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
         if self.quantization_config is not None and self.quantization != "int4":
             raise ValueError("quantization_config applies to --quantization int4 only")
-
-
-def int4_options_from(value: Int4Options | Mapping[str, Any] | None) -> Int4Options | None:
-    """`quantization_config` as LLM(...) and the CLI take it: a JSON object of int4 options, or Int4Options."""
-    if value is None or isinstance(value, Int4Options):
-        return value
-    if not isinstance(value, Mapping):
-        raise ValueError(f"quantization_config must be a JSON object, got {type(value).__name__}")
-    return Int4Options.from_dict(dict(value))

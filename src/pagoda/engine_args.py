@@ -63,11 +63,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         SCHEDULING_POLICIES,
         CacheConfig,
         EngineConfig,
-        Int4Options,
         LoRAConfig,
         ParallelConfig,
         SchedulerConfig,
     )
+    from pagoda.int4_format import Int4Options
     from pagoda.kv_format import KV_CACHE_DTYPES
 
     int4_defaults = json.dumps({key: getattr(Int4Options, key) for key in Int4Options.KEYS})

@@ -15,11 +15,11 @@ from pagoda.config import (
     ParallelConfig,
     SchedulerConfig,
     dtype_name,
-    int4_options_from,
     speculative_config_from,
 )
 from pagoda.engine.api import EmbeddingRequestOutput, EngineOutput, RequestOutput
 from pagoda.engine.engine import LLMEngine
+from pagoda.int4_format import int4_options_from
 from pagoda.kv_transfer_config import KVTransferConfig, kv_transfer_config_from, offloading_shorthand
 from pagoda.lora_request import LoRARequest
 from pagoda.pooling import PoolingParams, resolve_runner

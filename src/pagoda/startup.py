@@ -40,7 +40,7 @@ def quantization_summary(config: EngineConfig, matmul: str | None = None) -> str
     quantized layers run (their `matmul_name`)."""
     from pathlib import Path
 
-    from pagoda.config import Int4Options
+    from pagoda.int4_format import Int4Options
     from pagoda.model.prequantized import read_prequantized_format
     from pagoda.model_dir import read_json
 

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from pagoda.config import ModelConfig, SpeculativeConfig
+from pagoda.engine.core.drafts import Draft, draft_room
 from pagoda.engine.core.request import Request
 from pagoda.engine.core.scheduler import ScheduledRequest
-from pagoda.engine.core.speculative import Draft, draft_room
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.sampler import Proposal, SampleRow, build_sampling_metadata, sample_draft
 from pagoda.model.attention import QueryLayout, build_metadata
@@ -306,6 +306,9 @@ class DraftModelProposer:
             for d in drafting if d.probs
         }
         return [Draft(d.tokens, d.alternatives) for d in drafting]
+
+    def finished(self, request: Request) -> None:
+        pass  # the draft's KV blocks are the target's block table's twins: the scheduler frees them
 
     def _start(self, requests: Sequence[Request]) -> list[_Drafting]:
         drafting, next_scratch = [], self.num_blocks

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.config import Int4Options
+from pagoda.int4_format import Int4Options
 from pagoda.model.int4_weights import Int4Weights
 from pagoda.model.tiled_matmul import tiled_matmul
 

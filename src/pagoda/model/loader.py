@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from pagoda.config import DTYPE_BYTES, Int4Options, ModelConfig
+from pagoda.config import DTYPE_BYTES, ModelConfig
+from pagoda.int4_format import Int4Options
 from pagoda.model_dir import ModelLoadError, read_json
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagoda.config import Int4Options
+from pagoda.int4_format import Int4Options
 from pagoda.model.int4 import Int4Linear, quantize_int4
 from pagoda.model.tiled_matmul import tiled_matmul
 

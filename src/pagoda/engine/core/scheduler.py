@@ -18,13 +18,14 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
+from pagoda.engine.core.drafts import Draft, DraftSource
 from pagoda.engine.core.kv_cache import KVCacheManager
 from pagoda.engine.core.kv_connector import KVConnectorScheduler, StepItem
 from pagoda.engine.core.lora import adapter_fits
 from pagoda.engine.core.queues import make_waiting_queue
 from pagoda.engine.core.request import FinishReason, Request, RequestStatus
 from pagoda.engine.core.runner_output import ModelRunnerOutput
-from pagoda.engine.core.speculative import Draft, DraftSource, SpecDecodeCounters
+from pagoda.engine.core.speculative import SpecDecodeCounters
 from pagoda.engine.core.step_budget import LinearStepCost, StepCostModel, prefill_token_cap
 from pagoda.structured.interface import GrammarStateError
 
@@ -382,6 +383,8 @@ class Scheduler:
             self.kv_cache.free(request)
             if self.connector is not None:
                 self.connector.request_finished(request)
+            if self.draft_source is not None:
+                self.draft_source.finished(request)
             self.requests.pop(request.request_id, None)
 
     # --- metrics -----------------------------------------------------------------------------------

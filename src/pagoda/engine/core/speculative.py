@@ -17,7 +17,8 @@ min(1, p/q), or a draw from normalise(max(0, p - q)), which differs from the dra
 keeps the same run. The output follows the target's distribution, not the seed's exact tokens.
 
 Pure Python; no torch. The proposer here needs no model: "ngram" (prompt lookup) copies what followed an
-earlier occurrence of the request's last few tokens. "draft_model" is engine/draft_model.py.
+earlier occurrence of the request's last few tokens; "suffix" is engine/core/suffix_decoding.py. "draft_model" is
+engine/draft_model.py.
 """
 
 from __future__ import annotations
@@ -25,47 +26,13 @@ from __future__ import annotations
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from pagoda.config import SpeculativeConfig
 from pagoda.engine.api import SpecDecodeStats
+from pagoda.engine.core.drafts import Draft, Proposer, draft_room
 from pagoda.engine.core.request import Request
+from pagoda.engine.core.suffix_decoding import SuffixProposer
 from pagoda.structured.interface import GrammarStateError
-
-
-@dataclass(frozen=True)
-class Draft:
-    """One request's guesses for a step: a chain (each token guessed after the ones before it) and
-    alternatives to the chain's first token, each checked on its own row beside the chain, as a one-token
-    branch (a draft model gives them: first_token_candidates)."""
-
-    token_ids: list[int]
-    alternatives: list[int] = field(default_factory=list)
-
-
-class Proposer(Protocol):
-    """Guesses the next tokens of requests that may speculate (decoding, in the running batch)."""
-
-    def propose(self, requests: Sequence[Request]) -> list[Draft]:
-        """A draft for each request, in order: at most num_speculative_tokens tokens each, maybe none."""
-        ...
-
-
-class DraftSource(Protocol):
-    """What the scheduler asks for drafts each step (the Speculator)."""
-
-    def drafts(self, running: Sequence[Request]) -> dict[str, Draft]:
-        """Drafts by request id for running requests whose next step is a decode (others: ignored)."""
-        ...
-
-
-def draft_room(request: Request, num_speculative_tokens: int, num_pending: int = 0) -> int:
-    """How many drafts a request may take: the target adds one token of its own to the accepted drafts,
-    so drafts stop one short of max_tokens (which the context room caps). num_pending: output tokens
-    sampled but not yet appended to the request."""
-    room = request.max_output_tokens - request.num_output_tokens - num_pending - 1
-    return max(0, min(num_speculative_tokens, room))
-
 
 _TOKEN = "I"  # array type code of a token id: 4 bytes, unsigned
 _TOKEN_BYTES = array(_TOKEN).itemsize
@@ -110,11 +77,16 @@ class NgramProposer:
             Draft(ngram_lookup(r.all_token_ids, self.min_n, self.max_n, draft_room(r, self.k))) for r in requests
         ]
 
+    def finished(self, request: Request) -> None:
+        pass  # nothing is kept
+
 
 def build_proposer(config: SpeculativeConfig) -> Proposer:
     if config.method == "ngram":
         assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None  # resolved by config
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    if config.method == "suffix":
+        return SuffixProposer(config)
     if config.method == "draft_model":
         raise ValueError("a draft_model proposer holds a model: the engine loads it (engine/draft_model.py)")
     raise ValueError(f"speculative decoding method {config.method!r} is not supported yet")
@@ -169,6 +141,9 @@ class Speculator:
     def __init__(self, config: SpeculativeConfig, proposer: Proposer | None = None) -> None:
         self.config = config
         self.proposer = proposer if proposer is not None else build_proposer(config)
+
+    def finished(self, request: Request) -> None:
+        self.proposer.finished(request)
 
     def drafts(self, running: Sequence[Request]) -> dict[str, Draft]:
         """Drafts by request id, for requests whose next step is a decode. None while more requests than
