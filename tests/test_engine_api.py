@@ -48,6 +48,22 @@ def test_single_prompt_forms(llm):
     assert by_list.prompt_token_ids == ids and by_text.prompt == "one prompt"
 
 
+def test_vllm_prompt_dicts_are_read_and_anything_else_is_refused(llm):
+    ids = random_prompts([5])[0]
+    (by_list,) = llm.generate(ids, GREEDY, use_tqdm=False)
+    (by_dict,) = llm.generate({"prompt_token_ids": ids}, GREEDY, use_tqdm=False)
+    by_text, by_text_dict = llm.generate(["one prompt", {"prompt": "one prompt"}], GREEDY, use_tqdm=False)
+    assert by_dict.prompt_token_ids == ids and by_dict.outputs[0].token_ids == by_list.outputs[0].token_ids
+    assert by_text_dict.prompt == "one prompt" and by_text_dict.outputs[0].token_ids == by_text.outputs[0].token_ids
+    with pytest.raises(ValueError, match="got keys \\['prompt_ids'\\]"):
+        llm.generate({"prompt_ids": ids}, GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="got int"):
+        llm.generate([ids, 7], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="got set"):
+        llm.generate({"a prompt"}, GREEDY, use_tqdm=False)
+    assert_all_blocks_free(llm.engine)
+
+
 def test_outputs_come_back_in_prompt_order_with_per_prompt_params(llm):
     prompts = random_prompts([9, 2, 14, 5], seed=3)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 1, 7, 2)]

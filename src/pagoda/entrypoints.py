@@ -28,6 +28,8 @@ from pagoda.structured.limits import GRAMMAR_OPTIONS, GrammarLimits
 from pagoda.text.tokenizer import Tokenizer
 
 Prompt = str | list[int]
+# What generate() and embed() take for one prompt: a Prompt, or vLLM's {"prompt": ...} / {"prompt_token_ids": ...}.
+PromptInput = Prompt | dict[str, Any]
 _Output = TypeVar("_Output", RequestOutput, EmbeddingRequestOutput)
 
 
@@ -105,6 +107,31 @@ def _is_token_ids(prompts: object) -> TypeGuard[list[int]]:
     return isinstance(prompts, list) and bool(prompts) and isinstance(prompts[0], int)
 
 
+def _as_prompt(prompt: object) -> Prompt:
+    """One prompt as the engine takes it: a string, token ids, or vLLM's dict forms ({"prompt": text} or
+    {"prompt_token_ids": ids}); anything else is refused, never read as something it is not."""
+    if isinstance(prompt, dict):
+        keys = set(prompt)
+        if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+            return prompt["prompt"]
+        if keys == {"prompt_token_ids"} and _is_token_ids(prompt["prompt_token_ids"]):
+            return prompt["prompt_token_ids"]
+        raise ValueError(f"a prompt dict takes one key, 'prompt' (a string) or 'prompt_token_ids' (a list of "
+                         f"token ids); got keys {sorted(keys)}")
+    if isinstance(prompt, str) or _is_token_ids(prompt):
+        return prompt
+    raise ValueError(f"a prompt is a string, a list of token ids or a dict of either; got {type(prompt).__name__}")
+
+
+def _prompt_list(prompts: object) -> list[Prompt]:
+    """`prompts` as a list: one prompt (in any accepted form) or a list or tuple of them."""
+    if isinstance(prompts, (str, dict)) or _is_token_ids(prompts):
+        return [_as_prompt(prompts)]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+    return [_as_prompt(p) for p in prompts]
+
+
 class LLM:
     def __init__(self, model: str, **engine_options: Any) -> None:
         self.engine = LLMEngine(build_engine_config(model, **engine_options))
@@ -139,18 +166,17 @@ class LLM:
 
     def generate(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         priority: Sequence[int] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in order. A prompt is a string or a list of token ids. `priority`
+        """One RequestOutput per prompt, in order. A prompt is a string, a list of token ids, or vLLM's dict of
+        either (`{"prompt": text}`, `{"prompt_token_ids": ids}`). `priority`
         (vLLM's): one per prompt, lower first; only with scheduling_policy="priority". `lora_request` (vLLM's):
         the LoRA adapter of every prompt, or one per prompt (None: the base model); only with enable_lora=True."""
-        if isinstance(prompts, str) or _is_token_ids(prompts):
-            prompts = [prompts]
-        prompts = cast(Sequence[Prompt], prompts)  # not one prompt, so a sequence of them
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
@@ -176,16 +202,14 @@ class LLM:
 
     def embed(
         self,
-        prompts: Prompt | Sequence[Prompt],
+        prompts: PromptInput | Sequence[PromptInput],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One EmbeddingRequestOutput per prompt, in order (vLLM's): `.outputs.embedding`, a list of floats.
         Needs the pooling runner (LLM(model, runner="pooling")); the model's files say how it pools
         (pagoda/pooling.py). pooling_params: one for all prompts, or one per prompt."""
-        if isinstance(prompts, str) or _is_token_ids(prompts):
-            prompts = [prompts]
-        prompts = cast(Sequence[Prompt], prompts)
+        prompts = _prompt_list(prompts)
         params = pooling_params or PoolingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
