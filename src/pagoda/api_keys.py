@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -85,12 +86,20 @@ def add_api_key_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--guard-metrics", action="store_true", help="require an API key on /metrics too")
 
 
+class KeyCheck(Protocol):
+    """What the guard asks: ApiKeys, or a holder of keys that change while serving (server/tenancy.py)."""
+
+    def guards(self, path: str) -> bool: ...
+
+    def accepts(self, authorization: bytes | str | None) -> bool: ...
+
+
 class ApiKeyGuard:
     """401 for a guarded route without a valid key, before the body is read. Plain ASGI (no
     BaseHTTPMiddleware), so it sees every route, streamed responses included. `public_paths`: static files
     that hold no data (the web UI's pages, which ask for the key and send it with their own calls)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys, error_response: ErrorResponse,
+    def __init__(self, app: ASGIApp, keys: KeyCheck, error_response: ErrorResponse,
                  public_paths: frozenset[str] = frozenset()) -> None:
         self.app, self.keys, self.error_response, self.public_paths = app, keys, error_response, public_paths
 

@@ -32,12 +32,17 @@ def _positive_int(text: str) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from pagoda.api_keys import ApiKeys
     from pagoda.server.launcher import exit_now, serve
+    from pagoda.server.tenancy import Tenants
     from pagoda.wire.limits import ServerLimits
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("pagoda serve: --enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
     try:
         api_keys = ApiKeys.from_args(args)
+        tenants = Tenants(api_keys, args.tenant_config)
+        if args.tenant_config and args.data_parallel_size > 1:
+            raise ValueError("--tenant-config is not supported with --data-parallel-size yet: the limits would count "
+                             "per replica")
         given = {name: getattr(args, name) for name in SERVER_LIMITS if getattr(args, name) is not None}
         limits = ServerLimits(**given)
         kv_events = kv_events_config(args.kv_events_config)
@@ -64,6 +69,7 @@ def run_serve(args: argparse.Namespace) -> int:
         profile_dir=args.profile_dir,
         lora_modules=lora_modules,
         runtime_lora_updating=args.allow_runtime_lora_updating,
+        tenants=tenants,
     )
     exit_now(code)
 
@@ -206,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --enable-lora: POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the "
                             "served adapters (vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; docs/lora.md)")
     add_api_key_arguments(serve)
+    serve.add_argument("--tenant-config", default=None, metavar="PATH",
+                       help="a JSON file of tenants: their API keys (or a gateway's header), requests and tokens per "
+                            "minute, adapters and prefix-cache sharing; reloaded on SIGHUP (docs/tenants.md)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 429 to a request whose sequences (prompts x n) would take the waiting queue "
                             "past this many (default: unbounded)")

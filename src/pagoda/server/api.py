@@ -15,11 +15,9 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.api_keys import ApiKeyGuard
 from pagoda.engine.api import RequestRejected
@@ -29,6 +27,7 @@ from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
 from pagoda.server.chat_output import ChatOutputFormat
 from pagoda.server.embeddings import mount_embeddings, require_generate_runner
+from pagoda.server.errors import install_error_handlers
 from pagoda.server.generation import Generation
 from pagoda.server.lora_routes import mount_lora_routes
 from pagoda.server.openapi import install_openapi
@@ -36,6 +35,7 @@ from pagoda.server.profile import mount_profile
 from pagoda.server.prompts import check_prompt_chars, conversation_of, echo_texts, encode_prompts, render_chat_prompt
 from pagoda.server.responses import ResponseAnswer
 from pagoda.server.state import LoadedModel, ServerState
+from pagoda.server.tenancy import TenantPass
 from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
 from pagoda.server.web import mount_web_ui
 from pagoda.text.reasoning import REASONING_PARSERS
@@ -59,7 +59,6 @@ _T = TypeVar("_T")
 
 # Engine-side validation walks every prompt token in Python: past this many it runs on a worker thread.
 INLINE_VALIDATION_MAX_TOKENS = 16384
-MAX_ERRORS_SHOWN = 5  # of a body's validation errors, in the 400's message
 
 
 class _WireRequest(Request):
@@ -93,7 +92,7 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="pagoda", version=__version__)
     app.router.route_class = _WireRoute
     app.state.pagoda = state
-    _install_error_handlers(app)
+    install_error_handlers(app)
     install_openapi(app)
     web_pages = mount_web_ui(app, state) if state.web_ui else frozenset()  # static: served without a key
     if state.profile_dir is not None:
@@ -102,7 +101,7 @@ def build_app(state: ServerState) -> FastAPI:
         mount_lora_routes(app, state)
     app.add_middleware(BodySizeLimit, max_bytes=state.limits.max_request_body_bytes)
     # outermost: a request without a key is not read
-    app.add_middleware(ApiKeyGuard, keys=state.api_keys, error_response=error_response, public_paths=web_pages)
+    app.add_middleware(ApiKeyGuard, keys=state.tenants, error_response=error_response, public_paths=web_pages)
 
     @app.get("/health")
     async def health() -> Response:
@@ -133,6 +132,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         arrival, loaded = time.monotonic(), _admit(state, body.model)
         model_name, adapter = _served(state, body.model)
+        tenant = _tenant(state, raw, adapter)
         inputs = body.prompts()
         for text in inputs:
             if isinstance(text, str):
@@ -146,15 +146,16 @@ def build_app(state: ServerState) -> FastAPI:
                 kind="completion", response_id=random_id("cmpl"), model_name=model_name, lora_request=adapter,
                 engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
                 prompts=prompts, params=params, echo_texts=echo, include_usage=body.include_usage,
-                cache_salt=body.cache_salt, deadline=state.deadline(arrival), priority=body.priority,
+                cache_salt=body.cache_salt, deadline=state.deadline(arrival), priority=body.priority, tenant=tenant,
             )
         return await _respond(generation, body.stream, raw)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         arrival, loaded = time.monotonic(), _admit(state, body.model)
-        generation = await _chat_generation(state, loaded, body, arrival, body.include_usage,
-                                            _served(state, body.model))
+        served = _served(state, body.model)
+        generation = await _chat_generation(state, loaded, body, arrival, body.include_usage, served,
+                                            _tenant(state, raw, served[1]))
         return await _respond(generation, body.stream, raw)
 
     @app.post("/v1/responses")
@@ -165,7 +166,7 @@ def build_app(state: ServerState) -> FastAPI:
         chat = _responses_chat_request(body, history)
         served = _served(state, body.model)
         answer = ResponseAnswer(body, served[0], history + body.input_messages(), state.responses)
-        generation = await _chat_generation(state, loaded, chat, arrival, True, served)
+        generation = await _chat_generation(state, loaded, chat, arrival, True, served, _tenant(state, raw, served[1]))
         return await _respond(generation, body.stream, raw, answer)
 
     @app.get("/v1/responses/{response_id}")
@@ -221,6 +222,11 @@ def _served(state: ServerState, model: str | None) -> tuple[str, LoRARequest | N
     """The name the answer carries, and the LoRA adapter the request's model names (None: the base model)."""
     adapter = state.adapter(model)
     return (state.model_name, None) if adapter is None else (adapter.lora_name, adapter)
+
+
+def _tenant(state: ServerState, raw: Request, adapter: LoRARequest | None) -> TenantPass | None:
+    """The request's tenant, admitted (403, 429 otherwise; server/tenancy.py); None: nobody's."""
+    return state.tenants.enter(raw.headers, adapter.lora_name if adapter is not None else None)
 
 
 def _reserve(state: ServerState, num_prompts: int, n: int) -> WaitingSlots:
@@ -296,7 +302,8 @@ def _validate_all(engine: AsyncEngine, prompts: list[list[int]], params: Samplin
 
 
 async def _chat_generation(state: ServerState, loaded: LoadedModel, body: ChatCompletionRequest, arrival: float,
-                           include_usage: bool, served: tuple[str, LoRARequest | None]) -> Generation:
+                           include_usage: bool, served: tuple[str, LoRARequest | None],
+                           tenant: TenantPass | None) -> Generation:
     params = _sampling_params(body, body.num_logprobs())
     tool_reader = _tool_reader(state, body)
     tools = body.tool_dicts() if tool_reader is not None else None  # tool_choice "none": answer in text
@@ -310,7 +317,7 @@ async def _chat_generation(state: ServerState, loaded: LoadedModel, body: ChatCo
             engine=loaded.engine, token_texts=loaded.token_texts, metrics=loaded.metrics, slots=slots,
             prompts=[prompt], params=params, include_usage=include_usage, cache_salt=body.cache_salt,
             chat_output=_chat_output(state, body, tool_reader), deadline=state.deadline(arrival),
-            priority=body.priority,
+            priority=body.priority, tenant=tenant,
         )
 
 
@@ -329,16 +336,17 @@ def _responses_chat_request(body: ResponsesRequest, history: list[dict[str, Any]
 async def _respond(generation: Generation, stream: bool, raw: Request,
                    answer: ResponseAnswer | None = None) -> Response:
     """The generation's answer: chat or completion chunks, or (with `answer`) the Responses API's shape."""
+    headers = generation.tenant.headers() if generation.tenant is not None else None  # its rate limits' state
     if stream:  # Starlette cancels the body iterator when the client goes away: that aborts the requests
         events = generation.sse() if answer is None else answer.events(generation.chunks())
-        return StreamingResponse(events, media_type="text/event-stream")
+        return StreamingResponse(events, media_type="text/event-stream", headers=headers)
     # Non-streamed: race the work against the client's disconnect, which Starlette does not watch here.
     work = asyncio.create_task(generation.response() if answer is None else _as_response(generation, answer))
     disconnect = asyncio.create_task(_client_gone(raw))
     done, _ = await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     if work in done:
         disconnect.cancel()
-        return JSONResponse(work.result())
+        return JSONResponse(work.result(), headers=headers)
     work.cancel()  # Generation's cleanup aborts its engine requests
     return Response(status_code=499)
 
@@ -350,43 +358,3 @@ async def _as_response(generation: Generation, answer: ResponseAnswer) -> dict[s
 async def _client_gone(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
-
-
-# --- errors ------------------------------------------------------------------------------------------
-
-
-def _error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_request: Request, error: OpenAIError) -> JSONResponse:
-        return _error_response(error)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_request: Request, error: RequestValidationError) -> JSONResponse:
-        errors = error.errors()
-        if not errors or errors[0].get("type") == "json_invalid":
-            return _error_response(OpenAIError(400, "the request body is not valid JSON"))
-        fields = [str(e["loc"][1]) if len(e.get("loc", ())) > 1 else "" for e in errors]  # the top-level field
-        lines = list(dict.fromkeys(f"{field}: {error_message(e)}" for field, e in zip(fields, errors)))
-        message = "; ".join(lines[:MAX_ERRORS_SHOWN])
-        if len(lines) > MAX_ERRORS_SHOWN:
-            message += f"; and {len(lines) - MAX_ERRORS_SHOWN} more"
-        return _error_response(OpenAIError(400, message, fields[0] or None))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, error: StarletteHTTPException) -> JSONResponse:
-        headers = dict(error.headers) if error.headers else None
-        return _error_response(OpenAIError(error.status_code, str(error.detail), getattr(error, "param", None),
-                                           headers=headers))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_request: Request, error: Exception) -> JSONResponse:
-        """Never the exception's text (it may show paths, code or other requests' data): an id to quote,
-        under which the log has the details."""
-        request_id = random_id("req")
-        logger.error("internal error, request id %s", request_id, exc_info=error)
-        return _error_response(OpenAIError(500, f"internal error (request id {request_id})",
-                                           headers={"X-Request-Id": request_id}))

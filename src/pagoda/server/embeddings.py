@@ -12,7 +12,7 @@ import logging
 import time
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from pagoda.engine.api import EmbeddingRequestOutput, EngineDeadError, RequestFailed, RequestRejected
 from pagoda.pooling import PoolingParams
@@ -37,12 +37,13 @@ def require_generate_runner(loaded: LoadedModel) -> None:
 
 def mount_embeddings(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest) -> dict[str, Any]:
+    async def embeddings(body: EmbeddingRequest, raw: Request) -> dict[str, Any]:
         arrival, loaded = time.monotonic(), state.require_ready()
         if state.adapter(body.model) is not None:  # a name neither the model's nor an adapter's: 404
             raise OpenAIError(400, "LoRA adapters are not supported with embeddings", "model")
         if loaded.engine.description.runner != "pooling":
             raise OpenAIError(400, NOT_AN_EMBEDDING_MODEL, "model")
+        tenant = state.tenants.enter(raw.headers, None)
         try:
             inputs = body.inputs()
         except ValueError as error:
@@ -59,6 +60,8 @@ def mount_embeddings(app: FastAPI, state: ServerState) -> None:
         try:
             prompts = await encode_prompts(loaded, inputs)
             _validate(loaded, prompts, params)
+            if tenant is not None:
+                tenant.charge(sum(map(len, prompts)), "prompt")
             outputs = await _embed_all(loaded, random_id("embd"), prompts, params, state.deadline(arrival))
         finally:
             slots.release()

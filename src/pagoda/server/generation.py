@@ -22,6 +22,7 @@ from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
 from pagoda.server.chat_output import ChatOutputFormat, ChoiceReader, ChoiceReading, chat_deltas, reasoning_fields
 from pagoda.server.metrics import ServerMetrics
+from pagoda.server.tenancy import TenantPass
 from pagoda.text.tokenizer import Tokenizer
 from pagoda.wire import ERROR_SCOPE_HEADER, REQUEST_SCOPE, Kind, OpenAIError, now, usage
 
@@ -85,6 +86,7 @@ class Generation:
         deadline: float | None = None,
         priority: int = 0,
         lora_request: LoRARequest | None = None,
+        tenant: TenantPass | None = None,
     ) -> None:
         self.kind, self.response_id, self.model_name = kind, response_id, model_name
         self.lora_request = lora_request  # the adapter the request's model named (None: the base model)
@@ -92,7 +94,10 @@ class Generation:
         self.prompts, self.params = prompts, params
         self.echo_texts = echo_texts
         self.include_usage = include_usage
-        self.cache_salt = cache_salt
+        self.tenant = tenant  # charged for the prompts now and each token as it comes; its own cache namespace
+        self.cache_salt = tenant.cache_salt(cache_salt) if tenant is not None else cache_salt
+        if tenant is not None:
+            tenant.charge(sum(map(len, prompts)), "prompt")
         self.priority = priority
         self.chat_output = chat_output or ChatOutputFormat()  # chat: which text is reasoning, a tool call
         self.created = now()
@@ -182,6 +187,8 @@ class Generation:
             self._prompt_logprobs[index] = output.prompt_logprobs
         num_tokens = sum(len(completion.token_ids) for completion in output.outputs)
         new_tokens, timing.num_tokens = num_tokens - timing.num_tokens, num_tokens
+        if self.tenant is not None:
+            self.tenant.charge(new_tokens, "generation")
         if timing.last_token is None:
             self.metrics.ttft.observe(moment - timing.arrival)
             self.metrics.recent.first_token(moment - timing.arrival, len(output.prompt_token_ids), new_tokens)

@@ -38,6 +38,7 @@ from pagoda.server.memory import IdleReclaimer, freeze_startup_objects, limit_ma
 from pagoda.server.metrics import ServerMetrics, cache_config_info
 from pagoda.server.read_deadline import read_deadline_protocol
 from pagoda.server.state import LoadedModel, ServerState
+from pagoda.server.tenancy import Tenants
 from pagoda.startup import startup_summary
 from pagoda.text.pool import TokenizerPool
 from pagoda.text.tokenizer import load_tokenizer
@@ -94,6 +95,7 @@ def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Calla
         description = async_engine.description
         metrics = ServerMetrics(state.model_name, lambda: async_engine.stats, cache_config_info(description.kv_cache),
                                 max_model_len=description.max_model_len)
+        state.tenants.register(metrics.registry)
         state.loaded = LoadedModel(async_engine, tokenizer, metrics, TokenizerPool(tokenizer))
         freeze_startup_objects()  # the model, torch and the app: later collections only walk what requests made
         logger.info("model %s ready in %.1f s\n%s", state.model_name, time.monotonic() - started,
@@ -124,14 +126,15 @@ def serve(engine_config: EngineConfig, *, model_name: str, host: str, port: int,
           tool_call_parser: str | None = None, reasoning_parser: str | None = None, web_ui: bool = True,
           kv_events: KVEventsConfig | None = None, builtin_model: bool = False,
           lora_modules: list[LoRARequest] | None = None, runtime_lora_updating: bool = False,
-          profile_dir: Path | None = None) -> int:
+          profile_dir: Path | None = None, tenants: Tenants | None = None) -> int:
     limit_malloc_arenas()  # before the serving threads start (server/memory.py)
     state = ServerState(model_name=model_name, api_keys=api_keys, limits=limits,
                         admission=Admission(max_waiting_requests), tool_call_parser=tool_call_parser,
                         reasoning_parser=reasoning_parser, web_ui=web_ui, builtin_model=builtin_model,
                         lora_modules={module.lora_name: module for module in lora_modules or []},
                         runtime_lora_updating=runtime_lora_updating,
-                        profile_dir=profile_dir)
+                        profile_dir=profile_dir, tenants=tenants or Tenants(api_keys))
+    signal.signal(signal.SIGHUP, lambda _signum, _frame: state.tenants.reload())
     app = build_app(state)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30,
                             http=read_deadline_protocol(limits.request_read_timeout))

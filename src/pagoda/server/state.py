@@ -15,6 +15,7 @@ from pagoda.server.admission import Admission
 from pagoda.server.generation import TokenTexts
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.responses import ResponseStore
+from pagoda.server.tenancy import Tenants
 from pagoda.text.pool import TokenizerPool
 from pagoda.text.tokenizer import Tokenizer
 from pagoda.wire import OpenAIError, WireLimits
@@ -58,6 +59,13 @@ class ServerState:
     # ... and those loaded since by POST /v1/load_lora_adapter, which exists with --allow-runtime-lora-updating
     lora_modules: dict[str, LoRARequest] = field(default_factory=dict)
     runtime_lora_updating: bool = False
+    # --tenant-config: who a request is for and its limits; also the keys the guard accepts (built from api_keys
+    # when not given: no tenants)
+    tenants: Tenants = field(default=None)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.tenants is None:
+            self.tenants = Tenants(self.api_keys)
 
     @property
     def engine(self) -> AsyncEngine | None:

@@ -1,0 +1,129 @@
+"""The server's side of tenants (pagoda/tenants.py): which keys open the door, who a request is for, its rate
+limits (429 with Retry-After and OpenAI's x-ratelimit-* headers), its adapters, its prefix-cache namespace, and
+per-tenant metrics. All on the event loop, but for the file's reload, which swaps one reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, Metric
+
+from pagoda.api_keys import ApiKeys
+from pagoda.tenants import Tenant, TenantLimits, TenantTable
+from pagoda.wire import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TenantPass:
+    """One admitted request's tenant: what its tokens are charged to and the headers its answer carries."""
+
+    tenant: Tenant
+    door: Tenants
+
+    def cache_salt(self, salt: str | None) -> str | None:
+        return self.tenant.cache_salt(salt)
+
+    def charge(self, num_tokens: int, kind: str) -> None:
+        """Charges prompt ("prompt") or generated ("generation") tokens to the tenant's token bucket."""
+        if num_tokens:
+            self.door.limits.charge(self.tenant, num_tokens, time.monotonic())
+            self.door.count(self.tenant.name, f"{kind}_tokens", num_tokens)
+
+    def headers(self) -> dict[str, str]:
+        return self.door.limits.headers(self.tenant, time.monotonic())
+
+
+class Tenants:
+    """The tenants file in force (none: every request is untenanted) and its buckets. Also the API key check
+    the server's guard makes: `--api-key` keys and every tenant's keys."""
+
+    def __init__(self, api_keys: ApiKeys, path: str | Path | None = None) -> None:
+        self.base_keys, self.path = api_keys, Path(path) if path is not None else None
+        self.table = TenantTable.load(self.path) if self.path is not None else TenantTable()
+        self.limits = TenantLimits()
+        self._counts: dict[tuple[str, str], float] = {}
+        self.keys = self._keys()
+
+    def _keys(self) -> ApiKeys:
+        if not self.table.keys:
+            return self.base_keys
+        keys = [key.decode() for key in self.base_keys.keys] + list(self.table.keys)
+        return ApiKeys.gather(keys, environ={}, guard_metrics=self.base_keys.guard_metrics)
+
+    def reload(self) -> bool:
+        """Reads the file again (SIGHUP). A file that no longer parses leaves the tenants in force as they were."""
+        if self.path is None:
+            return False
+        try:
+            table = TenantTable.load(self.path)
+        except (OSError, ValueError) as error:
+            logger.error("tenants file %s not reloaded, the previous one stays in force: %s", self.path, error)
+            return False
+        self.table = table
+        self.keys = self._keys()
+        logger.info("tenants file %s reloaded: %d tenants", self.path, len(table.tenants))
+        return True
+
+    # the guard's KeyCheck: the keys in force now
+    def guards(self, path: str) -> bool:
+        return self.keys.guards(path)
+
+    def accepts(self, authorization: bytes | str | None) -> bool:
+        return self.keys.accepts(authorization)
+
+    def enter(self, headers: Mapping[str, str], adapter: str | None) -> TenantPass | None:
+        """The request's tenant, admitted: 403 for an unknown tenant or an adapter it may not use, 429 when it is
+        over a limit. None: the request is nobody's (no tenants, or none matched and no "default")."""
+        try:
+            tenant = self.table.identify(headers)
+        except ValueError as error:
+            raise OpenAIError(403, str(error)) from error
+        if tenant is None:
+            return None
+        if adapter is not None and not tenant.may_use(adapter):
+            raise OpenAIError(403, f"tenant {tenant.name!r} may not use the adapter `{adapter}`", "model")
+        now = time.monotonic()
+        refusal = self.limits.admit(tenant, now)
+        if refusal is not None:
+            self.count(tenant.name, "rate_limited", 1)
+            headers = {"Retry-After": str(max(1, math.ceil(refusal.retry_after))), **self.limits.headers(tenant, now)}
+            raise OpenAIError(429, f"tenant {tenant.name!r} is over its {refusal.limit} per minute; retry in "
+                                   f"{refusal.retry_after:.1f} s", headers=headers)
+        self.count(tenant.name, "admitted", 1)
+        return TenantPass(tenant, self)
+
+    def count(self, tenant: str, what: str, amount: float) -> None:
+        self._counts[(tenant, what)] = self._counts.get((tenant, what), 0.0) + amount
+
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(_TenantCollector(self))
+
+
+class _TenantCollector:
+    """pagoda:tenant_requests{tenant,outcome} and pagoda:tenant_tokens{tenant,kind}: the label takes only the
+    names of the tenants file, so its cardinality is the operator's."""
+
+    def __init__(self, tenants: Tenants) -> None:
+        self.tenants = tenants
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily("pagoda:tenant_requests", "Requests by tenant: admitted or rate-limited (429).",
+                                       labels=["tenant", "outcome"])
+        tokens = CounterMetricFamily("pagoda:tenant_tokens", "Tokens charged to a tenant: prompt or generation.",
+                                     labels=["tenant", "kind"])
+        for (tenant, what), value in sorted(self.tenants._counts.items()):
+            if what.endswith("_tokens"):
+                tokens.add_metric([tenant, what.removesuffix("_tokens")], value)
+            else:
+                requests.add_metric([tenant, what], value)
+        yield requests
+        yield tokens
