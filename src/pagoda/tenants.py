@@ -2,10 +2,11 @@
 
 A tenants file (`--tenant-config`, JSON, reloaded on SIGHUP) names each tenant with its API keys, or a header a
 trusted gateway in front sets (`tenant_header`), and per tenant: requests and tokens per minute (token buckets),
-the LoRA adapters it may name (absent: all), and whether it shares the prefix cache with the others (by default
-its blocks are its own: its requests' cache salt is prefixed with its name, so no other tenant can hit them or
-time them). A tenant's keys are API keys beside `--api-key` / `--api-key-file`; a request that names no tenant
-belongs to the tenant named "default" if there is one, else to none (no limits).
+its weight in the engine's fair queuing among tenants, the LoRA adapters it may name (absent: all), and whether
+it shares the prefix cache with the others (by default its blocks are its own: its requests' cache salt is
+prefixed with its name, so no other tenant can hit them or time them). A tenant's keys are API keys beside
+`--api-key` / `--api-key-file`; a request that names no tenant belongs to the tenant named "default" if there
+is one, else to none (no limits).
 
 Neither the server's nor the router's: it imports neither.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TENANT = "default"
-_TENANT_KEYS = ("api_keys", "requests_per_minute", "tokens_per_minute", "adapters", "share_prefix_cache")
+_TENANT_KEYS = ("api_keys", "requests_per_minute", "tokens_per_minute", "weight", "adapters", "share_prefix_cache")
 _FILE_KEYS = ("tenants", "tenant_header")
 
 
@@ -32,6 +33,7 @@ class Tenant:
     api_keys: tuple[str, ...] = ()
     requests_per_minute: int | None = None  # None: no limit
     tokens_per_minute: int | None = None  # prompt and generated tokens together; None: no limit
+    weight: float = 1.0  # its share of the engine's tokens while tenants compete (fair queuing)
     adapters: tuple[str, ...] | None = None  # the LoRA adapters it may name; None: every one
     share_prefix_cache: bool = False
 
@@ -58,6 +60,9 @@ def _tenant(name: str, options: Any) -> Tenant:
         value = options.get(limit)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"tenant {name!r}: {limit} must be a positive integer, got {value!r}")
+    weight = options.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
+        raise ValueError(f"tenant {name!r}: weight must be a positive number, got {weight!r}")
     adapters = options.get("adapters")
     if adapters is not None and (not isinstance(adapters, list) or not all(isinstance(a, str) for a in adapters)):
         raise ValueError(f"tenant {name!r}: adapters must be a list of adapter names")
@@ -65,7 +70,7 @@ def _tenant(name: str, options: Any) -> Tenant:
     if not isinstance(share, bool):
         raise ValueError(f"tenant {name!r}: share_prefix_cache must be true or false")
     return Tenant(name, tuple(keys), options.get("requests_per_minute"), options.get("tokens_per_minute"),
-                  None if adapters is None else tuple(adapters), share)
+                  float(weight), None if adapters is None else tuple(adapters), share)
 
 
 def _digest(key: bytes) -> bytes:

@@ -20,6 +20,15 @@ def _between(start: float | None, end: float | None) -> float | None:
 
 
 @dataclass(frozen=True)
+class TenantShare:
+    """Whose request it is, for fair queuing: the tenant's name and its weight (its share of the tokens the
+    scheduler hands out when tenants compete; engine/core/queues.py)."""
+
+    name: str
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class RequestTimeline:
     """One sample's moments (monotonic seconds) and sizes: what vLLM's per-request histograms observe.
 

@@ -24,6 +24,7 @@ from pagoda.engine.api import (
     EngineStats,
     RequestFailed,
     RequestOutput,
+    TenantShare,
 )
 from pagoda.engine.engine import LLMEngine
 from pagoda.lora_request import LoRARequest
@@ -109,15 +110,15 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-        priority: int = 0, lora_request: LoRARequest | None = None,
+        priority: int = 0, lora_request: LoRARequest | None = None, tenant: TenantShare | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yields cumulative RequestOutputs until the last (finished) one. Closing the iterator aborts.
-        lora_request: the LoRA adapter to run it with (None: the base model)."""
+        lora_request: the LoRA adapter to run it with (None: the base model); tenant: whose it is."""
         if self.is_dead:
             raise EngineDeadError("the engine is not running")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._submit(lambda: self._add(request_id, prompt, params, cache_salt, priority, lora_request))
+        self._submit(lambda: self._add(request_id, prompt, params, cache_salt, priority, lora_request, tenant))
         finished = False
         try:
             while True:
@@ -191,10 +192,10 @@ class AsyncEngine:
 
     def _add(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams, cache_salt: str | None,
-        priority: int, lora_request: LoRARequest | None = None,
+        priority: int, lora_request: LoRARequest | None = None, tenant: TenantShare | None = None,
     ) -> None:
         try:
-            self._engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request)
+            self._engine.add_request(request_id, prompt, params, cache_salt, priority, lora_request, tenant)
         except Exception as error:  # a bad request must not touch the loop
             self._fail(request_id, RequestFailed(f"request failed: {error}", alone=True))
 

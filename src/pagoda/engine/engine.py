@@ -23,6 +23,7 @@ from pagoda.engine.api import (
     LoRAStats,
     RequestRejected,
     SpecDecodeStats,
+    TenantShare,
 )
 from pagoda.engine.core.lora import AdapterId, distinct_adapters
 from pagoda.engine.core.request import FinishReason
@@ -83,9 +84,10 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt: str | list[int], params: SamplingParams | PoolingParams,
         cache_salt: str | None = None, priority: int = 0, lora_request: LoRARequest | None = None,
+        tenant: TenantShare | None = None,
     ) -> None:
         """params: SamplingParams to generate, PoolingParams to embed (the pooling runner's only kind).
-        lora_request: the LoRA adapter to run the request with (None: the base model)."""
+        lora_request: the LoRA adapter to run the request with (None: the base model); tenant: whose it is."""
         if request_id in self.output_processor or request_id in self.pooling:
             raise ValueError(f"request id {request_id!r} is already in use")
         if isinstance(params, PoolingParams):
@@ -95,7 +97,8 @@ class LLMEngine:
             return
         self._check_generates()
         adapter = None if lora_request is None else self.add_lora(lora_request)
-        inputs = self.input_processor.process_inputs(request_id, prompt, params, cache_salt, priority, adapter)
+        inputs = self.input_processor.process_inputs(request_id, prompt, params, cache_salt, priority, adapter,
+                                                     tenant)
         group = self.output_processor.add_request(request_id, inputs.prompt, inputs.samples)
         for request in group.start(defer=self.kv_cache.enable_prefix_caching):
             self.scheduler.add_request(request)

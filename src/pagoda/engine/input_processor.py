@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 
 from pagoda.config import SchedulerConfig
-from pagoda.engine.api import RequestRejected
+from pagoda.engine.api import RequestRejected, TenantShare
 from pagoda.engine.core.lora import AdapterId
 from pagoda.engine.core.request import Request
 from pagoda.engine.grammar_masks import StructuredOutputs
@@ -44,7 +44,7 @@ class InputProcessor:
 
     def process_inputs(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, cache_salt: str | None = None,
-        priority: int = 0, lora: AdapterId | None = None,
+        priority: int = 0, lora: AdapterId | None = None, tenant: TenantShare | None = None,
     ) -> ProcessedInputs:
         """Tokenizes, validates (RequestRejected) and builds the request's samples."""
         prompt_ids, prompt_text = self._tokenize(prompt)
@@ -65,6 +65,7 @@ class InputProcessor:
                 cache_salt=cache_salt,
                 lora=lora,
                 priority=priority,
+                tenant=tenant,
                 grammar=None if grammar is None else grammar.matcher(),
             )
             for index in range(params.n)

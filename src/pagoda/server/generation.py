@@ -95,9 +95,7 @@ class Generation:
         self.echo_texts = echo_texts
         self.include_usage = include_usage
         self.tenant = tenant  # charged for the prompts now and each token as it comes; its own cache namespace
-        self.cache_salt = tenant.cache_salt(cache_salt) if tenant is not None else cache_salt
-        if tenant is not None:
-            tenant.charge(sum(map(len, prompts)), "prompt")
+        self.cache_salt = tenant.start(prompts, cache_salt) if tenant is not None else cache_salt
         self.priority = priority
         self.chat_output = chat_output or ChatOutputFormat()  # chat: which text is reasoning, a tool call
         self.created = now()
@@ -114,12 +112,14 @@ class Generation:
     async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue[Item] = asyncio.Queue()
 
+        tenant = self.tenant.share if self.tenant is not None else None
+
         async def pump(index: int, prompt: list[int]) -> None:
             finished = False
             try:
                 request_id = f"{self.response_id}-{index}"
                 async for output in self.engine.generate(request_id, prompt, self.params, self.cache_salt,
-                                                           self.priority, self.lora_request):
+                                                           self.priority, self.lora_request, tenant):
                     self._slots.release(index)
                     finished = output.finished
                     await queue.put((index, output))

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from pagoda.api_keys import ApiKeys
+from pagoda.engine.api import TenantShare
 from pagoda.tenants import Tenant, TenantLimits, TenantTable
 from pagoda.wire import OpenAIError
 
@@ -29,8 +30,15 @@ class TenantPass:
     tenant: Tenant
     door: Tenants
 
-    def cache_salt(self, salt: str | None) -> str | None:
+    def start(self, prompts: list[list[int]], salt: str | None) -> str | None:
+        """Charges the prompts' tokens; returns the cache salt its requests run with (the tenant's namespace)."""
+        self.charge(sum(map(len, prompts)), "prompt")
         return self.tenant.cache_salt(salt)
+
+    @property
+    def share(self) -> TenantShare:
+        """What the engine's fair queue knows of the tenant."""
+        return TenantShare(self.tenant.name, self.tenant.weight)
 
     def charge(self, num_tokens: int, kind: str) -> None:
         """Charges prompt ("prompt") or generated ("generation") tokens to the tenant's token bucket."""

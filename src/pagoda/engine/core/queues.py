@@ -11,13 +11,19 @@ preempt first at its end:
   the server, its wait is bounded by what a priority-0 request arriving that much later would wait.
   With aging_s = 0 the order is vLLM's strict (priority, arrival), and a low level can wait forever.
   A waiting request may preempt running requests that rank after it when blocks run out.
+
+Across tenants, the waiting queue is fair (`FairQueue`): each tenant's requests wait in the policy's order in a
+queue of their own, and the next admitted is the head of the tenant that has been given the fewest tokens for its
+weight (a virtual token counter, as in Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024).
+Requests of no tenant are one tenant of weight 1, so with a single tenant the order is the policy's alone.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from pagoda.config import SchedulerConfig
@@ -47,6 +53,10 @@ class WaitingQueue(Protocol):
 
     def outranks(self, request: Request, running: Request) -> bool:
         """May `request`, waiting for blocks, preempt `running`?"""
+        ...
+
+    def charge(self, scheduled: Iterable[tuple[Request, int]]) -> None:
+        """Counts the tokens a step gave each request (fairness among tenants)."""
         ...
 
 
@@ -115,7 +125,79 @@ class PriorityQueue(_Queue):
         return self.rank(request) < self.rank(running)
 
 
-def make_waiting_queue(config: SchedulerConfig) -> FcfsQueue | PriorityQueue:
+PolicyQueue = FcfsQueue | PriorityQueue
+
+
+class FairQueue:
+    """The policy's queue per tenant, served by lowest counter: a tenant's counter is the tokens its requests have
+    been given (prefill chunks, decodes, drafts) over its weight. A tenant that comes back with nothing waiting
+    starts no lower than the lowest counter of the tenants that have requests waiting (or, with none, of the last
+    one served), so time away banks no credit. Running requests keep the policy's order, across tenants too, and
+    so does preemption."""
+
+    def __init__(self, make_policy_queue: Callable[[], PolicyQueue]) -> None:
+        self._make = make_policy_queue
+        self._policy = make_policy_queue()  # its ordering of running requests: it holds none itself
+        self._queues: dict[str | None, PolicyQueue] = {}
+        self.counters: dict[str | None, float] = {}
+        self._last_served = 0.0
+
+    @staticmethod
+    def _tenant(request: Request) -> str | None:
+        return request.tenant.name if request.tenant is not None else None
+
+    def push(self, request: Request, front: bool = False) -> None:
+        tenant = self._tenant(request)
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = self._make()
+        if not queue:
+            waiting = [self.counters[t] for t, q in self._queues.items() if q and t != tenant]
+            floor = min(waiting) if waiting else self._last_served
+            self.counters[tenant] = max(self.counters.get(tenant, 0.0), floor)
+        queue.push(request, front)
+
+    def _next_queue(self) -> PolicyQueue:
+        """The queue of the waiting tenant with the lowest counter; ties go to the earlier head."""
+        tenant = min((t for t, q in self._queues.items() if q),
+                     key=lambda t: (self.counters[t], self._queues[t].peek().arrival_time))
+        return self._queues[tenant]
+
+    def peek(self) -> Request:
+        return self._next_queue().peek()
+
+    def pop(self) -> Request:
+        request = self._next_queue().pop()
+        self._last_served = self.counters[self._tenant(request)]
+        return request
+
+    def remove(self, request: Request) -> None:
+        self._queues[self._tenant(request)].remove(request)
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.chain.from_iterable(self._queues.values())
+
+    def __contains__(self, request: object) -> bool:
+        queue = self._queues.get(self._tenant(request)) if isinstance(request, Request) else None
+        return queue is not None and request in queue
+
+    def add_running(self, running: list[Request], request: Request) -> None:
+        self._policy.add_running(running, request)
+
+    def outranks(self, request: Request, running: Request) -> bool:
+        return self._policy.outranks(request, running)
+
+    def charge(self, scheduled: Iterable[tuple[Request, int]]) -> None:
+        for request, num_tokens in scheduled:
+            tenant = self._tenant(request)
+            weight = request.tenant.weight if request.tenant is not None else 1.0
+            self.counters[tenant] = self.counters.get(tenant, 0.0) + num_tokens / weight
+
+
+def make_waiting_queue(config: SchedulerConfig) -> FairQueue:
     if config.scheduling_policy == "priority":
-        return PriorityQueue(config.priority_aging_s)
-    return FcfsQueue()
+        return FairQueue(lambda: PriorityQueue(config.priority_aging_s))
+    return FairQueue(FcfsQueue)

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagoda.engine.api import RequestTimeline
+from pagoda.engine.api import RequestTimeline, TenantShare
 from pagoda.engine.core.lora import AdapterId
 from pagoda.pooling import ResolvedPooling
 from pagoda.sampling import SamplingParams
@@ -47,6 +47,7 @@ class Request:
     cache_salt: str | None = None  # separates tenants in the prefix cache
     lora: AdapterId | None = None  # the LoRA adapter it runs with (None: the base model); keys its KV blocks too
     priority: int = 0  # under the "priority" policy, lower runs first (vLLM's convention)
+    tenant: TenantShare | None = None  # whose it is: fair queuing among tenants (None: nobody's, weight 1)
     # Where the output stands in its constraint's grammar; advanced only by tokens appended to the output.
     grammar: GrammarMatcher | None = None
     # An embedding request (the pooling runner): prefill only, it ends once its prompt is computed, with the

@@ -1,13 +1,12 @@
 """The one-budget scheduler: no prefill phase, no decode phase.
 
 Each step hands out `max_num_batched_tokens`: running requests first (a decode costs one token, an
-unfinished prefill its next chunk), then waiting requests in arrival order, whose prompts may be cut
-into chunks. When blocks run out, the last running request in the policy's order (fcfs: the newest) is
-preempted (its blocks freed, to be recomputed later) and goes back to the queue. Speculative drafts come
-after the running requests, from what is left of the budget and the free blocks: speculation never
-preempts anyone. While requests decode, the prefill tokens of a step are capped so that the step stays
-within its time target (step_budget.py); the policy (queues.py) orders the waiting and running requests.
-Pure Python; no torch.
+unfinished prefill its next chunk), then waiting requests in the queue's order (queues.py: the policy's,
+fair among tenants), whose prompts may be cut into chunks. When blocks run out, the last running request in
+the policy's order (fcfs: the newest) is preempted (its blocks freed, recomputed later) and requeued. Drafts
+come after the running requests, from the budget and free blocks left: speculation never preempts anyone.
+While requests decode, the prefill tokens of a step are capped so that the step stays within its time
+target (step_budget.py); the policy orders the running requests. Pure Python; no torch.
 """
 
 from __future__ import annotations
@@ -164,7 +163,9 @@ class Scheduler:
         # After a preemption the pool is tight: admitting new work (or speculating) would only thrash.
         if not output.preempted:
             budget = self._schedule_drafts(output, budget, drafts)
-            self._schedule_waiting(output, budget, prefill)
+        self.waiting.charge((item.request, item.num_tokens) for item in output.scheduled)
+        if not output.preempted:
+            self._schedule_waiting(output, budget, prefill)  # charges each request as it admits it
         if output.scheduled:
             self.iteration_tokens.observe(output.num_batched_tokens)
         if self.connector is not None:
@@ -233,6 +234,7 @@ class Scheduler:
             if admitted is None:
                 break  # nobody overtakes the head of the queue
             num_tokens, preempted = admitted
+            self.waiting.charge([(request, num_tokens)])  # before the next pick: fairness within the step too
             budget -= num_tokens
             prefill.left -= num_tokens
             if preempted:
