@@ -110,3 +110,17 @@ def test_preemption_between_tenants_finishes_every_request_with_the_pool_consist
     assert statuses, "the pool was meant to be too small for both"
     assert not scheduler.has_unfinished_requests()
     assert first.status == RequestStatus.FINISHED and len(first.output_token_ids) == 12
+
+
+@pytest.mark.parametrize("quota, first_victim", [(None, "b-0"), (2, "a-0"), (100, "b-0")])
+def test_a_tenant_over_its_kv_quota_is_preempted_first(quota, first_victim):
+    """a's request is the older, so the policy alone preempts b's; with a holding more blocks than its quota,
+    a's goes first."""
+    scheduler = make_scheduler(num_blocks=7, max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler.add_request(tenant_request("a-0", TenantShare("a", max_kv_blocks=quota), max_tokens=12))
+    scheduler.add_request(tenant_request("b-0", TenantShare("b"), max_tokens=12, first_token=200))
+    preempted: list[str] = []
+    while scheduler.has_unfinished_requests():
+        preempted += [r.request_id for r in step(scheduler).preempted]
+        assert_consistent(scheduler)
+    assert preempted and preempted[0] == first_victim

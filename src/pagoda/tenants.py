@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TENANT = "default"
-_TENANT_KEYS = ("api_keys", "requests_per_minute", "tokens_per_minute", "weight", "adapters", "share_prefix_cache")
+_TENANT_KEYS = ("api_keys", "requests_per_minute", "tokens_per_minute", "weight", "max_kv_blocks", "adapters",
+                "share_prefix_cache")
 _FILE_KEYS = ("tenants", "tenant_header")
 
 
@@ -34,6 +35,7 @@ class Tenant:
     requests_per_minute: int | None = None  # None: no limit
     tokens_per_minute: int | None = None  # prompt and generated tokens together; None: no limit
     weight: float = 1.0  # its share of the engine's tokens while tenants compete (fair queuing)
+    max_kv_blocks: int | None = None  # holding more, its requests are the first preempted; None: no quota
     adapters: tuple[str, ...] | None = None  # the LoRA adapters it may name; None: every one
     share_prefix_cache: bool = False
 
@@ -56,7 +58,7 @@ def _tenant(name: str, options: Any) -> Tenant:
     keys = options.get("api_keys", [])
     if not isinstance(keys, list) or any(not isinstance(k, str) or not k or k != k.strip() for k in keys):
         raise ValueError(f"tenant {name!r}: api_keys must be a list of non-empty keys without surrounding spaces")
-    for limit in ("requests_per_minute", "tokens_per_minute"):
+    for limit in ("requests_per_minute", "tokens_per_minute", "max_kv_blocks"):
         value = options.get(limit)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"tenant {name!r}: {limit} must be a positive integer, got {value!r}")
@@ -70,7 +72,7 @@ def _tenant(name: str, options: Any) -> Tenant:
     if not isinstance(share, bool):
         raise ValueError(f"tenant {name!r}: share_prefix_cache must be true or false")
     return Tenant(name, tuple(keys), options.get("requests_per_minute"), options.get("tokens_per_minute"),
-                  float(weight), None if adapters is None else tuple(adapters), share)
+                  float(weight), options.get("max_kv_blocks"), None if adapters is None else tuple(adapters), share)
 
 
 def _digest(key: bytes) -> bytes:

@@ -26,6 +26,7 @@ class TenantShare:
 
     name: str
     weight: float = 1.0
+    max_kv_blocks: int | None = None  # past this many KV blocks held, its requests are preempted first
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ class TenantPass:
     @property
     def share(self) -> TenantShare:
         """What the engine's fair queue knows of the tenant."""
-        return TenantShare(self.tenant.name, self.tenant.weight)
+        return TenantShare(self.tenant.name, self.tenant.weight, self.tenant.max_kv_blocks)
 
     def charge(self, num_tokens: int, kind: str) -> None:
         """Charges prompt ("prompt") or generated ("generation") tokens to the tenant's token bucket."""

@@ -59,6 +59,10 @@ class WaitingQueue(Protocol):
         """Counts the tokens a step gave each request (fairness among tenants)."""
         ...
 
+    def order_running(self, running: list[Request]) -> None:
+        """Reorders the running list, in place, as a step starts (tenants over their KV quota last)."""
+        ...
+
 
 class _Queue:
     """What both queues do alike, over a sequence of requests kept in order (`_queue`)."""
@@ -133,7 +137,7 @@ class FairQueue:
     been given (prefill chunks, decodes, drafts) over its weight. A tenant that comes back with nothing waiting
     starts no lower than the lowest counter of the tenants that have requests waiting (or, with none, of the last
     one served), so time away banks no credit. Running requests keep the policy's order, across tenants too, and
-    so does preemption."""
+    so does preemption, but that a tenant over its KV quota goes last (`order_running`)."""
 
     def __init__(self, make_policy_queue: Callable[[], PolicyQueue]) -> None:
         self._make = make_policy_queue
@@ -141,6 +145,9 @@ class FairQueue:
         self._queues: dict[str | None, PolicyQueue] = {}
         self.counters: dict[str | None, float] = {}
         self._last_served = 0.0
+        self._admission: dict[str, int] = {}  # request id -> when it was admitted: the fcfs order of the running
+        self._num_admitted = 0
+        self._reordered = False  # the running list is out of the policy's order (a tenant was over its quota)
 
     @staticmethod
     def _tenant(request: Request) -> str | None:
@@ -185,7 +192,29 @@ class FairQueue:
         return queue is not None and request in queue
 
     def add_running(self, running: list[Request], request: Request) -> None:
+        self._num_admitted += 1
+        self._admission[request.request_id] = self._num_admitted
         self._policy.add_running(running, request)
+
+    def order_running(self, running: list[Request]) -> None:
+        """Puts the requests of tenants holding more KV blocks than their quota (`max_kv_blocks`) last, in the
+        policy's order among themselves: the step's budget reaches them last and preemption takes them first. Once
+        no tenant is over, the policy's order comes back."""
+        held: dict[str, int] = {}
+        quota: dict[str, int] = {}
+        for request in running:
+            if request.tenant is not None and request.tenant.max_kv_blocks is not None:
+                held[request.tenant.name] = held.get(request.tenant.name, 0) + len(request.block_ids)
+                quota[request.tenant.name] = request.tenant.max_kv_blocks
+        over = {name for name, blocks in held.items() if blocks > quota[name]}
+        if not over and not self._reordered:
+            return
+        self._admission = {r.request_id: self._admission.get(r.request_id, 0) for r in running}
+        policy = self._policy
+        rank = policy.rank if isinstance(policy, PriorityQueue) else lambda _request: (0.0, 0.0)
+        running.sort(key=lambda r: (r.tenant is not None and r.tenant.name in over, rank(r),
+                                    self._admission[r.request_id]))
+        self._reordered = bool(over)
 
     def outranks(self, request: Request, running: Request) -> bool:
         return self._policy.outranks(request, running)

@@ -154,8 +154,8 @@ class Scheduler:
     # --- schedule ----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        output = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        output, budget = SchedulerOutput(), self.config.max_num_batched_tokens
+        self.waiting.order_running(self.running)  # a tenant over its KV quota: served last, preempted first
         # Drafts are asked for before anything moves: for the requests running as the step starts.
         drafts = {} if self.draft_source is None else self.draft_source.drafts(self.running)
         prefill = self._prefill_allowance(budget)
