@@ -98,7 +98,8 @@ class ModelShape:
 def expected_experts_hit(num_experts: int, top_k: int, batch: float) -> float:
     """Distinct experts a layer runs for `batch` tokens that each pick `top_k` of `num_experts` uniformly:
     an expert is missed by one token with probability 1 - k/E, by all of them with its B-th power."""
-    return num_experts * (1 - (1 - top_k / num_experts) ** batch)
+    missed: float = (1 - top_k / num_experts) ** batch
+    return num_experts * (1 - missed)
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
