@@ -3,8 +3,12 @@
 
 bench-125m (SmolLM-135M's shape with a 32000 vocab) is for serving and throughput; bench-1b (TinyLlama's
 shape, tied) for batch-1 roofline claims, since bench-125m's weights fit in a server CPU's L3 cache.
+bench-moe is a Mixtral of 8 experts, top 2, 0.98B parameters of which 0.30B are active per token, and
+bench-moe-dense the dense Llama with the same active parameters (its MLP as wide as two experts), for
+benchmarks/moe_decode.py.
 
-    python scripts/make_bench_models.py                 # both, skipping any that exist
+    python scripts/make_bench_models.py                 # bench-125m and bench-1b, skipping any that exist
+    python scripts/make_bench_models.py --only bench-moe --only bench-moe-dense
     python scripts/make_bench_models.py --only bench-125m --force
 """
 
@@ -37,6 +41,8 @@ class BenchModel:
     num_kv_heads: int
     intermediate_size: int
     expected_params: float  # asserted to 0.5%
+    arch: str = "llama"
+    experts: int = 0  # a Mixtral's experts per layer, two of them per token; 0: dense
 
     @property
     def init_std(self) -> float:
@@ -51,6 +57,8 @@ BENCH_MODELS = {
         BenchModel("bench-125m", 576, 30, 9, 3, 1536, expected_params=124.6e6),
         # TinyLlama's shape: ~1.1B with its untied LM head; tied, as here, the same shape is 1.03B.
         BenchModel("bench-1b", 2048, 22, 32, 4, 5632, expected_params=1.035e9),
+        BenchModel("bench-moe", 1024, 16, 16, 4, 2304, expected_params=0.981e9, arch="mixtral", experts=8),
+        BenchModel("bench-moe-dense", 1024, 16, 16, 4, 2 * 2304, expected_params=0.301e9),
     )
 }
 
@@ -80,9 +88,10 @@ def write_model(model: BenchModel, out_dir: Path, dtype: torch.dtype) -> None:
     log(f"  tokenizer ({VOCAB_SIZE} tokens) {time.perf_counter() - started:.1f}s")
 
     started = time.perf_counter()
+    experts = {"num_local_experts": model.experts, "num_experts_per_tok": 2} if model.experts else {}
     make_checkpoint(
         out_dir,
-        "llama",
+        model.arch,
         seed=SEED,
         vocab_size=VOCAB_SIZE,
         hidden_size=model.hidden_size,
@@ -94,6 +103,7 @@ def write_model(model: BenchModel, out_dir: Path, dtype: torch.dtype) -> None:
         init_std=model.init_std,
         dtype=dtype,
         tie_word_embeddings=True,
+        **experts,
     )
     log(f"  weights + save {time.perf_counter() - started:.1f}s")
 
@@ -141,6 +151,7 @@ def is_complete(model_dir: Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=sorted(BENCH_MODELS), action="append", help="make only this model")
+    parser.add_argument("--all", action="store_true", help="also the MoE pair (bench-moe, bench-moe-dense)")
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "models")
     parser.add_argument(
         "--dtype",
@@ -152,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     all_ok = True
-    for name in args.only or sorted(BENCH_MODELS):
+    default = [name for name, model in BENCH_MODELS.items() if args.all or not name.startswith("bench-moe")]
+    for name in args.only or sorted(default):
         out_dir = args.out_dir / name
         if is_complete(out_dir) and not args.force:
             log(f"{name}: {out_dir} exists, skipping (--force to rebuild)")

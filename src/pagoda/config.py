@@ -13,6 +13,7 @@ from typing import Any
 from pagoda.int4_format import Int4Options
 from pagoda.kv_format import is_quantized, kv_bytes_per_head, kv_cache_dtype_name
 from pagoda.kv_transfer_config import KVTransferConfig
+from pagoda.moe_config import MoEConfig
 from pagoda.structured.limits import GrammarLimits
 
 GiB = 1 << 30
@@ -57,6 +58,7 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    moe: MoEConfig | None = None  # routed experts (pagoda/moe_config.py); None: every layer's MLP is dense
 
     def kv_bytes_per_token(self, dtype: object, cache_dtype: str = "auto") -> int:
         """dtype: the model's, as `dtype_name` takes it; cache_dtype: the KV format (`kv_format`), scales

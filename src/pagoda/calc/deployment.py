@@ -88,7 +88,7 @@ class Deployment:
     inputs: CalcInputs
     weight_bytes: float  # the whole model in --dtype
     weight_bytes_per_gpu: float
-    weights_read_per_gpu: float  # bytes of weights one decode step reads on each GPU
+    weights_read_per_gpu: float  # bytes of weights one decode step of one sequence reads on each GPU
     kv_bytes_per_token: float | None  # the whole model
     kv_bytes_per_token_per_gpu: float | None
     capacity_per_gpu: float  # memory for weights + KV: capacity x mem_util
@@ -107,6 +107,11 @@ class Deployment:
     @property
     def kv_bytes_per_sequence_per_gpu(self) -> float:
         return (self.kv_bytes_per_token_per_gpu or 0.0) * self.inputs.seq_len
+
+    def weights_read_at(self, batch: int) -> float:
+        """Bytes of weights a step of `batch` tokens reads on each GPU: a mixture of experts' grow with the
+        experts the batch hits; a dense model's are the same at any batch."""
+        return f.weight_bytes(self.inputs.model.weights_read_params(batch), self.inputs.dtype) / self.inputs.num_gpus
 
     @property
     def max_sequences(self) -> int | None:
@@ -188,7 +193,7 @@ def _fits(d: Deployment, kv_bytes: float) -> bool | None:
 def decode_point(d: Deployment, batch: int) -> DecodePoint:
     inputs, gpu = d.inputs, d.inputs.gpu
     kv_read = batch * d.kv_bytes_per_sequence_per_gpu
-    bytes_read = d.weights_read_per_gpu + kv_read
+    bytes_read = d.weights_read_at(batch) + kv_read
     flops = batch * d.flops_per_token / inputs.num_gpus
     comm_bandwidth_s = 0.0
     if d.allreduce_wire_bytes_per_token and gpu.interconnect_gbps:

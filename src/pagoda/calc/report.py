@@ -12,6 +12,7 @@ from dataclasses import replace
 
 from pagoda.calc import formulas as f
 from pagoda.calc.deployment import CalcInputs, Deployment, decode_point, derive, table_batches
+from pagoda.calc.experts import experts_section
 from pagoda.calc.render import Column, Report, Section, Table
 
 WEIGHT_DTYPES = ("fp32", "bf16", "fp8", "int4")
@@ -157,7 +158,7 @@ def _prefill(d: Deployment) -> Section:
         flops = f.prefill_flops(model.matmul_params, 0, 0, prompt)
     achieved = inputs.achieved_flops * inputs.num_gpus
     # Prefill also reads every weight once; for short prompts that, not the flops, is the floor.
-    seconds = max(flops / achieved, d.weights_read_per_gpu / inputs.gpu.bandwidth)
+    seconds = max(flops / achieved, d.weights_read_at(prompt) / inputs.gpu.bandwidth)
     note = "given" if inputs.achieved_tflops is not None else "assumed: 50% of peak"
     s = Section("prefill", f"Prefill ({prompt:,} tok prompt)")
     s.add("flops", "flops", flops, "flop", "2 x params x tokens + causal attention")
@@ -344,6 +345,7 @@ def build_report(inputs: CalcInputs) -> Report:
     d = derive(inputs)
     parts: list[Section | Table] = [
         _setup(d),
+        *([] if inputs.model.experts is None else [experts_section(d, inputs.model.experts)]),
         _memory(d),
         _roofline(d),
         _decode(d),

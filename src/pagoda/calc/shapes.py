@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pagoda import moe_config
+
 
 @dataclass(frozen=True)
 class GpuSpec:
@@ -58,14 +60,46 @@ class Architecture:
 
 
 @dataclass(frozen=True)
+class ExpertShape:
+    """The routed experts of a mixture of experts: `top_k` of `num_experts` per token in each of
+    `num_sparse_layers` layers, each expert `expert_params` weights (gate, up, down)."""
+
+    num_experts: int
+    top_k: int
+    expert_params: float
+    num_sparse_layers: int
+
+    def routed_params(self, experts_per_layer: float) -> float:
+        return experts_per_layer * self.expert_params * self.num_sparse_layers
+
+
+@dataclass(frozen=True)
 class ModelShape:
-    """A dense decoder. `architecture` is None when only a parameter count was given."""
+    """A decoder. `architecture` is None when only a parameter count was given; `experts` when it is dense."""
 
     name: str
     num_params: float
-    # Weights that are multiplied for every token: all but an untied input embedding (a row lookup).
+    # Weights that are multiplied for every token: all but an untied input embedding (a row lookup), and of a
+    # mixture of experts' routed experts only the top k (its active parameters, less that embedding).
     matmul_params: float
     architecture: Architecture | None = None
+    experts: ExpertShape | None = None
+
+    def weights_read_params(self, batch: float) -> float:
+        """Weights one decode step of `batch` tokens reads: every matmul weight once, and of routed experts
+        the ones some token chose (`expected_experts_hit`, routing taken as uniform)."""
+        if self.experts is None:
+            return self.matmul_params
+        experts = self.experts
+        hit = expected_experts_hit(experts.num_experts, experts.top_k, batch)
+        return self.matmul_params - experts.routed_params(experts.top_k) + experts.routed_params(hit)
+
+
+def expected_experts_hit(num_experts: int, top_k: int, batch: float) -> float:
+    """Distinct experts a layer runs for `batch` tokens that each pick `top_k` of `num_experts` uniformly:
+    an expert is missed by one token with probability 1 - k/E, by all of them with its B-th power."""
+    missed: float = (1 - top_k / num_experts) ** batch
+    return num_experts * (1 - missed)
 
 
 _SUFFIXES = {"k": 1e3, "m": 1e6, "b": 1e9, "t": 1e12}
@@ -93,10 +127,9 @@ def _require(config: dict[str, Any], *keys: str) -> int:
 
 
 def shape_from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
-    """Count a Llama-family model's parameters from its config: embeddings, attention, gated MLP, norms."""
-    if (config.get("num_local_experts") or config.get("num_experts") or 0) > 1:
-        # Expert counts, shared experts and routing differ per family; wrong figures are worse than none.
-        raise ValueError("mixture-of-experts configs are not modelled; pass a parameter count (e.g. 47B)")
+    """Count a Llama-family model's parameters from its config: embeddings, attention, gated MLP (or routed
+    experts, router and shared expert), norms."""
+    moe = _moe(config)
     vocab = _require(config, "vocab_size")
     hidden = _require(config, "hidden_size", "n_embd")
     layers = _require(config, "num_hidden_layers", "n_layer")
@@ -106,25 +139,56 @@ def shape_from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
     intermediate = _require(config, "intermediate_size")
     tied = bool(config.get("tie_word_embeddings", False))
     # Qwen2 puts biases on q/k/v without saying so in its config.
-    qkv_bias = bool(config.get("attention_bias", config.get("model_type") == "qwen2"))
+    qkv_bias = bool(config.get("attention_bias", config.get("qkv_bias", config.get("model_type") in _QKV_BIASED)))
 
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     attention = hidden * q_dim + 2 * hidden * kv_dim + q_dim * hidden
     attention += (q_dim + 2 * kv_dim) if qkv_bias else 0
     mlp = 3 * hidden * intermediate  # gate, up, down
     per_layer = attention + mlp + 2 * hidden  # two RMSNorm weights
+    per_layer += 2 * head_dim if config.get("model_type") in ("qwen3", "qwen3_moe") else 0  # q and k norms
     embedding = vocab * hidden
     lm_head = 0 if tied else vocab * hidden
-    total = embedding + layers * per_layer + hidden + lm_head
+    experts = None
+    sparse_extra = 0.0  # what a sparse layer holds beyond a dense one
+    if moe is not None:
+        experts = ExpertShape(moe.num_experts, moe.top_k, 3 * hidden * moe.expert_intermediate_size,
+                              moe.num_sparse_layers)
+        shared = moe.shared_expert_intermediate_size
+        router = moe.num_experts * hidden + (hidden if shared else 0)  # and the shared expert's one-row gate
+        sparse_extra = moe.num_experts * experts.expert_params + router + 3 * hidden * shared - mlp
+    num_sparse = 0 if moe is None else moe.num_sparse_layers
+    total = embedding + layers * per_layer + num_sparse * sparse_extra + hidden + lm_head
     # A tied table is read as the LM head; an untied input embedding is only indexed.
     matmul = total - (0 if tied else embedding)
+    if experts is not None:
+        matmul -= experts.routed_params(experts.num_experts - experts.top_k)
     return ModelShape(
         name=name,
         num_params=float(total),
         matmul_params=float(matmul),
         architecture=Architecture(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
                                   head_dim=head_dim),
+        experts=experts,
     )
+
+
+# Qwen2 (and Qwen2-MoE) put biases on q/k/v without an attention_bias field.
+_QKV_BIASED = ("qwen2", "qwen2_moe")
+
+
+def _moe(config: dict[str, Any]) -> moe_config.MoEConfig | None:
+    """The config's routed experts (pagoda/moe_config.py, as the engine reads them), None for a dense model."""
+    if (config.get("num_local_experts") or config.get("num_experts") or 0) <= 1:
+        return None
+    families = {name: name for name in moe_config.DENSE_FAMILY}
+    arch = next((moe_config.MOE_ARCHITECTURES[a] for a in config.get("architectures") or ()
+                 if a in moe_config.MOE_ARCHITECTURES), families.get(str(config.get("model_type"))))
+    if arch is None:
+        # Shared experts and routing differ per family; wrong figures are worse than none.
+        raise ValueError(f"mixture-of-experts configs other than {sorted(moe_config.MOE_ARCHITECTURES)} are not "
+                         "modelled; pass a parameter count (e.g. 47B)")
+    return moe_config.read_moe_config(config, arch, _require(config, "num_hidden_layers", "n_layer"))
 
 
 def shape_from_path(path: Path) -> ModelShape:

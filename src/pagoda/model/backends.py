@@ -55,6 +55,7 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     if not (config.head_dim % 16 == 0 and config.head_dim <= 128 and group <= 16):  # the attention kernels' shapes
         return ModelRuntime(kernels=fused, gemv_kernels=kernels, quantized_kernels=integer)
     linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
-    decode_stack = all(gemv_takes(width) for width in linear_widths)
+    # A mixture of experts decodes through its modules: the stack has no routed layer.
+    decode_stack = config.moe is None and all(gemv_takes(width) for width in linear_widths)
     return ModelRuntime(CpuAttentionBackend(fused, decode_stack), kernels=fused, gemv_kernels=kernels,
                         quantized_kernels=integer)

@@ -18,6 +18,7 @@ from pagoda.model.backends import ModelRuntime
 from pagoda.model.kernel_protocols import CpuKernels
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, row_linear
+from pagoda.model.moe import SparseMoeBlock, expert_target, is_sparse_layer, moe_row_offsets, split_grouped_experts
 from pagoda.model.parallel import TensorParallel, VocabParallelEmbedding
 
 
@@ -69,7 +70,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
         self.self_attn = Attention(config, layer_index, kernels, parallel)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, parallel)
+        self.mlp: GatedMLP | SparseMoeBlock
+        if is_sparse_layer(config, layer_index):
+            self.mlp = SparseMoeBlock(config, kernels)
+        else:
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, parallel)
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: LayerKV, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
@@ -105,6 +110,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
         self.backend = runtime.attention
         self.fused_rows = fused_row_offsets(config)
+        self.expert_rows = moe_row_offsets(config)  # the grouped experts' rows, by parameter
 
     @property
     def dtype(self) -> torch.dtype:
@@ -172,12 +178,15 @@ class LlamaModel(nn.Module):
         missing = sorted(set(self._expected_keys()) - loaded)
         if missing:
             raise ValueError(f"checkpoint is missing tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        split_grouped_experts(self)
 
     def _target(self, hf_name: str) -> tuple[str, int | None] | None:
         """Maps an HF tensor name to (our parameter, row offset inside a fused parameter)."""
         name = hf_name.removeprefix("model.")
         if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
             return None
+        if self.expert_rows and (expert := expert_target(name, self.expert_rows)) is not None:
+            return expert
         match = re.fullmatch(r"layers\.(\d+)\.(self_attn|mlp)\.(q|k|v|gate|up)_proj\.(weight|bias)", name)
         if match:
             layer, module, which, kind = match.groups()
@@ -190,6 +199,7 @@ class LlamaModel(nn.Module):
     def _expected_keys(self) -> list[str]:
         keys = []
         for name, _ in self.named_parameters(remove_duplicate=False):
-            offsets = self.fused_rows.get(name.split(".")[-2])  # a parameter's name ends in <module>.<weight|bias>
+            # A parameter's name ends in <module>.<weight|bias>; a grouped expert tensor's offsets are its own.
+            offsets = self.expert_rows.get(name) or self.fused_rows.get(name.split(".")[-2])
             keys += [f"{name}@{offset}" for offset in offsets.values()] if offsets else [f"{name}@None"]
         return keys

@@ -20,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 from pagoda.config import DTYPE_BYTES, ModelConfig
 from pagoda.int4_format import Int4Options
 from pagoda.model_dir import ModelLoadError, read_json
+from pagoda.moe_config import DENSE_FAMILY, MOE_ARCHITECTURES, MoEConfigError, read_moe_config
 
 if TYPE_CHECKING:
     from pagoda.model.llama import LlamaModel
@@ -36,6 +37,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    **MOE_ARCHITECTURES,
 }
 SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
 
@@ -62,6 +64,11 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
     hidden_size = need("hidden_size")
     num_layers = need("num_hidden_layers")
     rope_theta, rope_scaling = _rope(hf, path)
+    family = DENSE_FAMILY.get(arch, arch)  # a mixture of experts' attention is its dense family's
+    try:
+        moe = read_moe_config(hf, arch, num_layers)
+    except MoEConfigError as error:
+        raise ModelLoadError(f"{path}: {error}") from error
     eos_ids = _eos_token_ids(hf, Path(model_dir) / "generation_config.json")
     return ModelConfig(
         architecture=arch,
@@ -76,14 +83,15 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         rope_theta=rope_theta,
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        attention_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
-        o_proj_bias=arch == "llama" and bool(hf.get("attention_bias", False)),
+        attention_bias=(family == "qwen2" and bool(hf.get("qkv_bias", True))) or bool(hf.get("attention_bias", False)),
+        o_proj_bias=arch in ("llama", "qwen3_moe") and bool(hf.get("attention_bias", False)),
         mlp_bias=bool(hf.get("mlp_bias", False)),
-        qk_norm=arch == "qwen3",
+        qk_norm=family == "qwen3",
         rope_scaling=rope_scaling,
-        sliding_windows=_sliding_windows(hf, arch, num_layers),
+        sliding_windows=_sliding_windows(hf, family, num_layers),
         eos_token_ids=eos_ids,
         bos_token_id=hf.get("bos_token_id"),
+        moe=moe,
     )
 
 
@@ -212,6 +220,8 @@ def load_model(
     if prequantized is not None:
         _check_prequantized_request(model_dir, prequantized.method, quantization, quantization_config)
         quantization = "int4"
+    if config.moe is not None:
+        _check_moe_request(model_dir, prequantized is not None, parallel)
     slicer: TensorSlicer | None = None
     model_config = config
     if parallel is not None:
@@ -241,6 +251,16 @@ def load_model(
                           runtime.quantized_kernels)
     bind_decode_stack(model)  # the weights are final: the native decode stack, where chosen, is built now
     return model.eval(), config
+
+
+def _check_moe_request(model_dir: str | Path, prequantized: bool, parallel: TensorParallel | None) -> None:
+    """What a mixture-of-experts model does not run yet is refused by name, not run wrong."""
+    if prequantized:
+        raise ModelLoadError(f"{model_dir}: GPTQ/AWQ mixture-of-experts checkpoints are not loaded; load the "
+                             "unquantized checkpoint with --quantization int8 or int4")
+    if parallel is not None:
+        raise ModelLoadError(f"{model_dir}: a mixture-of-experts model is not split across ranks yet "
+                             f"(tensor_parallel_size {parallel.world_size}); run it on one")
 
 
 def _check_prequantized_request(model_dir: str | Path, method: str, quantization: str | None,

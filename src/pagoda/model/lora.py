@@ -28,6 +28,7 @@ from pagoda.model.kv_cache import LayerKV
 from pagoda.model.lora_checkpoint import LoRAAdapter, module_shape
 
 if TYPE_CHECKING:
+    from pagoda.model.layers import GatedMLP
     from pagoda.model.llama import DecoderLayer, LlamaModel
 
 # (PEFT module, first column, end column) inside one of our linears' output.
@@ -141,12 +142,14 @@ def attach_lora(model: LlamaModel, max_loras: int, max_rank: int) -> LoRAStack:
     Called once the weights are final (after `load_model`): the linears wrapped are the prepared ones."""
     if model.parallel is not None:
         raise ValueError("LoRA adapters are not served on a model split across ranks yet")
+    if model.config.moe is not None:
+        raise ValueError("LoRA adapters are not served on a mixture-of-experts model yet")
     config = model.config
     stack = LoRAStack(config, max_loras, max_rank, model.dtype, model.embed_tokens.weight.device)
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     for index, layer in enumerate(cast("list[DecoderLayer]", list(model.layers))):
-        attention, mlp = layer.self_attn, layer.mlp
+        attention, mlp = layer.self_attn, cast("GatedMLP", layer.mlp)
         # add_module replaces the child in place: the modules call it by the same attribute.
         attention.add_module("qkv_proj", LoRALinear(attention.qkv_proj, stack, index, (
             ("q_proj", 0, q_size), ("k_proj", q_size, q_size + kv_size),

@@ -24,6 +24,7 @@ from pagoda.model.quantization import KERNEL_MAX_ROWS, DenseLinear, Int8Linear
 
 if TYPE_CHECKING:
     from pagoda.model.kernel_protocols import CpuKernels, LinearSpec
+    from pagoda.model.layers import GatedMLP
     from pagoda.model.llama import DecoderLayer, LlamaModel
 
 
@@ -39,7 +40,7 @@ def _linear_spec(linear: nn.Module) -> LinearSpec | None:
 
 
 def _layer_linears(layer: DecoderLayer) -> tuple[nn.Module, ...]:
-    attention, mlp = layer.self_attn, layer.mlp
+    attention, mlp = layer.self_attn, cast("GatedMLP", layer.mlp)  # dense: the stack takes no routed layer
     return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 

@@ -199,6 +199,19 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512, seed: int = 0) -> None:
 _SLIDING_WINDOW = 24  # small, so ~60-token test sequences see tokens drop out of the window
 _NORM_NOISE_STD = 0.05
 
+# Mixtures of experts: 4 experts, top 2, at the tiny models' size. Qwen3-MoE renormalises its top-k weights and
+# keeps layer 1 dense (`mlp_only_layers`); Qwen2-MoE does not renormalise, and adds its gated shared expert.
+_MOE_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"tie_word_embeddings": False, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 64, "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96}),
+}
+
 # arch -> (config class, model class, config fields that make the architecture what it is)
 _ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
@@ -237,6 +250,7 @@ _ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "LlamaForCausalLM",
         {"tie_word_embeddings": False, "num_key_value_heads": 1},
     ),
+    **_MOE_SPECS,
 }
 ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_SPECS)
 
