@@ -155,6 +155,7 @@ class Scheduler:
     # --- schedule ----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.release_sent_blocks()
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Drafts are asked for before anything moves: for the requests running as the step starts.
@@ -380,12 +381,17 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = RequestStatus.FINISHED
             request.finish_reason = reason
-            self.kv_cache.free(request)
-            if self.connector is not None:
-                self.connector.request_finished(request)
+            num_held = 0 if self.connector is None else self.connector.request_finished(request)
+            self.kv_cache.free(request, num_held)
             if self.draft_source is not None:
                 self.draft_source.finished(request)
             self.requests.pop(request.request_id, None)
+
+    def release_sent_blocks(self) -> None:
+        """The blocks the connector held for finished requests and no longer needs go back to the pool."""
+        if self.connector is not None:
+            for request_id in self.connector.finished_sending():
+                self.kv_cache.release_held(request_id)
 
     # --- metrics -----------------------------------------------------------------------------------
 
