@@ -153,9 +153,11 @@ class LLMEngine:
         return remote.pull(transfer)
 
     def release_sent_blocks(self) -> None:
-        """Blocks held for a decode replica that it has pulled (or that timed out) go back to the pool; the
-        scheduler does it each step, the async engine while idle."""
-        self.scheduler.release_sent_blocks()
+        """Blocks the KV connector held for finished requests (a prefill replica's, for a decode replica to pull)
+        that it no longer needs go back to the pool: before each step, and while the async engine idles."""
+        if self.kv_connector is not None:
+            for request_id in self.kv_connector.scheduler.finished_sending():
+                self.kv_cache.release_held(request_id)
 
     def validate_embedding(self, prompt_ids: list[int], params: PoolingParams) -> None:
         """Raises RequestRejected for an embedding request that can never run (pooling_requests.py). Thread-safe."""
@@ -180,6 +182,7 @@ class LLMEngine:
     def step(self) -> list[EngineOutput]:
         started = time.perf_counter()
         self.trace.begin_step()
+        self.release_sent_blocks()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []

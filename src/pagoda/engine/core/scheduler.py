@@ -155,7 +155,6 @@ class Scheduler:
     # --- schedule ----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        self.release_sent_blocks()
         output = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         # Drafts are asked for before anything moves: for the requests running as the step starts.
@@ -386,12 +385,6 @@ class Scheduler:
             if self.draft_source is not None:
                 self.draft_source.finished(request)
             self.requests.pop(request.request_id, None)
-
-    def release_sent_blocks(self) -> None:
-        """The blocks the connector held for finished requests and no longer needs go back to the pool."""
-        if self.connector is not None:
-            for request_id in self.connector.finished_sending():
-                self.kv_cache.release_held(request_id)
 
     # --- metrics -----------------------------------------------------------------------------------
 
