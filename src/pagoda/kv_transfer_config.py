@@ -13,10 +13,11 @@ from typing import Any
 
 GIB = 1 << 30
 
-CONNECTORS = ("OffloadingConnector", "MultiConnector")
+CONNECTORS = ("OffloadingConnector", "TcpConnector", "MultiConnector")
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 OFFLOADING_BACKENDS = ("native",)
-TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config")
+TRANSFER_KEYS = ("kv_connector", "kv_role", "kv_connector_extra_config", "engine_id", "kv_ip", "kv_port",
+                 "kv_buffer_size")
 
 # KV events' media (vLLM's names): the engine's own KV pool, whatever the device (as vLLM's num_gpu_blocks counts
 # it on a CPU); a host-memory offload tier; and the shared tier's default name (the router counts a block a
@@ -76,6 +77,37 @@ class OffloadOptions:
 
 
 @dataclass(frozen=True)
+class TransferOptions:
+    """The TcpConnector's `kv_connector_extra_config` (prefill/decode disaggregation, docs/disaggregation.md).
+
+    hold_timeout_s: how long a prefill replica holds a finished prompt's blocks for a decode replica to pull;
+    then they go back to its pool (still in its prefix cache) and a late pull is refused (the decode replica
+    computes the prompt).
+    pull_timeout_s: the most a decode replica waits on the producer's socket (to connect, and for each read);
+    past it the pull is abandoned and the tokens it did not get are computed.
+    """
+
+    hold_timeout_s: float = 60.0
+    pull_timeout_s: float = 10.0
+    model_id: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("hold_timeout_s", "pull_timeout_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"kv_connector_extra_config: {name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> TransferOptions:
+        known = list(cls.__dataclass_fields__)
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ValueError(f"TcpConnector: unsupported kv_connector_extra_config key(s) {', '.join(unknown)}; "
+                             f"pagoda takes {', '.join(known)}")
+        return cls(**values)
+
+
+@dataclass(frozen=True)
 class KVTransferConfig:
     """vLLM's KVTransferConfig, the fields pagoda takes. MultiConnector's extra config is vLLM's:
     `{"connectors": [KVTransferConfig, ...]}`, loading from the first that has the tokens, saving to all."""
@@ -83,6 +115,13 @@ class KVTransferConfig:
     kv_connector: str
     kv_role: str = "kv_both"
     kv_connector_extra_config: Mapping[str, Any] = field(default_factory=dict)
+    # The TcpConnector's (vLLM's names): this engine's id in the kv_transfer_params it answers (None: drawn at
+    # start); the address its block server listens on and tells decode replicas (port 0: any free port); the
+    # bytes of the decode side's receive buffer, where pulled blocks wait for their request's admission.
+    engine_id: str | None = None
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 0
+    kv_buffer_size: int = 1_000_000_000
 
     def __post_init__(self) -> None:
         if self.kv_connector not in CONNECTORS:
@@ -90,13 +129,28 @@ class KVTransferConfig:
         if self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
         self.offload_options  # noqa: B018  (checked at construction, not at first use)
+        self.transfer_options  # noqa: B018
         self.children  # noqa: B018
+        if isinstance(self.kv_port, bool) or not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+            raise ValueError(f"kv_transfer_config: kv_port must be a TCP port (0: any free one), got {self.kv_port!r}")
+        if isinstance(self.kv_buffer_size, bool) or not isinstance(self.kv_buffer_size, (int, float)) \
+                or self.kv_buffer_size <= 0:
+            raise ValueError(f"kv_transfer_config: kv_buffer_size must be a positive byte count, "
+                             f"got {self.kv_buffer_size!r}")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ValueError("kv_transfer_config: kv_ip must be a host name or address")
 
     @property
     def offload_options(self) -> OffloadOptions | None:
         if self.kv_connector != "OffloadingConnector":
             return None
         return OffloadOptions.from_dict(self.kv_connector_extra_config)
+
+    @property
+    def transfer_options(self) -> TransferOptions | None:
+        if self.kv_connector != "TcpConnector":
+            return None
+        return TransferOptions.from_dict(self.kv_connector_extra_config)
 
     @property
     def children(self) -> tuple[KVTransferConfig, ...]:
@@ -134,7 +188,8 @@ class KVTransferConfig:
         extra = values.get("kv_connector_extra_config") or {}
         if not isinstance(extra, Mapping):
             raise ValueError("kv_transfer_config: kv_connector_extra_config must be a JSON object")
-        return cls(values["kv_connector"], values.get("kv_role", "kv_both"), dict(extra))
+        top = {key: values[key] for key in ("engine_id", "kv_ip", "kv_port", "kv_buffer_size") if key in values}
+        return cls(values["kv_connector"], values.get("kv_role", "kv_both"), dict(extra), **top)
 
 
 def kv_transfer_config_from(value: KVTransferConfig | Mapping[str, Any] | None) -> KVTransferConfig | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagoda.kv_transfer_params import KVTransferParams
 from pagoda.structured.params import StructuredOutputsParams
 
 # Rows with temperature below this are greedy: argmax, no randomness at all.
@@ -50,6 +51,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Output constrained to a JSON schema, regex, choice or grammar (vLLM's name and shape).
     structured_outputs: StructuredOutputsParams | None = None
+    # Prefill/decode disaggregation (vLLM's field, kv_transfer_params.py): keep the prompt's KV for a decode
+    # replica, or pull it from a prefill replica.
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

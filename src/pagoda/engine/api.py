@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pagoda.kv_transfer_config import DEVICE_MEDIUM
 
@@ -92,6 +92,8 @@ class RequestOutput:
     queue_time: float | None = None  # seconds from arrival to first scheduling
     # vLLM's shape: one entry per prompt token, None for the first (nothing precedes it)
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # A prefill replica's answer (vLLM's): where a decode replica pulls this prompt's KV from; None: nothing.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -116,6 +116,9 @@ class AsyncEngine:
         lora_request: the LoRA adapter to run it with (None: the base model); tenant: whose it is."""
         if self.is_dead:
             raise EngineDeadError("the engine is not running")
+        if params.kv_transfer_params is not None and params.kv_transfer_params.do_remote_prefill:
+            # A decode replica pulls the prompt's KV before the engine sees the request: no step waits on it.
+            await asyncio.to_thread(self._engine.pull_remote_kv, params)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._submit(lambda: self._add(request_id, prompt, params, cache_salt, priority, lora_request, tenant))
@@ -216,6 +219,7 @@ class AsyncEngine:
                 self._drain_commands()
                 if not self._engine.has_unfinished_requests():
                     self._engine.check_health()  # idle too: a lost rank turns health to 503 within a wait
+                    self._engine.release_sent_blocks()
                     self._update_stats()
                     self._wakeup.wait(timeout=0.5)
                     self._wakeup.clear()

@@ -96,6 +96,7 @@ class LLMEngine:
             self.scheduler.add_request(self.pooling.add(request_id, prompt, params, cache_salt, priority))
             return
         self._check_generates()
+        self._check_kv_transfer(params)
         adapter = None if lora_request is None else self.add_lora(lora_request)
         inputs = self.input_processor.process_inputs(request_id, prompt, params, cache_salt, priority, adapter,
                                                      tenant)
@@ -124,7 +125,42 @@ class LLMEngine:
     def validate(self, prompt_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Raises RequestRejected for a request that can never run. Thread-safe (input_processor.py)."""
         self._check_generates()
+        self._check_kv_transfer(params)
         self.input_processor.validate(prompt_ids, params, priority)
+
+    def _check_kv_transfer(self, params: SamplingParams) -> None:
+        """kv_transfer_params asks for what this engine's connector does: holding a prompt's KV for a decode
+        replica (a producer), or pulling it (a consumer)."""
+        transfer = params.kv_transfer_params
+        if transfer is None:
+            return
+        config = self.config.kv_transfer_config
+        is_tcp = config is not None and config.kv_connector == "TcpConnector"
+        if transfer.do_remote_decode and not (is_tcp and config is not None and config.saves):
+            raise RequestRejected("kv_transfer_params.do_remote_decode needs a prefill replica: --kv-transfer-config "
+                                  'with "kv_connector": "TcpConnector" and kv_role kv_producer or kv_both',
+                                  "kv_transfer_params")
+        if transfer.do_remote_prefill and not (is_tcp and config is not None and config.loads):
+            raise RequestRejected("kv_transfer_params.do_remote_prefill needs a decode replica: --kv-transfer-config "
+                                  'with "kv_connector": "TcpConnector" and kv_role kv_consumer or kv_both',
+                                  "kv_transfer_params")
+
+    def pull_remote_kv(self, params: SamplingParams) -> int:
+        """Pulls the prompt KV a prefill replica holds for this request (kv_transfer_params.do_remote_prefill) to
+        where admitting the request finds it; returns the blocks that arrived (0: it computes its prompt).
+        Thread-safe, and meant to run off the engine thread, before add_request: the engine steps meanwhile."""
+        transfer = params.kv_transfer_params
+        remote = None if self.kv_connector is None else self.kv_connector.remote
+        if transfer is None or not transfer.do_remote_prefill or remote is None:
+            return 0
+        return remote.pull(transfer)
+
+    def release_sent_blocks(self) -> None:
+        """Blocks the KV connector held for finished requests (a prefill replica's, for a decode replica to pull)
+        that it no longer needs go back to the pool: before each step, and while the async engine idles."""
+        if self.kv_connector is not None:
+            for request_id in self.kv_connector.scheduler.finished_sending():
+                self.kv_cache.release_held(request_id)
 
     def validate_embedding(self, prompt_ids: list[int], params: PoolingParams) -> None:
         """Raises RequestRejected for an embedding request that can never run (pooling_requests.py). Thread-safe."""
@@ -149,6 +185,7 @@ class LLMEngine:
     def step(self) -> list[EngineOutput]:
         started = time.perf_counter()
         self.trace.begin_step()
+        self.release_sent_blocks()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []

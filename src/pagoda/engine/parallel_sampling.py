@@ -77,5 +77,6 @@ class RequestGroup(Generic[SampleT]):
             num_cached_tokens=first.num_cached_tokens,
             queue_time=first.timeline().queue_time,
             prompt_logprobs=[None, *first.prompt_logprobs] if first.needs_prompt_logprobs else None,
+            kv_transfer_params=None if first.kv_transfer_params is None else first.kv_transfer_params.as_dict(),
         )
 

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda.api_keys import ApiKeyGuard, ApiKeys
 from pagoda.router.core import Router
+from pagoda.router.disaggregated import DisaggregatedForwarder
 from pagoda.router.events import subscribe_forever
 from pagoda.router.faults import Outcome, classify_answer
 from pagoda.router.policies import RoutedPrompt
@@ -37,15 +38,19 @@ FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 
 def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncClient, *,
                      limits: ServerLimits | None = None, events_topic: str = "", api_keys: ApiKeys | None = None,
-                     replica_api_key: str | None = None, enable_docs: bool = False) -> FastAPI:
+                     replica_api_key: str | None = None, enable_docs: bool = False,
+                     prefill_router: Router | None = None) -> FastAPI:
     """api_keys: what clients must present (none: no check). replica_api_key: sent to the replicas on every
     call (proxied requests and polls alike) in place of the client's Authorization, which is then not
-    forwarded; without it, the client's Authorization goes to the replica as it came."""
+    forwarded; without it, the client's Authorization goes to the replica as it came. prefill_router: the
+    prefill pool of --pd-disaggregation (`router` is then the decode pool; router/disaggregated.py)."""
     limits = limits or ServerLimits()
     if replica_api_key is not None:
         client.headers["Authorization"] = f"Bearer {replica_api_key}"
     forwarded = [name for name in FORWARDED_HEADERS if replica_api_key is None or name != "authorization"]
-    forwarder = Forwarder(router, client, random.Random(router.config.seed))
+    decode = Forwarder(router, client, random.Random(router.config.seed))
+    forwarder: Forwarder | DisaggregatedForwarder = decode if prefill_router is None else DisaggregatedForwarder(
+        Forwarder(prefill_router, client, random.Random(prefill_router.config.seed)), decode)
     decoder = JsonDecoder()
 
     def headers_of(raw: Request) -> dict[str, str]:
@@ -53,9 +58,10 @@ def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncCl
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        tasks = [asyncio.create_task(poll_forever(router, client))]
-        tasks += [asyncio.create_task(subscribe_forever(router, r, r.events_endpoint, events_topic))
-                  for r in router.replicas if r.events_endpoint is not None]
+        pools = [router] if prefill_router is None else [router, prefill_router]
+        tasks = [asyncio.create_task(poll_forever(pool, client)) for pool in pools]
+        tasks += [asyncio.create_task(subscribe_forever(pool, r, r.events_endpoint, events_topic))
+                  for pool in pools for r in pool.replicas if r.events_endpoint is not None]
         try:
             yield
         finally:

@@ -49,8 +49,15 @@ CONFIG_FLAGS: dict[str, tuple[str, type, str]] = {
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     route = commands.add_parser("route", help="OpenAI-compatible router over several replicas (docs/router.md)")
-    route.add_argument("--replica", action="append", required=True, metavar="URL",
+    route.add_argument("--replica", action="append", default=None, metavar="URL",
                        help="a replica's base URL, e.g. http://10.0.0.5:8000 (repeat for each)")
+    route.add_argument("--pd-disaggregation", action="store_true",
+                       help="prefill/decode disaggregation: each prompt computed on a --prefill replica, its KV "
+                            "pulled by a --decode replica that answers (docs/disaggregation.md)")
+    route.add_argument("--prefill", action="append", default=None, metavar="URL",
+                       help="with --pd-disaggregation: a prefill replica's base URL (repeat for each)")
+    route.add_argument("--decode", action="append", default=None, metavar="URL",
+                       help="with --pd-disaggregation: a decode replica's base URL (repeat for each)")
     route.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
                        help="the replicas' model directory: cache_aware matches prompts by its tokenizer and chat "
                             "template, as the replicas cache them (default: by text prefix)")
@@ -99,25 +106,46 @@ def replica_api_key(given: str | None, environ: Mapping[str, str] = os.environ) 
     return key
 
 
+def replica_pools(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """(the replicas answering requests, the prefill pool): --replica's and none, or with --pd-disaggregation
+    --decode's and --prefill's."""
+    if not args.pd_disaggregation:
+        if args.prefill or args.decode:
+            raise ValueError("--prefill and --decode need --pd-disaggregation")
+        if not args.replica:
+            raise ValueError("give at least one --replica URL")
+        return args.replica, []
+    if args.replica:
+        raise ValueError("--pd-disaggregation takes --prefill and --decode pools, not --replica")
+    if not args.prefill or not args.decode:
+        raise ValueError("--pd-disaggregation needs at least one --prefill and one --decode URL")
+    overlap = sorted(set(args.prefill) & set(args.decode))
+    if overlap:
+        raise ValueError(f"a replica is in both pools: {', '.join(overlap)} (serve it with kv_role kv_both and "
+                         "give it once)")
+    return args.decode, args.prefill
+
+
 def run_route(args: argparse.Namespace) -> int:
     try:
+        replicas, prefill = replica_pools(args)
         config = router_config_from(args)
         endpoints = event_endpoints(args.replica_kv_events)
         api_keys = ApiKeys.from_args(args)
         replica_key = replica_api_key(args.replica_api_key)
     except (OSError, ValueError) as error:
         raise SystemExit(f"pagoda route: {error}") from None
-    unknown = sorted(set(endpoints) - set(args.replica))
+    unknown = sorted(set(endpoints) - set(replicas) - set(prefill))
     if unknown:
-        raise SystemExit(f"pagoda route: --replica-kv-events for URLs not given as --replica: {', '.join(unknown)}")
+        raise SystemExit(f"pagoda route: --replica-kv-events for URLs not given as replicas: {', '.join(unknown)}")
     from pagoda.model_dir import ModelLoadError
     from pagoda.router.launcher import serve_router
 
     try:
-        return serve_router(config, args.replica, tokenizer_dir=args.tokenizer, host=args.host, port=args.port,
+        return serve_router(config, replicas, tokenizer_dir=args.tokenizer, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level, event_endpoints=endpoints,
                             events_topic=args.kv_events_topic, api_keys=api_keys, replica_api_key=replica_key,
-                            enable_docs=args.enable_docs)
+                            enable_docs=args.enable_docs, prefill=prefill)
     except ModelLoadError as error:  # --tokenizer's directory, read before the router listens
         print(f"pagoda route: {error}", file=sys.stderr)
         return 2

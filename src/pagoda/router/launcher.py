@@ -64,15 +64,24 @@ class RouterServer(uvicorn.Server):
 def serve_router(config: RouterConfig, replicas: Sequence[str], *, tokenizer_dir: str | None, host: str, port: int,
                  log_level: str = "warning", event_endpoints: Mapping[str, str] | None = None,
                  events_topic: str = "", api_keys: ApiKeys | None = None, replica_api_key: str | None = None,
-                 enable_docs: bool = False) -> int:
+                 enable_docs: bool = False, prefill: Sequence[str] = ()) -> int:
+    """replicas: every replica, or with `prefill` (--pd-disaggregation) the decode pool."""
     if replica_api_key is not None and not (api_keys and api_keys.enabled):
         logger.warning("--replica-api-key without --api-key: anyone who reaches the router uses the replicas' key")
     logging.getLogger("httpx").addFilter(POLL_LOG_FILTER)
-    router = Router(replicas, config, event_endpoints=event_endpoints)
+    def endpoints_of(urls: Sequence[str]) -> dict[str, str]:
+        return {url: endpoint for url, endpoint in (event_endpoints or {}).items() if url in urls}
+
+    router = Router(replicas, config, event_endpoints=endpoints_of(replicas))
+    prefill_router = Router(prefill, config, event_endpoints=endpoints_of(prefill)) if prefill else None
     app = build_router_app(router, prompt_reader(tokenizer_dir, config.policy), replica_client(config),
                            events_topic=events_topic, api_keys=api_keys, replica_api_key=replica_api_key,
-                           enable_docs=enable_docs)
+                           enable_docs=enable_docs, prefill_router=prefill_router)
     logger.info(matching_line(tokenizer_dir, config.policy, event_endpoints))  # once the tokenizer loaded
-    logger.info("routing over %d replicas with %s on %s:%d", len(replicas), config.policy, host, port)
+    if prefill:
+        logger.info("prefill/decode disaggregation: prompts to %d prefill replicas, answers from %d decode replicas, "
+                    "with %s, on %s:%d", len(prefill), len(replicas), config.policy, host, port)
+    else:
+        logger.info("routing over %d replicas with %s on %s:%d", len(replicas), config.policy, host, port)
     RouterServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_keep_alive=30)).run()
     return 0

@@ -215,7 +215,7 @@ class Generation:
         for index in range(len(self.prompts)):
             for completion in self.finals[index].outputs:
                 choices.append(self._full_choice(index, completion))
-        return {
+        body = {
             "id": self.response_id,
             "object": "text_completion" if self.kind == "completion" else "chat.completion",
             "created": self.created,
@@ -223,6 +223,11 @@ class Generation:
             "choices": choices,
             "usage": self._usage(),
         }
+        # A prefill replica's answer: where a decode replica pulls the prompt's KV from (one prompt's, vLLM's field).
+        transfer = [final.kv_transfer_params for final in self.finals.values() if final.kv_transfer_params]
+        if transfer:
+            body["kv_transfer_params"] = transfer[0]
+        return body
 
     def _full_choice(self, prompt_index: int, completion: CompletionOutput) -> dict[str, Any]:
         index = prompt_index * self.params.n + completion.index

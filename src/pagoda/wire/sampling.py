@@ -22,6 +22,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pagoda.kv_transfer_params import KVTransferParams
 from pagoda.sampling import InvalidParam, SamplingParams
 from pagoda.structured import CONSTRAINT_KINDS, InvalidConstraint, StructuredOutputsParams
 from pagoda.wire.base import TokenIds, WireModel, located, too_long
@@ -125,7 +126,7 @@ class SamplingRequest(WireModel):
         "use_beam_search": False, "length_penalty": 1.0, "include_stop_str_in_output": False,
         "spaces_between_special_tokens": True, "truncate_prompt_tokens": None, "allowed_token_ids": None,
         "bad_words": None, "prompt_logprobs": None, "logits_processors": None, "return_tokens_as_token_ids": None,
-        "return_token_ids": None, "kv_transfer_params": None, "vllm_xargs": None, "mm_processor_kwargs": None,
+        "return_token_ids": None, "vllm_xargs": None, "mm_processor_kwargs": None,
         "request_id": None,
     }
 
@@ -173,7 +174,7 @@ class SamplingRequest(WireModel):
     logits_processors: list[str | LogitsProcessorConstructor] | None = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # prefill/decode disaggregation (kv_transfer_params.py)
     vllm_xargs: dict[str, str | int | float] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     request_id: str | None = None
@@ -288,6 +289,8 @@ class SamplingRequest(WireModel):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()} or None,
             skip_special_tokens=self.skip_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            kv_transfer_params=None if self.kv_transfer_params is None else KVTransferParams.from_dict(
+                self.kv_transfer_params),
         )
 
     @property

@@ -140,6 +140,9 @@ class KVCacheManager:
         self._block_hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full blocks
         # per request: for each registered full block, the cached block standing for its content
         self._chains: dict[str, list[Block]] = {}
+        # per finished request: the leading blocks a KV connector holds for another engine to read (still
+        # cached: a hit may share them, and once released they are ordinary cached free blocks)
+        self._held: dict[str, list[Block]] = {}
 
     # --- prefix hits -------------------------------------------------------------------------------
 
@@ -222,18 +225,32 @@ class KVCacheManager:
         self.pool.release(surplus, front=True)
         request.block_ids = [block.block_id for block in blocks]
 
-    def free(self, request: Request) -> None:
-        """Returns a finished, aborted or preempted request's blocks to the pool.
+    def free(self, request: Request, num_held: int = 0) -> None:
+        """Returns a finished, aborted or preempted request's blocks to the pool, but its first `num_held`,
+        which stay in use until `release_held` (a finished request's, that a KV connector sends elsewhere).
 
         Last blocks are released first, so they are evicted before the request's first blocks (which
         a later request is more likely to share).
         """
         blocks = self._blocks.pop(request.request_id, [])
         self._chains.pop(request.request_id, None)
+        if num_held:
+            assert request.is_finished, "only a finished request's blocks are held"
+            self._held[request.request_id] = blocks[:num_held]
+            blocks = blocks[num_held:]
         self.pool.release(list(reversed(blocks)))
         request.block_ids = []
         if request.is_finished:
             self._block_hashes.pop(request.request_id, None)
+
+    def release_held(self, request_id: str) -> None:
+        """The held blocks of a finished request go back to the pool (cached, last first); unknown ids are
+        ignored."""
+        self.pool.release(list(reversed(self._held.pop(request_id, []))))
+
+    @property
+    def num_held_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self._held.values())
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()
@@ -257,7 +274,7 @@ class KVCacheManager:
         assert in_use + self.pool.num_free == self.num_blocks, "block accounting broken"
         assert all(self.pool.blocks[i].ref_count == 0 for i in self.pool.free_queue)
         held: dict[int, int] = {}
-        for blocks in self._blocks.values():
+        for blocks in [*self._blocks.values(), *self._held.values()]:
             for block in blocks:
                 held[block.block_id] = held.get(block.block_id, 0) + 1
         for block in self.pool.blocks:

@@ -9,7 +9,11 @@ where they go (`update_state_after_alloc`). At the end of `schedule()` it builds
 to load into which block ids, which newly full blocks to save), which rides on the SchedulerOutput to the worker
 side (the runner). A load that fails is reported back in ModelRunnerOutput.kv_load_failures: the request did not
 run that step, and `Scheduler.update` sets its computed tokens back to what did load (`load_failed`), so those
-tokens are computed instead. A second connector (prefill/decode disaggregation) implements the same protocol.
+tokens are computed instead.
+
+A connector may also keep a finished request's blocks (prefill/decode disaggregation: a prefill replica holds a
+prompt's KV until a decode replica has pulled it): `request_finished` says how many of its leading blocks stay
+held, and `finished_sending` later names the requests whose held blocks may go back to the pool.
 """
 
 from __future__ import annotations
@@ -51,6 +55,13 @@ class KVConnectorScheduler(Protocol):
         """The step's load for the request failed past `num_valid_tokens`: its KV is valid up to there only."""
         ...
 
-    def request_finished(self, request: Request) -> None:
-        """The request ended (finished, aborted or failed): its per-request state is dropped."""
+    def request_finished(self, request: Request) -> int:
+        """The request ended (finished, aborted or failed): its per-request state is dropped. Called before its
+        blocks are freed. Returns how many of its leading blocks the connector keeps (0: none), held out of the
+        pool until `finished_sending` names the request."""
+        ...
+
+    def finished_sending(self) -> list[str]:
+        """Requests whose held blocks may now go back to the pool (pulled, or held past the connector's timeout).
+        Polled by the engine thread each step, and while it idles."""
         ...

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pagoda.engine.api import RequestTimeline, TenantShare
 from pagoda.engine.core.lora import AdapterId
+from pagoda.kv_transfer_params import KVTransferParams
 from pagoda.pooling import ResolvedPooling
 from pagoda.sampling import SamplingParams
 from pagoda.structured.interface import GrammarMatcher
@@ -68,6 +69,9 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # What the KV connector answers for the next engine once the request finished (a prefill replica's
+    # kv_transfer_params: where a decode replica pulls its prompt's KV from); None: nothing.
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -382,9 +382,8 @@ class Scheduler:
                 self.waiting.remove(request)
             request.status = RequestStatus.FINISHED
             request.finish_reason = reason
-            self.kv_cache.free(request)
-            if self.connector is not None:
-                self.connector.request_finished(request)
+            num_held = 0 if self.connector is None else self.connector.request_finished(request)
+            self.kv_cache.free(request, num_held)
             if self.draft_source is not None:
                 self.draft_source.finished(request)
             self.requests.pop(request.request_id, None)

@@ -9,6 +9,7 @@ from typing import Protocol
 
 from pagoda.engine.api import KVTierStats
 from pagoda.engine.core.kv_connector import KVConnectorScheduler
+from pagoda.kv_transfer_params import KVTransferParams
 
 
 class KVConnectorWorker(Protocol):
@@ -32,9 +33,17 @@ class KVConnectorWorker(Protocol):
     def shutdown(self) -> None: ...
 
 
+class RemoteKVPull(Protocol):
+    def pull(self, params: KVTransferParams) -> int:
+        """Fetches the blocks a prefill replica holds for a request (`do_remote_prefill` params) to where the
+        scheduler side's lookup finds them; returns how many arrived. Thread-safe; never raises."""
+        ...
+
+
 @dataclass
 class KVConnector:
     """Both halves of one connector, built together (engine/kv_connector/factory.py)."""
 
     scheduler: KVConnectorScheduler
     worker: KVConnectorWorker
+    remote: RemoteKVPull | None = None  # a decode replica's pull (TcpConnector, kv_consumer or kv_both)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
 import torch
@@ -14,6 +15,8 @@ from pagoda.engine.kv_connector.multi import MultiConnectorScheduler, MultiConne
 from pagoda.engine.kv_connector.offload import BlockHashes, OffloadingScheduler
 from pagoda.engine.kv_connector.offload_worker import OffloadingWorker, block_layout
 from pagoda.engine.kv_connector.stores import KVStore, LocalStore
+from pagoda.engine.kv_connector.transfer import Endpoint, HeldBlocks, TransferScheduler
+from pagoda.engine.kv_connector.transfer_worker import RECEIVED_MEDIUM, BlockPuller, BlockServer, TransferWorker
 from pagoda.kv_transfer_config import LOCAL_MEDIUM, KVTransferConfig
 
 
@@ -25,14 +28,12 @@ def build_kv_connector(config: EngineConfig, transfer: KVTransferConfig, layers:
                     for child in transfer.children]
         return KVConnector(MultiConnectorScheduler([child.scheduler for child in children]),
                            MultiConnectorWorker([child.worker for child in children]))
+    if transfer.kv_connector == "TcpConnector":
+        return build_tcp_connector(config, transfer, layers, block_size, block_hashes)
     options = transfer.offload_options
     assert options is not None
     layout = block_layout(layers, block_size)
-    identity = KVIdentity(
-        model_id=options.model_id or model_fingerprint(config.model), quantization=config.quantization,
-        kv_dtype=config.dtype, kernels=_kernels(config), tp_rank=0, tp_size=config.parallel.tensor_parallel_size,
-        block_size=block_size, layout=layout.describe(),
-    )
+    identity = _identity(config, options.model_id, block_size, layout.describe())
     tiers: list[KVStore] = []
     if options.cpu_bytes_to_use:
         def evicted(keys: list[bytes]) -> None:
@@ -48,6 +49,39 @@ def build_kv_connector(config: EngineConfig, transfer: KVTransferConfig, layers:
     scheduler = OffloadingScheduler(tiers, identity.namespace(), block_size, block_hashes, transfer.loads,
                                     transfer.saves)
     return KVConnector(scheduler, OffloadingWorker(tiers, layers, block_size, events))
+
+
+def build_tcp_connector(config: EngineConfig, transfer: KVTransferConfig, layers: Sequence[Sequence[torch.Tensor]],
+                        block_size: int, block_hashes: BlockHashes) -> KVConnector:
+    """Prefill/decode disaggregation (transfer.py): a block server on a producer, a receive buffer and its pull
+    on a consumer, both on kv_both."""
+    options = transfer.transfer_options
+    assert options is not None
+    layout = block_layout(layers, block_size)
+    namespace = _identity(config, options.model_id, block_size, layout.describe()).namespace()
+    server = held = receiving = loads = puller = None
+    if transfer.saves:
+        held = HeldBlocks()
+        server = BlockServer(transfer.kv_ip, transfer.kv_port, held, [t for ts in layers for t in ts], block_size,
+                             layout, namespace)
+    if transfer.loads:
+        buffer = LocalStore(int(transfer.kv_buffer_size), layout.value_bytes, RECEIVED_MEDIUM)
+        receiving = OffloadingScheduler([buffer], namespace, block_size, block_hashes, loads=True, saves=False)
+        loads = OffloadingWorker([buffer], layers, block_size)
+        puller = BlockPuller(buffer, layout, namespace, options.pull_timeout_s)
+    engine_id = transfer.engine_id or uuid.uuid4().hex
+    endpoint = None if server is None else Endpoint(engine_id, server.host, server.port)
+    scheduler = TransferScheduler(block_size, block_hashes, receiving, held,
+                                  None if endpoint is None else (lambda: endpoint), options.hold_timeout_s)
+    return KVConnector(scheduler, TransferWorker(loads, server, puller), puller)
+
+
+def _identity(config: EngineConfig, model_id: str | None, block_size: int, layout: str) -> KVIdentity:
+    return KVIdentity(
+        model_id=model_id or model_fingerprint(config.model), quantization=config.quantization,
+        kv_dtype=config.dtype, kernels=_kernels(config), tp_rank=0, tp_size=config.parallel.tensor_parallel_size,
+        block_size=block_size, layout=layout,
+    )
 
 
 def _kernels(config: EngineConfig) -> str:

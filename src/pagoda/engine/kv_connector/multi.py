@@ -16,6 +16,7 @@ class MultiConnectorScheduler:
     def __init__(self, children: Sequence[KVConnectorScheduler]) -> None:
         self.children = list(children)
         self._chosen: dict[str, int] = {}  # request id -> the child that supplies its external tokens
+        self._holders: dict[str, int] = {}  # request id -> children still holding its blocks, when several do
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> int:
         self._chosen.pop(request.request_id, None)
@@ -38,10 +39,27 @@ class MultiConnectorScheduler:
         for child in self.children:
             child.load_failed(request, num_valid_tokens)
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request) -> int:
+        """Every child hears it; the blocks held are the most any child holds (each releases on its own, so the
+        request is released once all that held have said so)."""
         self._chosen.pop(request.request_id, None)
+        held = [child.request_finished(request) for child in self.children]
+        holders = sum(1 for count in held if count)
+        if holders > 1:
+            self._holders[request.request_id] = holders
+        return max(held)
+
+    def finished_sending(self) -> list[str]:
+        released = []
         for child in self.children:
-            child.request_finished(request)
+            for request_id in child.finished_sending():
+                left = self._holders.get(request_id, 1) - 1
+                if left > 0:
+                    self._holders[request_id] = left
+                else:
+                    self._holders.pop(request_id, None)
+                    released.append(request_id)
+        return released
 
 
 class MultiConnectorWorker:

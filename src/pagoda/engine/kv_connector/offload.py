@@ -134,6 +134,10 @@ class OffloadingScheduler:
         upto = self._saved_upto.get(request.request_id, 0)
         self._saved_upto[request.request_id] = min(upto, num_valid_tokens // self.block_size)
 
-    def request_finished(self, request: Request) -> None:
+    def request_finished(self, request: Request) -> int:
         for state in (self._lookups, self._pending, self._saved_upto):
             state.pop(request.request_id, None)
+        return 0
+
+    def finished_sending(self) -> list[str]:
+        return []
