@@ -11,19 +11,19 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
-from pagoda.engine.api import CompletionOutput, RequestFailed, RequestOutput, best_logprobs
+from pagoda.engine.api import CompletionOutput, RequestFailed, RequestOutput
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.lora_request import LoRARequest
 from pagoda.sampling import SamplingParams
 from pagoda.server.admission import WaitingSlots
 from pagoda.server.chat_output import ChatOutputFormat, ChoiceReader, ChoiceReading, chat_deltas, reasoning_fields
+from pagoda.server.logprobs import TokenTexts, echoed_logprobs, output_logprobs
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.tenancy import TenantPass
-from pagoda.text.tokenizer import Tokenizer
 from pagoda.wire import ERROR_SCOPE_HEADER, REQUEST_SCOPE, Kind, OpenAIError, now, usage
 
 logger = logging.getLogger(__name__)
@@ -48,22 +48,6 @@ class PromptTiming:
     arrival: float
     last_token: float | None = None
     num_tokens: int = 0  # generated so far, over the prompt's n choices
-
-
-class TokenTexts:
-    """Each token id's text on its own, decoded once per id. Logprobs ask for the same ids over and over (every
-    token, its offsets, its top-k alternatives), on the event loop: a lookup instead of a decode each time.
-    Used from the event loop only, with the event loop's own tokenizer."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self._texts: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self._texts.get(token_id)
-        if text is None:
-            text = self._texts[token_id] = self.tokenizer.decode([token_id])
-        return text
 
 
 class Generation:
@@ -231,9 +215,11 @@ class Generation:
 
     def _full_choice(self, prompt_index: int, completion: CompletionOutput) -> dict[str, Any]:
         index = prompt_index * self.params.n + completion.index
-        logprobs = self._logprobs(completion, 0) if completion.logprobs is not None else None
+        logprobs = output_logprobs(self.kind, completion, 0, self.params.logprobs or 0, self.token_text) \
+            if completion.logprobs is not None else None
         if logprobs is not None and self.echo_texts:
-            logprobs = self._with_prompt_logprobs(prompt_index, logprobs)
+            logprobs = echoed_logprobs(self.prompts[prompt_index], self._prompt_logprobs.get(prompt_index),
+                                       self.params.prompt_logprobs or 0, self.token_text, logprobs)
         if self.kind == "completion":
             prefix = self.echo_texts[prompt_index] if self.echo_texts else ""
             return {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
@@ -304,11 +290,13 @@ class Generation:
             # empty chunk, and no role-only chat chunk before there is content (clients time TTFT from the
             # first chunk). The held tokens' logprobs go out with the next chunk, from state.num_tokens.
             return []
-        logprobs = self._logprobs(completion, state.num_tokens) if completion.logprobs is not None else None
+        logprobs = output_logprobs(self.kind, completion, state.num_tokens, self.params.logprobs or 0,
+                                   self.token_text) if completion.logprobs is not None else None
         if self.kind == "completion" and not state.started and self.echo_texts:
             text = self.echo_texts[prompt_index] + text
             if logprobs is not None:
-                logprobs = self._with_prompt_logprobs(prompt_index, logprobs)
+                logprobs = echoed_logprobs(self.prompts[prompt_index], self._prompt_logprobs.get(prompt_index),
+                                       self.params.prompt_logprobs or 0, self.token_text, logprobs)
         index = prompt_index * self.params.n + completion.index
         if self.kind == "completion":
             choices = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]
@@ -338,62 +326,6 @@ class Generation:
         if usage is not None:
             chunk["usage"] = usage
         return chunk
-
-    # --- logprobs ----------------------------------------------------------------------------------
-
-    def _with_prompt_logprobs(self, prompt_index: int, completion_logprobs: dict[str, Any]) -> dict[str, Any]:
-        """echo: the prompt's tokens come first, the first one without a logprob (nothing precedes it)."""
-        prompt_ids = self.prompts[prompt_index]
-        prompt_logprobs = self._prompt_logprobs.get(prompt_index) or [None] * len(prompt_ids)
-        k = self.params.prompt_logprobs or 0
-        tokens = [self.token_text(t) for t in prompt_ids]
-        offsets, offset = [], 0
-        for token in tokens:
-            offsets.append(offset)
-            offset += len(token)
-        return {
-            "tokens": tokens + completion_logprobs["tokens"],
-            "token_logprobs": [lp[t] if lp else None for t, lp in zip(prompt_ids, prompt_logprobs)]
-            + completion_logprobs["token_logprobs"],
-            "top_logprobs": [{self.token_text(i): v for i, v in best_logprobs(lp, k)} if lp else None
-                             for lp in prompt_logprobs] + completion_logprobs["top_logprobs"],
-            "text_offset": offsets + [o + offset for o in completion_logprobs["text_offset"]],
-        }
-
-    def _logprobs(self, completion: CompletionOutput, start: int) -> dict[str, Any]:
-        token_ids = completion.token_ids[start:]
-        positions = (completion.logprobs or [])[start:]
-        k = self.params.logprobs or 0
-        decode = self.token_text
-        if self.kind == "completion":
-            offset = len(completion.text) - sum(len(decode(t)) for t in token_ids)
-            offsets = []
-            for token_id in token_ids:
-                offsets.append(max(offset, 0))
-                offset += len(decode(token_id))
-            return {
-                "tokens": [decode(t) for t in token_ids],
-                "token_logprobs": [lp[t] for t, lp in zip(token_ids, positions)],
-                "top_logprobs": [_by_text(best_logprobs(lp, k), decode) for lp in positions],
-                "text_offset": offsets,
-            }
-
-        def entry(token_id: int, logprob: float) -> dict[str, Any]:
-            text = decode(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-
-        return {"content": [
-            {**entry(t, lp[t]), "top_logprobs": [entry(i, v) for i, v in best_logprobs(lp, k)]}
-            for t, lp in zip(token_ids, positions)
-        ]}
-
-
-def _by_text(pairs: list[tuple[int, float]], decode: Callable[[int], str]) -> dict[str, float]:
-    """Completions key top logprobs by text; two ids with the same text keep the better logprob."""
-    result: dict[str, float] = {}
-    for token_id, logprob in pairs:
-        result.setdefault(decode(token_id), logprob)
-    return result
 
 
 def _finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:

@@ -12,7 +12,7 @@ from pagoda.api_keys import ApiKeys
 from pagoda.engine.async_engine import AsyncEngine
 from pagoda.lora_request import LoRARequest
 from pagoda.server.admission import Admission
-from pagoda.server.generation import TokenTexts
+from pagoda.server.logprobs import TokenTexts
 from pagoda.server.metrics import ServerMetrics
 from pagoda.server.responses import ResponseStore
 from pagoda.server.tenancy import Tenants
