@@ -52,11 +52,26 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm on q and k per head before rope (Qwen3)
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3" | "linear", ...}
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3" | "linear" | "yarn" | ..., ...}
     # Per layer: None for full attention, else the window size in tokens (key kept iff q_pos - k_pos < w).
     sliding_windows: tuple[int | None, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # The families beyond Llama's layout (model/families.py reads them; the defaults are Llama's):
+    hidden_act: str = "silu"  # the MLP gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU: Gemma)
+    # Where each layer's norms sit: "pre" (Llama: before attention and MLP), "sandwich" (Gemma 2/3: before and
+    # after each), "post" (OLMo 2: after each, on the sublayer's output only).
+    norm_placement: str = "pre"
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in fp32 (Gemma)
+    qk_norm_per_head: bool = True  # with qk_norm: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
+    embedding_multiplier: float | None = None  # the embeddings scaled by it, in the model's dtype (Gemma: sqrt(hidden))
+    attention_scale: float | None = None  # q·k's scale when not head_dim**-0.5 (Gemma: query_pre_attn_scalar**-0.5)
+    attn_logit_softcapping: float | None = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
+    # Rope for the sliding-window layers when it differs from the full layers' (Gemma 3's local base frequency):
+    # (theta, scaling), as rope_theta and rope_scaling are for the others.
+    sliding_rope: tuple[float, dict[str, Any] | None] | None = None
+    rotary_dim: int | None = None  # rope over the first rotary_dim of each head's dims only (partial_rotary_factor)
 
     def kv_bytes_per_token(self, dtype: object, cache_dtype: str = "auto") -> int:
         """dtype: the model's, as `dtype_name` takes it; cache_dtype: the KV format (`kv_format`), scales

@@ -237,6 +237,37 @@ _ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
         "LlamaForCausalLM",
         {"tie_word_embeddings": False, "num_key_value_heads": 1},
     ),
+    # Gemma 2: soft-capping tight enough to bite on these weights (scores and logits reach tens), every other
+    # layer sliding, query_pre_attn_scalar not head_dim, so that each quirk changes the output. Untied: with
+    # the embedding scaled by sqrt(hidden) as its own LM head, greedy decoding repeats one token.
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        {"head_dim": 16, "sliding_window": _SLIDING_WINDOW, "query_pre_attn_scalar": 24,
+         "attn_logit_softcapping": 5.0, "final_logit_softcapping": 8.0, "tie_word_embeddings": False},
+    ),
+    # Gemma 3 text: 2 local layers to 1 global (the real 5:1 needs more layers), local rope at its own base.
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        {"head_dim": 16, "sliding_window": _SLIDING_WINDOW, "query_pre_attn_scalar": 24, "num_hidden_layers": 3,
+         "layer_types": ["sliding_attention", "sliding_attention", "full_attention"], "tie_word_embeddings": False,
+         # Rope per layer type: the global layers' scaled (linear, as Gemma 3 4B+), the local ones' own base.
+         "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}},
+    ),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {"tie_word_embeddings": False}),
+    # Phi-4-mini's shape of rope: partial (3/4 of each head rotated) with LongRoPE factors, whose long set
+    # starts at original_max_position_embeddings = 128, past the test sequences: transformers recomputes a whole
+    # sequence with the long set once it crosses, which pagoda does not (model/rope_scaling.py).
+    "phi3": (
+        "Phi3Config",
+        "Phi3ForCausalLM",
+        {"tie_word_embeddings": False, "original_max_position_embeddings": 128, "partial_rotary_factor": 0.75,
+         "rope_parameters": {"rope_type": "longrope", "partial_rotary_factor": 0.75,
+                             "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                             "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]}},
+    ),
 }
 ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_SPECS)
 
@@ -247,11 +278,11 @@ def _build_config(
     config_cls_name, _, arch_fields = _ARCH_SPECS[arch]
     # deepcopy: the config class fills in rope_parameters in place, which must not leak into _ARCH_SPECS.
     fields = {**fields, **copy.deepcopy(arch_fields), **overrides}
-    fields["rope_parameters"] = {
-        "rope_type": "default",
-        "rope_theta": fields.pop("rope_theta"),
-        **fields.get("rope_parameters", {}),
-    }
+    rope = fields.get("rope_parameters", {})
+    if "full_attention" in rope:  # per layer type (Gemma 3): the model's rope_theta is the global layers'
+        rope["full_attention"].setdefault("rope_theta", fields.pop("rope_theta"))
+    else:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta"), **rope}
     if arch == "qwen2-swa":  # the first half of the layers full, the rest sliding
         fields.setdefault("max_window_layers", fields["num_hidden_layers"] // 2)
     config_cls: type[transformers.PreTrainedConfig] = getattr(transformers, config_cls_name)
