@@ -19,7 +19,8 @@ from pagoda.model.rope_scaling import partial_rotary_order
 
 # name -> the slice of it to read, (dimension, start, stop), or None for the whole tensor (loader.TensorSlicer).
 Slicer = Callable[[str], "tuple[int, int, int] | None"]
-_FUSED = re.compile(r"(?P<prefix>(?:model\.)?layers\.\d+\.)(?P<module>self_attn\.qkv|mlp\.gate_up)_proj\.(?P<kind>weight|bias)")
+_FUSED = re.compile(
+    r"(?P<prefix>(?:model\.)?layers\.\d+\.)(?P<module>self_attn\.qkv|mlp\.gate_up)_proj\.(?P<kind>weight|bias)")
 _ROTATED = re.compile(r"(?:model\.)?layers\.\d+\.self_attn\.(q|k)_proj\.(weight|bias)")
 
 
@@ -50,16 +51,16 @@ def _split(fused: re.Match[str], tensor: torch.Tensor, config: ModelConfig,
     prefix, kind = fused["prefix"], fused["kind"]
     if fused["module"] == "self_attn.qkv":
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        names, sizes = ("q", "k", "v"), [q_size, kv_size, kv_size]
+        names, sizes = ["q", "k", "v"], [q_size, kv_size, kv_size]
         module = "self_attn"
     else:
-        names, sizes = ("gate", "up"), [config.intermediate_size, config.intermediate_size]
+        names, sizes = ["gate", "up"], [config.intermediate_size, config.intermediate_size]
         module = "mlp"
     if tensor.shape[0] != sum(sizes):
         raise ValueError(f"tensor {prefix}{fused['module']}_proj.{kind} has {tensor.shape[0]} rows, expected "
                          f"{sum(sizes)}")
     parts = []
-    for which, part in zip(names, tensor.split(sizes)):
+    for which, part in zip(names, torch.split(tensor, sizes)):
         part_name = f"{prefix}{module}.{which}_proj.{kind}"
         window = None if slicer is None else slicer(part_name)
         if window is not None:
