@@ -61,7 +61,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root:
         for arch in args.archs.split(","):
             model_dir = make_checkpoint(Path(root) / arch, arch, **shape, **family_overrides(arch, args.num_layers))
-            llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=1, max_model_len=args.prompt_len + args.out_len + 16)
+            llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=1,
+                      max_model_len=args.prompt_len + args.out_len + 16)
             backend = llm.engine.model.backend
             native_stack = getattr(backend, "decode_runner", None) is not None
             rate = decode_rate(llm, 1, args.prompt_len, args.out_len, args.repeats, 1, time.perf_counter)
