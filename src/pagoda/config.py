@@ -10,27 +10,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagoda.dtypes import DTYPE_BYTES as DTYPE_BYTES  # re-exported: the dtypes moved, their importers did not
+from pagoda.dtypes import dtype_name as dtype_name
 from pagoda.int4_format import Int4Options
 from pagoda.kv_format import is_quantized, kv_bytes_per_head, kv_cache_dtype_name
 from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.structured.limits import GrammarLimits
 
 GiB = 1 << 30
-
-# The dtypes a model runs in, by the name config holds (torch's and vLLM's), with each element's size in bytes.
-# Config names dtypes and never holds torch's objects: the model side maps a name to one (model/loader.py).
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
-def dtype_name(dtype: object) -> str:
-    """The name config holds for a dtype given by name, alias or torch.dtype (whose str() is "torch.<name>")."""
-    name = str(dtype).removeprefix("torch.").lower()
-    name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted([*DTYPE_BYTES, *DTYPE_ALIASES])}")
-    return name
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -57,21 +44,17 @@ class ModelConfig:
     sliding_windows: tuple[int | None, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    # The families beyond Llama's layout (model/families.py reads them; the defaults are Llama's):
-    hidden_act: str = "silu"  # the MLP gate: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU: Gemma)
-    # Where each layer's norms sit: "pre" (Llama: before attention and MLP), "sandwich" (Gemma 2/3: before and
-    # after each), "post" (OLMo 2: after each, on the sublayer's output only).
-    norm_placement: str = "pre"
+    # Beyond Llama's layout (model/families.py reads them; docs/models.md says what each does):
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (GeGLU)
+    norm_placement: str = "pre"  # "pre" (Llama), "sandwich" (Gemma: before and after each sublayer), "post" (OLMo 2)
     norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in fp32 (Gemma)
-    qk_norm_per_head: bool = True  # with qk_norm: per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2)
-    embedding_multiplier: float | None = None  # the embeddings scaled by it, in the model's dtype (Gemma: sqrt(hidden))
-    attention_scale: float | None = None  # q·k's scale when not head_dim**-0.5 (Gemma: query_pre_attn_scalar**-0.5)
-    attn_logit_softcapping: float | None = None  # scores = cap * tanh(scores / cap) before the mask (Gemma 2)
-    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
-    # Rope for the sliding-window layers when it differs from the full layers' (Gemma 3's local base frequency):
-    # (theta, scaling), as rope_theta and rope_scaling are for the others.
-    sliding_rope: tuple[float, dict[str, Any] | None] | None = None
-    rotary_dim: int | None = None  # rope over the first rotary_dim of each head's dims only (partial_rotary_factor)
+    qk_norm_per_head: bool = True  # with qk_norm: per head, or over the whole q and k projections (OLMo 2)
+    embedding_multiplier: float | None = None  # embeddings times it, in the model's dtype (Gemma: sqrt(hidden))
+    attention_scale: float | None = None  # q·k's scale if not head_dim**-0.5 (Gemma: query_pre_attn_scalar**-0.5)
+    attn_logit_softcapping: float | None = None  # cap · tanh(score / cap) before the mask (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits
+    sliding_rope: tuple[float, dict[str, Any] | None] | None = None  # (theta, scaling) of sliding layers (Gemma 3)
+    rotary_dim: int | None = None  # rope over the first rotary_dim dims of each head only (partial rotary)
 
     def kv_bytes_per_token(self, dtype: object, cache_dtype: str = "auto") -> int:
         """dtype: the model's, as `dtype_name` takes it; cache_dtype: the KV format (`kv_format`), scales
