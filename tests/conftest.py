@@ -4,8 +4,10 @@ check that every engine gives all its KV blocks back after each test."""
 from __future__ import annotations
 
 import functools
+import json
 import os
 import random
+import re
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -117,9 +119,9 @@ def checkpoint(tmp_path_factory) -> Callable[..., Path]:
     built: dict[tuple, Path] = {}
 
     def get(arch: str, **kwargs) -> Path:
-        key = (arch, tuple(sorted(kwargs.items())))
+        key = (arch, json.dumps(kwargs, sort_keys=True, default=str))  # values may be lists and dicts
         if key not in built:
-            name = "-".join([arch] + [f"{k}={v}" for k, v in sorted(kwargs.items())])
+            name = re.sub(r"[^\w=.-]+", "_", "-".join([arch] + [f"{k}={v}" for k, v in sorted(kwargs.items())]))[:80]
             built[key] = make_checkpoint(tmp_path_factory.mktemp(name), arch, **kwargs)
         return built[key]
 

@@ -50,13 +50,19 @@ def test_unsupported_architecture(model_dir):
 
 
 def test_unsupported_rope_type(model_dir):
-    def yarn(config):
+    def proportional(config):  # a type transformers has (Gemma 4's) and pagoda does not
         key = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
-        config[key] = {**(config.get(key) or {}), "rope_type": "yarn", "factor": 4.0}
+        config[key] = {**(config.get(key) or {}), "rope_type": "proportional", "factor": 4.0}
 
-    edit_config(model_dir, yarn)
-    with pytest.raises(ModelLoadError, match=r"config\.json.*'rope_(parameters|scaling)'.*'yarn'"):
+    edit_config(model_dir, proportional)
+    with pytest.raises(ModelLoadError, match=r"config\.json.*'rope_(parameters|scaling)'.*'proportional'"):
         load(model_dir)
+
+
+def test_scaled_rope_without_its_fields_is_refused_naming_them(model_dir):
+    edit_config(model_dir, lambda c: c.update(rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0}))
+    with pytest.raises(ModelLoadError, match=r"config\.json.*'rope_parameters'.*'longrope'.*short_factor"):
+        load_model_config(model_dir)
 
 
 @pytest.mark.parametrize("field", ["hidden_size", "num_attention_heads", "vocab_size", "intermediate_size"])

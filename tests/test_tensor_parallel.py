@@ -28,8 +28,10 @@ from pagoda.model.loader import load_model_config, safetensors_files
 from pagoda.model_dir import ModelLoadError
 
 # Split KV heads (llama: 2 of them, one a rank), one KV head on both ranks (llama-mqa), biases on q/k/v and tied
-# embeddings (qwen2), per-head q/k norms and head_dim 32 (qwen3), a sliding window (mistral).
-ARCHITECTURES = ["llama", "llama-mqa", "qwen2", "qwen3", "mistral"]
+# embeddings (qwen2), per-head q/k norms and head_dim 32 (qwen3), a sliding window (mistral); soft-capped
+# attention and logits (gemma2), a second rope table for the local layers (gemma3), q/k/v and gate/up fused in the
+# checkpoint, split and then sliced, with partial rotary (phi3).
+ARCHITECTURES = ["llama", "llama-mqa", "qwen2", "qwen3", "mistral", "gemma2", "gemma3", "phi3"]
 MODES = {
     "batched": dict(block_size=16, num_kv_blocks=64),
     # Chunks of 7 tokens in 20 blocks of 4: chunks share steps with decodes, and requests are preempted.
@@ -180,6 +182,12 @@ def test_no_worker_outlives_the_engine_process(ending, checkpoint):
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_olmo2_is_refused_with_the_reason(checkpoint, make_llm):
+    """OLMo 2's q/k norms span every head of the projection: a rank holding some heads cannot compute them."""
+    with pytest.raises(ModelLoadError, match="olmo2: its q/k norms span every head"):
+        make_llm(checkpoint("olmo2"), tensor_parallel_size=2)
 
 
 def test_a_model_that_does_not_divide_is_refused_before_anything_starts(checkpoint, make_llm):

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pagoda.dtypes import DTYPE_BYTES as DTYPE_BYTES  # re-exported: the dtypes moved, their importers did not
+from pagoda.dtypes import dtype_name as dtype_name
 from pagoda.int4_format import Int4Options
 from pagoda.kv_format import is_quantized, kv_bytes_per_head, kv_cache_dtype_name
 from pagoda.kv_transfer_config import KVTransferConfig
@@ -17,21 +19,6 @@ from pagoda.moe_config import MoEConfig
 from pagoda.structured.limits import GrammarLimits
 
 GiB = 1 << 30
-
-# The dtypes a model runs in, by the name config holds (torch's and vLLM's), with each element's size in bytes.
-# Config names dtypes and never holds torch's objects: the model side maps a name to one (model/loader.py).
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-
-
-def dtype_name(dtype: object) -> str:
-    """The name config holds for a dtype given by name, alias or torch.dtype (whose str() is "torch.<name>")."""
-    name = str(dtype).removeprefix("torch.").lower()
-    name = DTYPE_ALIASES.get(name, name)
-    if name not in DTYPE_BYTES:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted([*DTYPE_BYTES, *DTYPE_ALIASES])}")
-    return name
-
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -53,12 +40,23 @@ class ModelConfig:
     o_proj_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # RMSNorm on q and k per head before rope (Qwen3)
-    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3" | "linear", ...}
+    rope_scaling: dict[str, Any] | None = None  # {"rope_type": "llama3" | "linear" | "yarn" | ..., ...}
     # Per layer: None for full attention, else the window size in tokens (key kept iff q_pos - k_pos < w).
     sliding_windows: tuple[int | None, ...] = ()
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     moe: MoEConfig | None = None  # routed experts (pagoda/moe_config.py); None: every layer's MLP is dense
+    # Beyond Llama's layout (model/families.py reads them; docs/models.md says what each does):
+    hidden_act: str = "silu"  # or "gelu_pytorch_tanh" (GeGLU)
+    norm_placement: str = "pre"  # "pre" (Llama), "sandwich" (Gemma: before and after each sublayer), "post" (OLMo 2)
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in fp32 (Gemma)
+    qk_norm_per_head: bool = True  # with qk_norm: per head, or over the whole q and k projections (OLMo 2)
+    embedding_multiplier: float | None = None  # embeddings times it, in the model's dtype (Gemma: sqrt(hidden))
+    attention_scale: float | None = None  # q·k's scale if not head_dim**-0.5 (Gemma: query_pre_attn_scalar**-0.5)
+    attn_logit_softcapping: float | None = None  # cap · tanh(score / cap) before the mask (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits
+    sliding_rope: tuple[float, dict[str, Any] | None] | None = None  # (theta, scaling) of sliding layers (Gemma 3)
+    rotary_dim: int | None = None  # rope over the first rotary_dim dims of each head only (partial rotary)
 
     def kv_bytes_per_token(self, dtype: object, cache_dtype: str = "auto") -> int:
         """dtype: the model's, as `dtype_name` takes it; cache_dtype: the KV format (`kv_format`), scales

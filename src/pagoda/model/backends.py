@@ -15,6 +15,7 @@ from pagoda.model.attention import AttentionBackend, CpuAttentionBackend, TorchA
 from pagoda.model.kernel_protocols import CpuKernels, QuantizedKernels
 from pagoda.model.parallel import TensorParallel
 from pagoda.model.quantization import gemv_takes
+from pagoda.model.softcap_attention import SoftCappedAttentionBackend
 
 
 @dataclass(frozen=True)
@@ -41,14 +42,21 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     - fp32/bf16 models also fuse the norms' residual add + RMSNorm and the MLP's SiLU gate;
     - and where the attention kernels take the shape (head_dim 16..128 in steps of 16, at most 16 query
       heads per kv head), attend through the native backend: paged attention, rope + KV write in one call;
-    - and where every layer's linear runs as a GEMV too (input widths a multiple of 32), run decode-only
-      steps through the native decode stack, which `native_decode.bind_decode_stack` builds once the weights
-      are final (and only if they are what it takes: `decode_stack_covers`).
+    - and where every layer's linear runs as a GEMV too (input widths a multiple of 32) and the layers are
+      Llama's (`has_llama_layers`), run decode-only steps through the native decode stack, which
+      `native_decode.bind_decode_stack` builds once the weights are final (and only if they are what it takes:
+      `decode_stack_covers`).
+
+    Soft-capped attention (Gemma 2) runs `SoftCappedAttentionBackend` whatever the kernels: neither SDPA nor the
+    paged kernels cap scores. The other families' layers run through the modules, with the kernels above.
     """
     # The AVX2 target's int8 GEMV is its integer matmul, which the layers then run up to its own row bound.
     int8_matmul = kernels is None or kernels.target == "avx2"
     integer = quantized_kernels if quantization == "int4" or (quantization == "int8" and int8_matmul) else None
     fused = kernels if dtype in (torch.float32, torch.bfloat16) else None
+    if config.attn_logit_softcapping is not None:
+        return ModelRuntime(SoftCappedAttentionBackend(config.attn_logit_softcapping), kernels=fused,
+                            gemv_kernels=kernels, quantized_kernels=integer)
     if fused is None:
         return ModelRuntime(gemv_kernels=kernels, quantized_kernels=integer)
     group = config.num_heads // config.num_kv_heads
@@ -56,6 +64,16 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
         return ModelRuntime(kernels=fused, gemv_kernels=kernels, quantized_kernels=integer)
     linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
     # A mixture of experts decodes through its modules: the stack has no routed layer.
-    decode_stack = config.moe is None and all(gemv_takes(width) for width in linear_widths)
+    decode_stack = config.moe is None and all(gemv_takes(width) for width in linear_widths) \
+        and has_llama_layers(config)
     return ModelRuntime(CpuAttentionBackend(fused, decode_stack), kernels=fused, gemv_kernels=kernels,
                         quantized_kernels=integer)
+
+
+def has_llama_layers(config: ModelConfig) -> bool:
+    """Whether every layer is Llama's (pre-norms scaled by their weight, a SiLU gate, per-head q/k norms, plain
+    embeddings and logits, one rope table): the layer the native decode stack computes."""
+    return (config.norm_placement == "pre" and config.hidden_act == "silu" and not config.norm_unit_offset
+            and config.qk_norm_per_head and config.embedding_multiplier is None
+            and config.final_logit_softcapping is None and config.attn_logit_softcapping is None
+            and config.sliding_rope is None)

@@ -6,7 +6,6 @@ fp32 then cast), because greedy output must equal it token for token.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,26 +13,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.model.parallel import RowParallelLinear, TensorParallel
+from pagoda.model.rope_scaling import rope_tables
 
 if TYPE_CHECKING:
     from pagoda.model.kernel_protocols import CpuKernels
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, kernels: CpuKernels | None = None) -> None:
+    def __init__(self, size: int, eps: float, kernels: CpuKernels | None = None, unit_offset: bool = False,
+                 scale_in_fp32: bool = False) -> None:
+        """unit_offset: the scale is (1 + weight), applied in fp32 (Gemma); scale_in_fp32: the weight multiplies
+        the fp32 normalized value before it is cast back (OLMo 2, Gemma), not after (Llama). Either runs the
+        torch path in a low-precision dtype, where the fused kernel would round differently."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.kernels = kernels  # pagoda's CPU kernels, if the model runs them: the add and the norm in one call
+        self.unit_offset = unit_offset
+        self.scale_in_fp32 = scale_in_fp32 or unit_offset
+        # pagoda's CPU kernels, if the model runs them: the add and the norm in one call. Never with the offset
+        # (the kernel scales by the weight itself).
+        self.kernels = None if unit_offset else kernels
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x), after adding `delta` into x in place when given (x is the residual stream)."""
-        if self.kernels is not None and x.is_contiguous():
+        fp32_exact = not self.scale_in_fp32 or x.dtype == torch.float32
+        if self.kernels is not None and x.is_contiguous() and fp32_exact:
             return self.kernels.add_rms_norm_(x, delta, self.weight, self.eps)
         if delta is not None:
             x.add_(delta)
         # HF's x * rsqrt(mean(x^2) + eps) in fp32, as one fused op instead of five.
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
+        if self.unit_offset:
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        if self.scale_in_fp32:
+            return (self.weight * normed).to(x.dtype)
         return torch.mul(self.weight, normed.to(x.dtype))
 
 
@@ -44,37 +57,18 @@ def row_linear(in_features: int, out_features: int, bias: bool, parallel: Tensor
     return RowParallelLinear(in_features, out_features, bias, parallel)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
-        return inv_freq
-    factor: float = scaling["factor"]
-    if scaling["rope_type"] == "linear":
-        return inv_freq / factor
-    # llama3: long wavelengths divided by `factor`, short ones kept, a smooth blend in between.
-    low_freq_factor = scaling["low_freq_factor"]
-    high_freq_factor = scaling["high_freq_factor"]
-    old_context_len = scaling["original_max_position_embeddings"]
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position (non-interleaved halves, as HF), in fp32
-    whatever the model's dtype."""
+    whatever the model's dtype (model/rope_scaling.py computes them; with rotary_dim < head_dim, in its layout)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+                 rotary_dim: int | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_positions, self.theta, self.scaling = head_dim, max_positions, theta, scaling
+        self.rotary_dim = rotary_dim or head_dim
         if torch.empty(0).device.type == "meta":
             # Shapes only, until `recompute`. Arithmetic on the meta device imports torch's symbolic-shape
             # machinery (sympy), which stays resident: ~70 MB, six times the built-in model.
@@ -86,10 +80,7 @@ class RotaryEmbedding(nn.Module):
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed on the default device (on the meta device, only their shapes)."""
-        inv_freq = rope_inverse_frequencies(self.head_dim, self.theta, self.scaling)
-        freqs = torch.arange(self.max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        return rope_tables(self.head_dim, self.rotary_dim, self.max_positions, self.theta, self.scaling)
 
     def recompute(self, device: str | torch.device) -> None:
         """Computes the tables again and moves them to `device`: for a model built on the meta device, once
@@ -110,16 +101,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU with the gate and up projections fused into one matmul."""
+    """A gated MLP, SwiGLU (silu) or GeGLU (gelu_pytorch_tanh), with the gate and up projections fused into one
+    matmul."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, kernels: CpuKernels | None = None,
-                 parallel: TensorParallel | None = None) -> None:
+                 parallel: TensorParallel | None = None, activation: str = "silu") -> None:
         """intermediate_size: this rank's share of it; parallel: the ranks down's partial sums are added across."""
         super().__init__()
         self.intermediate_size = intermediate_size
+        self.activation = activation
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = row_linear(intermediate_size, hidden_size, bias, parallel)
-        self.kernels = kernels  # pagoda's CPU kernels, if the model runs them: the gate in one call
+        # pagoda's CPU kernels, if the model runs them: the SiLU gate in one call.
+        self.kernels = kernels if activation == "silu" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -127,6 +121,9 @@ class GatedMLP(nn.Module):
             gated = self.kernels.silu_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            gated = F.silu(gate) * up
+            if self.activation == "silu":
+                gated = F.silu(gate) * up
+            else:
+                gated = F.gelu(gate, approximate="tanh") * up
         out: torch.Tensor = self.down_proj(gated)
         return out

@@ -1,4 +1,6 @@
-"""The Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3) from one config-driven implementation.
+"""The Llama family (Llama 1/2/3, Mistral, Qwen2, Qwen3) from one config-driven implementation, which the
+families of model/families.py (Gemma 2/3, OLMo 2, Phi-3) configure too: where the norms sit, the MLP's gate,
+q/k norms, soft-capping, scaled embeddings and per-layer rope are ModelConfig fields.
 
 The model takes a flat batch: `input_ids` and `positions` of every scheduled token of every request,
 concatenated, plus the step's AttentionMetadata and the paged KV cache. No padding, no batch dim.
@@ -40,21 +42,31 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale or config.head_dim**-0.5
         self.window = config.sliding_windows[layer_index] if config.sliding_windows else None
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = row_linear(self.q_size, config.hidden_size, config.o_proj_bias, parallel)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
+        self.qk_norm_per_head = config.qk_norm_per_head
         if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, kernels)
+            # Per head (Qwen3, Gemma 3), or over the whole q and k projections (OLMo 2).
+            q_width, k_width = (config.head_dim, config.head_dim) if config.qk_norm_per_head else (
+                self.q_size, self.kv_size)
+            offset, fp32_scale = config.norm_unit_offset, config.norm_placement == "post"
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, kernels, offset, fp32_scale)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, kernels, offset, fp32_scale)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: LayerKV,
                 meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         heads, kv_heads = self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x).view(-1, heads + 2 * kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head norms before rope, into qkv
+        qkv = self.qkv_proj(x)
+        if self.q_norm is not None and self.k_norm is not None and not self.qk_norm_per_head:  # OLMo 2
+            q_end = self.q_size
+            qkv[:, :q_end] = self.q_norm(qkv[:, :q_end].contiguous())
+            qkv[:, q_end : q_end + self.kv_size] = self.k_norm(qkv[:, q_end : q_end + self.kv_size].contiguous())
+        qkv = qkv.view(-1, heads + 2 * kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None and self.qk_norm_per_head:  # norms before rope
             qkv[:, :heads] = self.q_norm(qkv[:, :heads])
             qkv[:, heads : heads + kv_heads] = self.k_norm(qkv[:, heads : heads + kv_heads])
         q = backend.rotate_and_write_kv(qkv, cos, sin, kv_cache, meta, heads)
@@ -67,20 +79,46 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int, kernels: CpuKernels | None,
                  parallel: TensorParallel | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.norm_placement = config.norm_placement
+        eps, offset, fp32_scale = config.rms_norm_eps, config.norm_unit_offset, config.norm_placement == "post"
+
+        def norm() -> RMSNorm:
+            return RMSNorm(config.hidden_size, eps, kernels, offset, fp32_scale)
+
+        if config.norm_placement != "post":
+            self.input_layernorm = norm()
         self.self_attn = Attention(config, layer_index, kernels, parallel)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernels)
+        self.post_attention_layernorm = norm()
+        if config.norm_placement == "sandwich":
+            self.pre_feedforward_layernorm = norm()
+        if config.norm_placement != "pre":
+            self.post_feedforward_layernorm = norm()
         self.mlp: GatedMLP | SparseMoeBlock
         if is_sparse_layer(config, layer_index):
             self.mlp = SparseMoeBlock(config, kernels)
         else:
-            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, parallel)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, parallel,
+                                config.hidden_act)
+        # Gemma 3's local layers rotate with their own tables (LlamaModel.forward picks them by this).
+        self.sliding_rope = config.sliding_rope is not None and self.self_attn.window is not None
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: LayerKV, meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         """x: the residual stream, to which the previous sublayer's output `delta` is added in place (by
-        the norm, fused); returns this layer's MLP output, the next layer's delta."""
+        the norm, fused); returns this layer's MLP output (after its norm, where one follows it), the next
+        layer's delta."""
+        if self.norm_placement == "post":  # OLMo 2: the sublayers read the stream itself, their outputs normed
+            if delta is not None:
+                x.add_(delta)
+            attended = self.self_attn(x, cos, sin, kv_cache, meta, backend)
+            x.add_(self.post_attention_layernorm(attended))
+            post_mlp: torch.Tensor = self.post_feedforward_layernorm(self.mlp(x))
+            return post_mlp
         attended = self.self_attn(self.input_layernorm(x, delta), cos, sin, kv_cache, meta, backend)
+        if self.norm_placement == "sandwich":  # Gemma: each sublayer's output normed before it joins the stream
+            mlp_in = self.pre_feedforward_layernorm(x, self.post_attention_layernorm(attended))
+            sandwiched: torch.Tensor = self.post_feedforward_layernorm(self.mlp(mlp_in))
+            return sandwiched
         out: torch.Tensor = self.mlp(self.post_attention_layernorm(x, attended))
         return out
 
@@ -104,10 +142,17 @@ class LlamaModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         self.layers = nn.ModuleList(DecoderLayer(config, i, runtime.kernels, parallel)
                                     for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels, config.norm_unit_offset,
+                            config.norm_placement == "post")
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_positions = max_positions or config.max_position_embeddings
-        self.rotary = RotaryEmbedding(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling,
+                                      config.rotary_dim)
+        self.sliding_rotary: RotaryEmbedding | None = None
+        if config.sliding_rope is not None:
+            theta, scaling = config.sliding_rope
+            self.sliding_rotary = RotaryEmbedding(config.head_dim, self.max_positions, theta, scaling,
+                                                  config.rotary_dim)
         self.backend = runtime.attention
         self.fused_rows = fused_row_offsets(config)
         self.expert_rows = moe_row_offsets(config)  # the grouped experts' rows, by parameter
@@ -125,14 +170,18 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """Returns final hidden states [num_tokens, hidden]; call compute_logits on the rows to sample."""
         x: torch.Tensor = self.embed_tokens(input_ids)
+        if self.config.embedding_multiplier is not None:  # as HF: the multiplier in the model's dtype
+            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        sliding = None if self.sliding_rotary is None else self.sliding_rotary.cos_sin(positions, x.dtype)
         runner = self.backend.decode_runner
         # fp8 scales still to be calculated are set by the modules' first write (the stack only reads them).
         if runner is not None and runner.takes(meta, x.shape[0]) and not kv_caches[0].scales_pending:
             return runner(x, cos, sin, kv_caches, meta)
         delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            delta = layer(x, delta, cos, sin, kv_cache, meta, self.backend)
+            layer_cos, layer_sin = sliding if sliding is not None and layer.sliding_rope else (cos, sin)
+            delta = layer(x, delta, layer_cos, layer_sin, kv_cache, meta, self.backend)
         hidden: torch.Tensor = self.norm(x, delta)
         return hidden
 
@@ -141,6 +190,9 @@ class LlamaModel(nn.Module):
         logits: torch.Tensor = self.lm_head(hidden)
         if self.parallel is not None:
             logits = self.parallel.gather_columns(logits)
+        cap = self.config.final_logit_softcapping
+        if cap is not None:  # Gemma 2, in the model's dtype as HF
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     # --- weights -----------------------------------------------------------------------------------
@@ -157,6 +209,8 @@ class LlamaModel(nn.Module):
             for param in self.parameters():
                 param.zero_()
         self.rotary.recompute(device)
+        if self.sliding_rotary is not None:
+            self.sliding_rotary.recompute(device)
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:

@@ -19,6 +19,8 @@ from safetensors import SafetensorError, safe_open
 
 from pagoda.config import DTYPE_BYTES, ModelConfig
 from pagoda.int4_format import Int4Options
+from pagoda.model.families import FAMILY_ARCHITECTURES, family_fields, per_layer_type_rope
+from pagoda.model.rope_scaling import SUPPORTED_ROPE_TYPES
 from pagoda.model_dir import ModelLoadError, read_json
 from pagoda.moe_config import DENSE_FAMILY, MOE_ARCHITECTURES, MoEConfigError, read_moe_config
 
@@ -38,8 +40,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     **MOE_ARCHITECTURES,
+    **FAMILY_ARCHITECTURES,
 }
-SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+# The fields each scaled rope type needs besides rope_theta (transformers' names).
+_ROPE_REQUIRED = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                  "yarn": (), "dynamic": ("factor",), "longrope": ("short_factor", "long_factor")}
 
 
 def load_model_config(model_dir: str | Path) -> ModelConfig:
@@ -58,19 +63,19 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
             f"{path}: field 'architectures' = {architectures!r} is not supported; "
             f"pagoda supports {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    if hf.get("hidden_act", "silu") != "silu":
+    if arch not in FAMILY_ARCHITECTURES.values() and hf.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: field 'hidden_act' = {hf['hidden_act']!r} is not supported (only 'silu')")
     num_heads = need("num_attention_heads")
     hidden_size = need("hidden_size")
     num_layers = need("num_hidden_layers")
-    rope_theta, rope_scaling = _rope(hf, path)
     family = DENSE_FAMILY.get(arch, arch)  # a mixture of experts' attention is its dense family's
     try:
         moe = read_moe_config(hf, arch, num_layers)
     except MoEConfigError as error:
         raise ModelLoadError(f"{path}: {error}") from error
+    head_dim = hf.get("head_dim") or hidden_size // num_heads
     eos_ids = _eos_token_ids(hf, Path(model_dir) / "generation_config.json")
-    return ModelConfig(
+    config = ModelConfig(
         architecture=arch,
         vocab_size=need("vocab_size"),
         hidden_size=hidden_size,
@@ -78,21 +83,22 @@ def load_model_config(model_dir: str | Path) -> ModelConfig:
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-        head_dim=hf.get("head_dim") or hidden_size // num_heads,
+        head_dim=head_dim,
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=rope_theta,
+        rope_theta=10000.0,  # and rope_scaling: `_rope_fields`
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=(family == "qwen2" and bool(hf.get("qkv_bias", True))) or bool(hf.get("attention_bias", False)),
         o_proj_bias=arch in ("llama", "qwen3_moe") and bool(hf.get("attention_bias", False)),
         mlp_bias=bool(hf.get("mlp_bias", False)),
         qk_norm=family == "qwen3",
-        rope_scaling=rope_scaling,
         sliding_windows=_sliding_windows(hf, family, num_layers),
         eos_token_ids=eos_ids,
         bos_token_id=hf.get("bos_token_id"),
         moe=moe,
     )
+    quirks = family_fields(hf, arch, path, num_layers) if arch in FAMILY_ARCHITECTURES.values() else {}
+    return replace(config, **quirks, **_rope_fields(hf, path, arch, head_dim))
 
 
 def _eos_token_ids(hf: dict[str, Any], generation_config: Path) -> tuple[int, ...]:
@@ -108,22 +114,52 @@ def _eos_token_ids(hf: dict[str, Any], generation_config: Path) -> tuple[int, ..
     return tuple(ids)
 
 
-def _rope(hf: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
+def _rope_fields(hf: dict[str, Any], path: Path, arch: str, head_dim: int) -> dict[str, Any]:
+    """rope_theta, rope_scaling, rotary_dim and (Gemma 3) sliding_rope."""
+    per_layer_type = per_layer_type_rope(hf)
+    if per_layer_type is not None:
+        full, sliding = per_layer_type
+        theta, scaling = _rope(full, hf, path, arch, head_dim)
+        return {"rope_theta": theta, "rope_scaling": scaling, "sliding_rope": _rope(sliding, hf, path, arch, head_dim)}
     # transformers >= 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
-    params = dict(hf.get("rope_parameters") or {})
-    scaling = dict(hf.get("rope_scaling") or {})
-    merged = {**scaling, **params}
-    theta = float(merged.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    rope_type = merged.get("rope_type", merged.get("type", "default"))
+    merged = {**(hf.get("rope_scaling") or {}), **(hf.get("rope_parameters") or {})}
+    theta, scaling = _rope(merged, hf, path, arch, head_dim)
+    factor = float(merged.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * factor)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2 or (head_dim - rotary_dim) % 2:
+        raise ModelLoadError(f"{path}: field 'partial_rotary_factor' = {factor!r} leaves {rotary_dim} of head_dim "
+                             f"{head_dim} rotated; pagoda needs an even count, the rest even too")
+    if scaling is not None and scaling["rope_type"] == "longrope":
+        for name in ("short_factor", "long_factor"):
+            if len(scaling[name]) != rotary_dim // 2:
+                raise ModelLoadError(f"{path}: field 'rope_parameters' has {len(scaling[name])} {name}s; the rotary "
+                                     f"dims ({rotary_dim}) need {rotary_dim // 2}")
+    return {"rope_theta": theta, "rope_scaling": scaling, "rotary_dim": None if rotary_dim == head_dim else rotary_dim}
+
+
+def _rope(params: dict[str, Any], hf: dict[str, Any], path: Path, arch: str,
+          head_dim: int) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from one flat rope dict; scaling is None for plain rope, else the dict with `rope_type`
+    and the model's (original_)max_position_embeddings, which the scaled types read."""
+    field = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if arch == "phi3" and rope_type in ("su", "yarn"):  # transformers reads both as LongRoPE for Phi-3
+        rope_type = "longrope"
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        field = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
         raise ModelLoadError(
             f"{path}: field {field!r} has rope type {rope_type!r}; pagoda supports {sorted(SUPPORTED_ROPE_TYPES)}"
         )
     if rope_type == "default":
         return theta, None
-    merged["rope_type"] = rope_type
-    return theta, merged
+    missing = [name for name in _ROPE_REQUIRED[rope_type] if params.get(name) is None]
+    if missing:
+        raise ModelLoadError(f"{path}: field {field!r} (rope type {rope_type!r}) lacks {missing}")
+    scaling = {**params, "rope_type": rope_type, "max_position_embeddings": hf.get("max_position_embeddings", 2048)}
+    if rope_type in ("llama3", "yarn", "longrope"):  # as transformers: the top-level field first (Phi-3 writes it)
+        original = hf.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = original or scaling["max_position_embeddings"]
+    return theta, scaling
 
 
 def _sliding_windows(hf: dict[str, Any], arch: str, num_layers: int) -> tuple[int | None, ...]:
@@ -210,6 +246,7 @@ def load_model(
     only its shard, and runs the torch reference (the native decode stack is one process's whole stack)."""
     from pagoda.kernels import avx2_kernels, cpu_kernels
     from pagoda.model.backends import create_runtime
+    from pagoda.model.checkpoint_adapters import adapt_checkpoint, needs_adapting
     from pagoda.model.llama import LlamaModel
     from pagoda.model.native_decode import bind_decode_stack
     from pagoda.model.prequantized import read_prequantized_format
@@ -241,6 +278,11 @@ def load_model(
     with torch.device("meta"):
         model = LlamaModel(model_config, runtime)
     weights = _with_progress(iter_weights(model_dir, slicer), model_dir)
+    if needs_adapting(config):  # fused projections split, partial rotary's q/k rows reordered (Phi-3)
+        if prequantized is not None:
+            raise ModelLoadError(f"{model_dir}: {prequantized.method} weights of {config.architecture} are not "
+                                 "supported (its fused or partially rotated projections are reshaped on loading)")
+        weights = adapt_checkpoint(weights, config, slicer)
     if prequantized is None:
         model.load_weights(weights, dtype=dtype, device=device)
         prepare_linears(model, quantization, runtime.gemv_kernels, quantization_config, runtime.quantized_kernels)

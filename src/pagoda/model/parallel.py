@@ -70,6 +70,9 @@ def shard_config(config: ModelConfig, parallel: TensorParallel) -> ModelConfig:
     """The architecture of one rank's share: its heads, KV heads, intermediate width and vocabulary slice."""
     size = parallel.world_size
     check_divisible(config, size)
+    if config.qk_norm and not config.qk_norm_per_head:
+        raise ShardError(f"tensor_parallel_size {size} cannot split {config.architecture}: its q/k norms span every "
+                         "head of the projection")
     return replace(config, num_heads=config.num_heads // size,
                    num_kv_heads=kv_heads_per_rank(config.num_kv_heads, size),
                    intermediate_size=config.intermediate_size // size, vocab_size=config.vocab_size // size)
@@ -98,6 +101,8 @@ def shard_rows(hf_name: str, config: ModelConfig, parallel: TensorParallel) -> t
     if match is None:
         return None
     _, which, kind = match.groups()
+    if which in ("qkv", "gate_up"):  # fused in the checkpoint (Phi-3): read whole, split and sliced on the way in
+        return None
     head_dim = config.head_dim
     if which == "q":
         rows = config.num_heads // size * head_dim

@@ -31,6 +31,8 @@ from tokenizers import (
     trainers,
 )
 
+from pagoda.testing.architecture_specs import ARCH_SPECS, ARCHITECTURES
+
 __all__ = [
     "ARCHITECTURES",
     "CHAT_TEMPLATE",
@@ -196,76 +198,20 @@ def make_tokenizer(out_dir: Path, vocab_size: int = 512, seed: int = 0) -> None:
 # Checkpoints
 # --------------------------------------------------------------------------------------------------
 
-_SLIDING_WINDOW = 24  # small, so ~60-token test sequences see tokens drop out of the window
 _NORM_NOISE_STD = 0.05
-
-# Mixtures of experts: 4 experts, top 2, at the tiny models' size. Qwen3-MoE renormalises its top-k weights and
-# keeps layer 1 dense (`mlp_only_layers`); Qwen2-MoE does not renormalise, and adds its gated shared expert.
-_MOE_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                {"tie_word_embeddings": False, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  {"tie_word_embeddings": False, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2,
-                   "moe_intermediate_size": 64, "norm_topk_prob": True, "mlp_only_layers": [1]}),
-    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                  {"tie_word_embeddings": False, "num_experts": 4, "num_experts_per_tok": 2,
-                   "moe_intermediate_size": 64, "shared_expert_intermediate_size": 96}),
-}
-
-# arch -> (config class, model class, config fields that make the architecture what it is)
-_ARCH_SPECS: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
-    "llama3": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        {
-            "tie_word_embeddings": True,
-            # original_max_position_embeddings=64 with head_dim 16 puts some frequencies in each of
-            # llama3's three regimes (kept, smoothed, divided by factor), so scaling really matters.
-            "rope_parameters": {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        },
-    ),
-    "mistral": (
-        "MistralConfig",
-        "MistralForCausalLM",
-        {"tie_word_embeddings": False, "sliding_window": _SLIDING_WINDOW},
-    ),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"tie_word_embeddings": True}),
-    # Qwen2's own switch: layers >= max_window_layers slide, the ones below attend to everything,
-    # so one model mixes full and sliding layers (config.json spells it out in layer_types).
-    "qwen2-swa": (
-        "Qwen2Config",
-        "Qwen2ForCausalLM",
-        {"tie_word_embeddings": True, "use_sliding_window": True, "sliding_window": _SLIDING_WINDOW},
-    ),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"tie_word_embeddings": False, "head_dim": 32}),
-    "llama-mqa": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        {"tie_word_embeddings": False, "num_key_value_heads": 1},
-    ),
-    **_MOE_SPECS,
-}
-ARCHITECTURES: tuple[str, ...] = tuple(_ARCH_SPECS)
 
 
 def _build_config(
     arch: str, fields: dict[str, Any], overrides: dict[str, Any]
 ) -> transformers.PretrainedConfig:
-    config_cls_name, _, arch_fields = _ARCH_SPECS[arch]
-    # deepcopy: the config class fills in rope_parameters in place, which must not leak into _ARCH_SPECS.
+    config_cls_name, _, arch_fields = ARCH_SPECS[arch]
+    # deepcopy: the config class fills in rope_parameters in place, which must not leak into ARCH_SPECS.
     fields = {**fields, **copy.deepcopy(arch_fields), **overrides}
-    fields["rope_parameters"] = {
-        "rope_type": "default",
-        "rope_theta": fields.pop("rope_theta"),
-        **fields.get("rope_parameters", {}),
-    }
+    rope = fields.get("rope_parameters", {})
+    if "full_attention" in rope:  # per layer type (Gemma 3): the model's rope_theta is the global layers'
+        rope["full_attention"].setdefault("rope_theta", fields.pop("rope_theta"))
+    else:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": fields.pop("rope_theta"), **rope}
     if arch == "qwen2-swa":  # the first half of the layers full, the rest sliding
         fields.setdefault("max_window_layers", fields["num_hidden_layers"] // 2)
     config_cls: type[transformers.PreTrainedConfig] = getattr(transformers, config_cls_name)
@@ -314,7 +260,7 @@ def make_checkpoint(
     init_std is 0.2 rather than HF's 0.02 (or 0.1): at 0.1 the tied-embedding models (llama3, qwen2)
     fall into repeating one token within ~10 greedy steps, which would hide position and window bugs.
     """
-    if arch not in _ARCH_SPECS:
+    if arch not in ARCH_SPECS:
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHITECTURES}")
     out_dir = Path(out_dir)
     make_tokenizer(out_dir, vocab_size=vocab_size, seed=tokenizer_seed)
@@ -335,7 +281,7 @@ def make_checkpoint(
         "pad_token_id": _token_id(PAD),
     }
     config = _build_config(arch, fields, config_overrides)
-    model_cls = getattr(transformers, _ARCH_SPECS[arch][1])
+    model_cls = getattr(transformers, ARCH_SPECS[arch][1])
     model = model_cls._from_config(config, dtype=dtype)
     _init_weights(model, seed, init_std)
     model.generation_config = _generation_config()
