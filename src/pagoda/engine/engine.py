@@ -234,7 +234,8 @@ class LLMEngine:
                 num_bytes=self.kv_pool_bytes, sizing_reason=self.kv_pool.reason,
                 enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=config.cache.kv_dtype(config.dtype),
             ),
-            tensor_parallel_size=self.executor.tensor_parallel_size, runner=config.runner,
+            tensor_parallel_size=self.executor.tensor_parallel_size,
+            pipeline_parallel_size=self.executor.pipeline_parallel_size, runner=config.runner,
         )
 
     def check_health(self) -> None:

@@ -24,6 +24,10 @@ class Executor:
     def tensor_parallel_size(self) -> int:
         return 1
 
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return 1
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 

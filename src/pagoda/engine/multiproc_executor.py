@@ -1,7 +1,8 @@
-"""MultiprocExecutor: one model split across N processes on this machine, one tensor-parallel rank each.
+"""MultiprocExecutor: one model split across N processes on this machine, one rank each: tensor-parallel ranks,
+in one pipeline stage or several (engine/rank_placement.py says which rank holds what).
 
 Rank 0 is the engine's own process: the scheduler, KV manager, detokenizer, sampler and grammars stay there and
-never know N, and rank 0 runs its shard of every step beside the workers, ranks 1..N-1, which are started here
+never know N, and rank 0 runs its share of every step beside the workers, ranks 1..N-1, which are started here
 (torch.multiprocessing, spawn; engine/tp_worker.py). The ranks meet as torch.distributed's env://
 rendezvous has them meet, on loopback (MASTER_ADDR, MASTER_PORT: a TCPStore rank 0 opens on a free port), and
 the forward's collectives run on gloo. `--threads` is split evenly across the ranks.
@@ -38,11 +39,12 @@ from pagoda.engine.core.scheduler import SchedulerOutput
 from pagoda.engine.executor import Executor
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
+from pagoda.engine.rank_placement import place_rank
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
 from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_worker
 from pagoda.model.kv_cache import LayerKV
-from pagoda.model.parallel import TensorParallel
+from pagoda.model.loader import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +66,11 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
                  structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
                  trace: StepTrace | None = None) -> None:
-        world_size = config.parallel.tensor_parallel_size
+        world_size = config.parallel.world_size
         if dist.is_initialized():
-            raise RuntimeError("this process already holds a torch.distributed process group (one tensor-parallel "
-                               "engine per process)")
-        self._world_size = world_size
+            raise RuntimeError("this process already holds a torch.distributed process group (one split engine per "
+                               "process)")
+        self._parallel = config.parallel
         self._workers: list[Worker] = []
         threads_before = torch.get_num_threads()
         self._stop = weakref.finalize(self, _stop_workers, self._workers, threads_before)
@@ -89,20 +91,26 @@ class MultiprocExecutor(Executor):
                 _receive(worker, "starting")
             torch.set_num_threads(threads)
             dist.init_process_group("gloo", store=store, rank=0, world_size=world_size)
-            model = load_engine_model(config, TensorParallel(0, world_size))
+            placement = place_rank(config, 0, TORCH_DTYPES[config.dtype])
+            model = load_engine_model(config, placement.parallel, placement.stage)
             self._worker_weight_bytes = [int(_receive(worker, "loading its shard")) for worker in self._workers]
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (rank 0 in this process), %d thread(s) each", world_size, threads)
+        logger.info("%d ranks (tensor parallel %d x pipeline parallel %d; rank 0 in this process), %d thread(s) each",
+                    world_size, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size, threads)
         local = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
-                               config.cache.calculate_kv_scales)
+                               config.cache.calculate_kv_scales, placement.links)
         execution = BroadcastExecution(local, [worker.connection for worker in self._workers])
         super().__init__(ModelRunner(execution, structured, draft, trace=trace))
 
     @property
     def tensor_parallel_size(self) -> int:
-        return self._world_size
+        return self._parallel.tensor_parallel_size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self._parallel.pipeline_parallel_size
 
     def weight_bytes_per_rank(self) -> list[int]:
         return [weight_bytes(self.runner.model), *self._worker_weight_bytes]

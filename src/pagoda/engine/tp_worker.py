@@ -1,8 +1,10 @@
-"""A tensor-parallel worker process: ranks 1..N-1 of a model split across processes (rank 0 is the engine's).
+"""A worker process: ranks 1..N-1 of a model split across processes (rank 0 is the engine's), tensor-parallel
+ranks of one pipeline stage or several.
 
-It loads its shard, then runs every ModelStep the engine sends down its pipe, with the other ranks (its
-collectives meet theirs inside the forward); rank 0 alone samples, so a worker's logits are dropped. It ends
-when the engine says so, or when its pipe closes: the engine has gone, however it ended.
+It loads its share, then runs every ModelStep the engine sends down its pipe, with the other ranks (its
+collectives meet theirs inside the forward, its stage's activations go point to point to the next stage's
+ranks); rank 0 alone samples, so a worker's logits are dropped (the last stage's first rank sends them to rank 0).
+It ends when the engine says so, or when its pipe closes: the engine has gone, however it ended.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in 
 
 from pagoda.config import EngineConfig
 from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
-from pagoda.model.parallel import TensorParallel
+from pagoda.engine.rank_placement import place_rank
+from pagoda.model.loader import TORCH_DTYPES
 
 STOP = pickle.dumps(None)  # the engine's last message to a worker
 STARTUP_TIMEOUT_S = 120.0  # for the ranks to start and meet; loading then takes what it takes
@@ -52,10 +55,11 @@ def run_worker(spec: WorkerSpec, connection: Connection) -> None:
         store = TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
-        model = load_engine_model(spec.config, TensorParallel(spec.rank, spec.world_size))
+        placement = place_rank(spec.config, spec.rank, TORCH_DTYPES[spec.config.dtype])
+        model = load_engine_model(spec.config, placement.parallel, placement.stage)
         cache = spec.config.cache
         execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device, cache.cache_dtype,
-                                   cache.calculate_kv_scales)
+                                   cache.calculate_kv_scales, placement.links)
         connection.send(("ok", weight_bytes(model)))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
