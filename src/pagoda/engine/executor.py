@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import SchedulerOutput
-from pagoda.engine.model_step import weight_bytes
+from pagoda.engine.model_step import kv_bytes, weight_bytes
 from pagoda.engine.runner import ModelRunner
 
 
@@ -34,6 +34,10 @@ class Executor:
     def weight_bytes_per_rank(self) -> list[int]:
         """The bytes of the weights each rank holds, in rank order."""
         return [weight_bytes(self.runner.model)]
+
+    def kv_bytes_per_rank(self) -> list[int]:
+        """The bytes of the KV cache each rank holds (its layers' and KV heads'), in rank order."""
+        return [kv_bytes(self.runner.kv_caches)]
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the executor can run no step any more (a rank has gone)."""

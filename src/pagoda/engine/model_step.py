@@ -117,3 +117,8 @@ def load_engine_model(config: EngineConfig, parallel: TensorParallel | None = No
 def weight_bytes(model: LlamaModel) -> int:
     """The bytes of the model's parameters (a tied embedding and LM head counted once)."""
     return sum(param.numel() * param.element_size() for param in model.parameters())
+
+
+def kv_bytes(kv_caches: list[LayerKV]) -> int:
+    """The bytes of a KV cache's tensors (scales included), allocated whether or not their pages are touched yet."""
+    return sum(tensor.numel() * tensor.element_size() for cache in kv_caches for tensor in cache.tensors())

@@ -38,7 +38,7 @@ from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import SchedulerOutput
 from pagoda.engine.executor import Executor
 from pagoda.engine.grammar_masks import StructuredOutputs
-from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
+from pagoda.engine.model_step import ModelExecution, ModelStep, kv_bytes, load_engine_model, weight_bytes
 from pagoda.engine.rank_placement import place_rank
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
@@ -93,7 +93,8 @@ class MultiprocExecutor(Executor):
             dist.init_process_group("gloo", store=store, rank=0, world_size=world_size)
             placement = place_rank(config, 0, TORCH_DTYPES[config.dtype])
             model = load_engine_model(config, placement.parallel, placement.stage)
-            self._worker_weight_bytes = [int(_receive(worker, "loading its shard")) for worker in self._workers]
+            # (weight bytes, KV bytes) of each worker, in rank order.
+            self._worker_bytes = [_receive(worker, "loading its share") for worker in self._workers]
         except BaseException:
             self.shutdown()
             raise
@@ -113,7 +114,10 @@ class MultiprocExecutor(Executor):
         return self._parallel.pipeline_parallel_size
 
     def weight_bytes_per_rank(self) -> list[int]:
-        return [weight_bytes(self.runner.model), *self._worker_weight_bytes]
+        return [weight_bytes(self.runner.model), *(int(weights) for weights, _ in self._worker_bytes)]
+
+    def kv_bytes_per_rank(self) -> list[int]:
+        return [kv_bytes(self.runner.kv_caches), *(int(kv) for _, kv in self._worker_bytes)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
 
 from pagoda.config import EngineConfig
-from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
+from pagoda.engine.model_step import ModelExecution, ModelStep, kv_bytes, load_engine_model, weight_bytes
 from pagoda.engine.rank_placement import place_rank
 from pagoda.model.loader import TORCH_DTYPES
 
@@ -44,8 +44,8 @@ class WorkerSpec:
 
 
 def run_worker(spec: WorkerSpec, connection: Connection) -> None:
-    """The worker's whole life. It reports on the pipe: ("ok", None) once started, ("ok", its weight bytes) once
-    loaded, or ("error", the traceback) instead of either."""
+    """The worker's whole life. It reports on the pipe: ("ok", None) once started, ("ok", (its weight bytes, its KV
+    cache's bytes)) once loaded, or ("error", the traceback) instead of either."""
     # A terminal's Ctrl-C reaches the whole process group: the engine decides when its ranks stop, not the key.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
@@ -60,7 +60,7 @@ def run_worker(spec: WorkerSpec, connection: Connection) -> None:
         cache = spec.config.cache
         execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device, cache.cache_dtype,
                                    cache.calculate_kv_scales, placement.links)
-        connection.send(("ok", weight_bytes(model)))
+        connection.send(("ok", (weight_bytes(model), kv_bytes(execution.kv_caches))))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
         raise
