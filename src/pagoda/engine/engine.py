@@ -3,7 +3,8 @@
 The engine holds the parts engine_parts.py builds and steps them; input processing (input_processor.py),
 output processing (output_processor.py) and the fan-out and fan-in of `n` samples (parallel_sampling.py)
 are modules of their own. The model is reached through one call, the executor's `execute_model`
-(engine/executor.py): in this process, or split across tensor-parallel ranks, which the engine never sees.
+(engine/executor.py): in this process, or split across ranks (tensor-parallel, pipeline stages), which the engine
+never sees.
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ class LLMEngine:
         )
 
     def check_health(self) -> None:
-        """Raises EngineDeadError when no step can run any more (a tensor-parallel rank has gone)."""
+        """Raises EngineDeadError when no step can run any more (a rank of a split model has gone)."""
         self.executor.check_health()
 
     def reset_prefix_cache(self) -> int:

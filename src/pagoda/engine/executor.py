@@ -2,8 +2,8 @@
 
 The engine core calls `execute_model(scheduler_output)` once per step and gets the runner's output back; it
 never knows how many processes hold the model. `UniProcExecutor` runs it in the engine's own process;
-`MultiprocExecutor` (engine/multiproc_executor.py) splits it across tensor-parallel ranks. Either way rank 0's
-`ModelRunner` (in the engine's process) samples, checks drafts and fills grammar masks.
+`MultiprocExecutor` (engine/multiproc_executor.py) splits it across ranks (tensor-parallel, in pipeline stages).
+Either way rank 0's `ModelRunner` (in the engine's process) samples, checks drafts and fills grammar masks.
 """
 
 from __future__ import annotations

@@ -136,8 +136,8 @@ class MultiprocExecutor(Executor):
         gone = [worker for worker in self._workers if not worker.process.is_alive()]
         if gone:
             worker = gone[0]
-            raise EngineDeadError(f"tensor-parallel rank {worker.rank} exited (exit code "
-                                  f"{worker.process.exitcode}): the model is incomplete")
+            raise EngineDeadError(f"split-model rank {worker.rank} exited (exit code {worker.process.exitcode}): "
+                                  "the model is incomplete")
 
     def worker_pids(self) -> list[int]:
         return [worker.process.pid for worker in self._workers if worker.process.pid is not None]
@@ -165,7 +165,7 @@ class BroadcastExecution:
 
 def _receive(worker: Worker, doing: str) -> Any:
     """The worker's next report; raises if it failed, or exited without one."""
-    exited = RuntimeError(f"tensor-parallel rank {worker.rank} exited while {doing} (a script that starts ranks "
+    exited = RuntimeError(f"split-model rank {worker.rank} exited while {doing} (a script that starts ranks "
                           "needs `if __name__ == \"__main__\":` around its code, as with any spawned process)")
     while not worker.connection.poll(0.2):
         if not worker.process.is_alive():
@@ -175,7 +175,7 @@ def _receive(worker: Worker, doing: str) -> Any:
     except EOFError:
         raise exited from None
     if status != "ok":
-        raise RuntimeError(f"tensor-parallel rank {worker.rank} failed while {doing}:\n{payload}")
+        raise RuntimeError(f"split-model rank {worker.rank} failed while {doing}:\n{payload}")
     return payload
 
 
@@ -187,7 +187,7 @@ def _stop_workers(workers: list[Worker], threads_before: int) -> None:
     for worker in workers:
         worker.process.join(STOP_TIMEOUT_S)
         if worker.process.is_alive():
-            logger.warning("tensor-parallel rank %d did not stop: killed", worker.rank)
+            logger.warning("split-model rank %d did not stop: killed", worker.rank)
             worker.process.kill()
             worker.process.join()
         worker.connection.close()
