@@ -40,6 +40,7 @@ from pagoda.engine.executor import Executor
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.model_step import ModelExecution, ModelStep, kv_bytes, load_engine_model, weight_bytes
 from pagoda.engine.rank_placement import place_rank
+from pagoda.engine.rank_watchdog import RankWatchdog
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
 from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_worker
@@ -72,8 +73,10 @@ class MultiprocExecutor(Executor):
                                "process)")
         self._parallel = config.parallel
         self._workers: list[Worker] = []
+        heartbeats: dict[int, Any] = {}
+        self._watchdog = RankWatchdog(heartbeats, {})
         threads_before = torch.get_num_threads()
-        self._stop = weakref.finalize(self, _stop_workers, self._workers, threads_before)
+        self._stop = weakref.finalize(self, _stop_workers, self._workers, self._watchdog, threads_before)
         threads = max(1, threads_before // world_size)
         try:
             store = TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
@@ -82,8 +85,9 @@ class MultiprocExecutor(Executor):
             for rank in range(1, world_size):
                 ours, theirs = context.Pipe()
                 spec = WorkerSpec(config, rank, world_size, LOOPBACK, store.port, threads, num_blocks, block_size)
-                process = context.Process(target=run_worker, args=(spec, theirs), name=f"pagoda-tp-rank{rank}",
-                                          daemon=True)
+                heartbeats[rank] = context.Value("d", 0.0, lock=False)
+                process = context.Process(target=run_worker, args=(spec, theirs, heartbeats[rank]),
+                                          name=f"pagoda-rank{rank}", daemon=True)
                 process.start()
                 theirs.close()  # the worker's end lives in the worker alone: its exit is our end of file
                 self._workers.append(Worker(rank, process, ours))
@@ -104,6 +108,8 @@ class MultiprocExecutor(Executor):
                                config.cache.calculate_kv_scales, placement.links)
         execution = BroadcastExecution(local, [worker.connection for worker in self._workers])
         super().__init__(ModelRunner(execution, structured, draft, trace=trace))
+        self._watchdog.processes = {worker.rank: worker.process for worker in self._workers}
+        self._watchdog.start()
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -134,6 +140,11 @@ class MultiprocExecutor(Executor):
         if not multiprocessing.connection.wait(sentinels, timeout=wait_s):
             return
         gone = [worker for worker in self._workers if not worker.process.is_alive()]
+        hung = [worker for worker in gone if worker.rank in self._watchdog.hung]
+        if hung:
+            rank = hung[0].rank
+            raise EngineDeadError(f"split-model rank {rank} stopped answering (silent for "
+                                  f"{self._watchdog.hung[rank]:.1f} s) and was killed: the model is incomplete")
         if gone:
             worker = gone[0]
             raise EngineDeadError(f"split-model rank {worker.rank} exited (exit code {worker.process.exitcode}): "
@@ -179,8 +190,9 @@ def _receive(worker: Worker, doing: str) -> Any:
     return payload
 
 
-def _stop_workers(workers: list[Worker], threads_before: int) -> None:
+def _stop_workers(workers: list[Worker], watchdog: RankWatchdog, threads_before: int) -> None:
     """Asks every worker to stop, kills those still there after STOP_TIMEOUT_S, and leaves the process group."""
+    watchdog.stop()
     for worker in workers:
         with contextlib.suppress(OSError):  # a worker that has gone has closed its end
             worker.connection.send_bytes(STOP)

@@ -15,6 +15,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in 
 from pagoda.config import EngineConfig
 from pagoda.engine.model_step import ModelExecution, ModelStep, kv_bytes, load_engine_model, weight_bytes
 from pagoda.engine.rank_placement import place_rank
+from pagoda.engine.rank_watchdog import start_heartbeat
 from pagoda.model.loader import TORCH_DTYPES
 
 STOP = pickle.dumps(None)  # the engine's last message to a worker
@@ -43,11 +45,13 @@ class WorkerSpec:
     block_size: int
 
 
-def run_worker(spec: WorkerSpec, connection: Connection) -> None:
+def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None:
     """The worker's whole life. It reports on the pipe: ("ok", None) once started, ("ok", (its weight bytes, its KV
-    cache's bytes)) once loaded, or ("error", the traceback) instead of either."""
+    cache's bytes)) once loaded, or ("error", the traceback) instead of either. heartbeat: the shared value it
+    beats while it runs (engine/rank_watchdog.py)."""
     # A terminal's Ctrl-C reaches the whole process group: the engine decides when its ranks stop, not the key.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    start_heartbeat(heartbeat)
     try:
         torch.set_num_threads(spec.num_threads)
         connection.send(("ok", None))
