@@ -16,6 +16,8 @@ from pagoda.int4_format import Int4Options
 from pagoda.kv_format import is_quantized, kv_bytes_per_head, kv_cache_dtype_name
 from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.moe_config import MoEConfig
+from pagoda.parallel_config import DISTRIBUTED_EXECUTOR_BACKENDS as DISTRIBUTED_EXECUTOR_BACKENDS  # re-exported
+from pagoda.parallel_config import ParallelConfig as ParallelConfig  # re-exported: its home is parallel_config
 from pagoda.structured.limits import GrammarLimits
 
 GiB = 1 << 30
@@ -310,44 +312,6 @@ def speculative_config_from(value: SpeculativeConfig | Mapping[str, Any] | None)
     if not isinstance(value, Mapping):
         raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
     return SpeculativeConfig.from_dict(value)
-
-
-# How the ranks of one model are started (vLLM's names): "uni" one process, "mp" pagoda starts them as processes on
-# this machine; "external_launcher" (torchrun or Kubernetes started them) is named so that it can be refused by name.
-DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher")
-
-
-@dataclass(frozen=True)
-class ParallelConfig:
-    """How one model is split across processes (docs/parallelism.md).
-
-    tensor_parallel_size: ranks every layer is split across, Megatron-style, one process each.
-    distributed_executor_backend: "uni" (one process; tensor_parallel_size 1 only) or "mp" (pagoda starts the
-    ranks as worker processes on this machine); None: "mp" when tensor_parallel_size > 1, else "uni".
-    """
-
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-
-    def __post_init__(self) -> None:
-        _require_positive(self, "tensor_parallel_size")
-        backend = self.distributed_executor_backend
-        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
-                             f"got {backend!r}")
-        if backend == "external_launcher":
-            raise ValueError('distributed_executor_backend "external_launcher" (ranks started by torchrun or '
-                             'Kubernetes) is not built yet; "mp" starts the ranks on this machine')
-        if backend == "uni" and self.tensor_parallel_size > 1:
-            raise ValueError(f'distributed_executor_backend "uni" runs one process; tensor_parallel_size '
-                             f'{self.tensor_parallel_size} needs "mp"')
-
-    @property
-    def executor_backend(self) -> str:
-        """The backend that runs: the one given, else "mp" for several ranks and "uni" for one."""
-        if self.distributed_executor_backend is not None:
-            return self.distributed_executor_backend
-        return "mp" if self.tensor_parallel_size > 1 else "uni"
 
 
 @dataclass(frozen=True)

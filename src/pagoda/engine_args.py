@@ -125,9 +125,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel-size", "-tp", type=int,
                         help="processes each layer is split across, one rank each, on this machine "
                              f"(default {ParallelConfig.tensor_parallel_size}; docs/parallelism.md)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int,
+                        help="stages the layers are split into, contiguous, each on --tensor-parallel-size "
+                             f"processes (default {ParallelConfig.pipeline_parallel_size}; docs/parallelism.md)")
     parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                         help="mp: pagoda starts the ranks as processes; uni: one process (default: mp when "
-                             "--tensor-parallel-size > 1, else uni); external_launcher is not built yet")
+                             "there are several ranks, else uni); external_launcher is not built yet")
     parser.add_argument("--enable-lora", action="store_true", default=None,
                         help="serve LoRA adapters (PEFT directories) beside the base model (docs/lora.md)")
     parser.add_argument("--max-loras", type=int,

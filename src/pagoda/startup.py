@@ -79,11 +79,20 @@ def startup_summary(engine: EngineDescription, config: EngineConfig, model_name:
                      f"{kv.dtype}, {kv.num_bytes / 2**20:.1f} MiB ({kv.sizing_reason}); pages touched as they fill"),
         ("max_model_len", str(engine.max_model_len)),
         ("max_num_seqs", str(engine.max_num_seqs)),
-        ("threads", str(engine.num_threads) if engine.tensor_parallel_size == 1
-         else f"{engine.num_threads} per rank x {engine.tensor_parallel_size} tensor-parallel ranks"),
+        ("threads", threads_summary(engine)),
         ("native kernels", native_kernels_status(config)),
     ]
     if url is not None:
         rows.append(("URL", f"{url}  (OpenAI API under {url}/v1)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def threads_summary(engine: EngineDescription) -> str:
+    """The threads of each rank, and the ranks: tensor-parallel, in pipeline stages."""
+    tensor, stages = engine.tensor_parallel_size, engine.pipeline_parallel_size
+    if tensor * stages == 1:
+        return str(engine.num_threads)
+    split = f"{tensor} tensor-parallel ranks" if stages == 1 else (
+        f"{tensor * stages} ranks ({stages} pipeline stages of {tensor} tensor-parallel rank{'s' * (tensor > 1)})")
+    return f"{engine.num_threads} per rank x {split}"

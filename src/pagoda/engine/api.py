@@ -222,7 +222,8 @@ class EngineDescription:
     max_num_seqs: int
     num_threads: int  # the threads each step's tensor work runs on (on each rank)
     kv_cache: KVCacheDescription
-    tensor_parallel_size: int = 1  # the processes the model is split across
+    tensor_parallel_size: int = 1  # the processes each layer is split across
+    pipeline_parallel_size: int = 1  # the stages the layers are split into (ranks: the product)
     runner: str = "generate"  # "pooling": an embedding model, which answers embedding requests only
 
 

@@ -3,7 +3,8 @@
 The engine holds the parts engine_parts.py builds and steps them; input processing (input_processor.py),
 output processing (output_processor.py) and the fan-out and fan-in of `n` samples (parallel_sampling.py)
 are modules of their own. The model is reached through one call, the executor's `execute_model`
-(engine/executor.py): in this process, or split across tensor-parallel ranks, which the engine never sees.
+(engine/executor.py): in this process, or split across ranks (tensor-parallel, pipeline stages), which the engine
+never sees.
 """
 
 from __future__ import annotations
@@ -274,11 +275,12 @@ class LLMEngine:
                 num_bytes=self.kv_pool_bytes, sizing_reason=self.kv_pool.reason,
                 enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=config.cache.kv_dtype(config.dtype),
             ),
-            tensor_parallel_size=self.executor.tensor_parallel_size, runner=config.runner,
+            tensor_parallel_size=self.executor.tensor_parallel_size,
+            pipeline_parallel_size=self.executor.pipeline_parallel_size, runner=config.runner,
         )
 
     def check_health(self) -> None:
-        """Raises EngineDeadError when no step can run any more (a tensor-parallel rank has gone)."""
+        """Raises EngineDeadError when no step can run any more (a rank of a split model has gone)."""
         self.executor.check_health()
 
     def reset_prefix_cache(self) -> int:

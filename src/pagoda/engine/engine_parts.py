@@ -33,6 +33,7 @@ from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model_config
 from pagoda.model.lora import attach_lora
 from pagoda.model.parallel import check_divisible, kv_heads_per_rank
+from pagoda.model.pipeline import stage_layer_counts
 from pagoda.model_dir import ModelLoadError
 from pagoda.pooling import PoolingConfig, load_pooling_config
 from pagoda.text.tokenizer import Tokenizer, load_tokenizer
@@ -153,9 +154,11 @@ def build_executor(config: EngineConfig, num_blocks: int, block_size: int, struc
 
 
 def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
-    """What tensor parallelism does not take yet is refused before anything is loaded or started."""
+    """What a split model does not take yet (or a split it cannot make) is refused before anything is loaded or
+    started."""
     size = config.parallel.tensor_parallel_size
     check_divisible(model_config, size)
+    stage_layer_counts(model_config.num_layers, config.parallel.pipeline_parallel_size)
     unsupported = [
         reason for reason, applies in (
             ("--quantization (int8 and int4 weights are not split across ranks yet)", config.quantization is not None),
@@ -168,7 +171,8 @@ def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
         ) if applies
     ]
     if unsupported:
-        raise ModelLoadError(f"tensor_parallel_size {size} does not run with {'; '.join(unsupported)} yet")
+        raise ModelLoadError(f"tensor_parallel_size {size} x pipeline_parallel_size "
+                             f"{config.parallel.pipeline_parallel_size} does not run with {'; '.join(unsupported)} yet")
 
 
 def _fit_max_model_len(wanted: int, pool_tokens: int) -> int:

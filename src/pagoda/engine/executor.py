@@ -2,15 +2,15 @@
 
 The engine core calls `execute_model(scheduler_output)` once per step and gets the runner's output back; it
 never knows how many processes hold the model. `UniProcExecutor` runs it in the engine's own process;
-`MultiprocExecutor` (engine/multiproc_executor.py) splits it across tensor-parallel ranks. Either way rank 0's
-`ModelRunner` (in the engine's process) samples, checks drafts and fills grammar masks.
+`MultiprocExecutor` (engine/multiproc_executor.py) splits it across ranks (tensor-parallel, in pipeline stages).
+Either way rank 0's `ModelRunner` (in the engine's process) samples, checks drafts and fills grammar masks.
 """
 
 from __future__ import annotations
 
 from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import SchedulerOutput
-from pagoda.engine.model_step import weight_bytes
+from pagoda.engine.model_step import kv_bytes, weight_bytes
 from pagoda.engine.runner import ModelRunner
 
 
@@ -24,12 +24,20 @@ class Executor:
     def tensor_parallel_size(self) -> int:
         return 1
 
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return 1
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
     def weight_bytes_per_rank(self) -> list[int]:
         """The bytes of the weights each rank holds, in rank order."""
         return [weight_bytes(self.runner.model)]
+
+    def kv_bytes_per_rank(self) -> list[int]:
+        """The bytes of the KV cache each rank holds (its layers' and KV heads'), in rank order."""
+        return [kv_bytes(self.runner.kv_caches)]
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the executor can run no step any more (a rank has gone)."""

@@ -15,11 +15,13 @@ from typing import Protocol
 import torch
 
 from pagoda.config import EngineConfig
+from pagoda.engine.rank_placement import StageLinks
 from pagoda.model.attention import QueryLayout
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import TORCH_DTYPES, load_model
 from pagoda.model.parallel import TensorParallel
+from pagoda.model.pipeline import PipelineStage
 
 
 @dataclass(frozen=True)
@@ -54,8 +56,11 @@ class ModelExecution:
     kv_heads being this rank's share."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu",
-                 cache_dtype: str = "auto", calculate_kv_scales: bool = False) -> None:
+                 cache_dtype: str = "auto", calculate_kv_scales: bool = False, links: StageLinks | None = None) -> None:
+        """links: with pipeline stages, this rank's links to the stages before and after it (its model is its
+        stage's, its KV cache its stage's layers')."""
         self.model = model
+        self.links = links
         self.block_size = block_size
         self.device = device
         config = model.config
@@ -72,11 +77,21 @@ class ModelExecution:
     def run(self, step: ModelStep) -> list[torch.Tensor]:
         meta = step.layout.metadata(self.block_size, self.windows)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(input_ids, meta.positions.to(self.device), self.kv_caches, meta)
+        positions = meta.positions.to(self.device)
+        links = self.links
+        received = None if links is None or links.previous is None else links.receive(len(step.input_ids))
+        if links is not None and links.next is not None:  # a stage before the last: hand on, then rank 0 waits
+            links.send(self.model.forward_stage(input_ids, positions, self.kv_caches, meta, received))
+            if links.rank != 0:
+                return []
+            return links.receive_outputs([len(rows) for rows in step.logits_rows], len(step.hidden_rows))
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, received)
         outputs = [self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
                    for rows in step.logits_rows]
         if step.hidden_rows:
             outputs.append(hidden[torch.tensor(step.hidden_rows, device=self.device)].float())
+        if links is not None:
+            links.send_outputs(outputs)
         return outputs
 
 
@@ -86,12 +101,15 @@ def kv_layer_tensors(kv_caches: list[LayerKV]) -> list[tuple[torch.Tensor, ...]]
     return [cache.tensors() for cache in kv_caches]
 
 
-def load_engine_model(config: EngineConfig, parallel: TensorParallel | None = None) -> LlamaModel:
-    """The engine's model as the config asks for it: whole, or one rank's shard of it."""
+def load_engine_model(config: EngineConfig, parallel: TensorParallel | None = None,
+                      stage: PipelineStage | None = None) -> LlamaModel:
+    """The engine's model as the config asks for it: whole, or one rank's share of it (its tensor-parallel shard
+    of its pipeline stage's layers)."""
     torch.manual_seed(config.seed)
     model, _ = load_model(
         config.model, dtype=TORCH_DTYPES[config.dtype], device=config.device, quantization=config.quantization,
         use_kernels=config.use_kernels, quantization_config=config.quantization_config, parallel=parallel,
+        pipeline=stage,
     )
     return model
 
@@ -99,3 +117,8 @@ def load_engine_model(config: EngineConfig, parallel: TensorParallel | None = No
 def weight_bytes(model: LlamaModel) -> int:
     """The bytes of the model's parameters (a tied embedding and LM head counted once)."""
     return sum(param.numel() * param.element_size() for param in model.parameters())
+
+
+def kv_bytes(kv_caches: list[LayerKV]) -> int:
+    """The bytes of a KV cache's tensors (scales included), allocated whether or not their pages are touched yet."""
+    return sum(tensor.numel() * tensor.element_size() for cache in kv_caches for tensor in cache.tensors())

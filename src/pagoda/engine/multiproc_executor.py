@@ -1,7 +1,8 @@
-"""MultiprocExecutor: one model split across N processes on this machine, one tensor-parallel rank each.
+"""MultiprocExecutor: one model split across N processes on this machine, one rank each: tensor-parallel ranks,
+in one pipeline stage or several (engine/rank_placement.py says which rank holds what).
 
 Rank 0 is the engine's own process: the scheduler, KV manager, detokenizer, sampler and grammars stay there and
-never know N, and rank 0 runs its shard of every step beside the workers, ranks 1..N-1, which are started here
+never know N, and rank 0 runs its share of every step beside the workers, ranks 1..N-1, which are started here
 (torch.multiprocessing, spawn; engine/tp_worker.py). The ranks meet as torch.distributed's env://
 rendezvous has them meet, on loopback (MASTER_ADDR, MASTER_PORT: a TCPStore rank 0 opens on a free port), and
 the forward's collectives run on gloo. `--threads` is split evenly across the ranks.
@@ -37,12 +38,14 @@ from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import SchedulerOutput
 from pagoda.engine.executor import Executor
 from pagoda.engine.grammar_masks import StructuredOutputs
-from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
+from pagoda.engine.model_step import ModelExecution, ModelStep, kv_bytes, load_engine_model, weight_bytes
+from pagoda.engine.rank_placement import place_rank
+from pagoda.engine.rank_watchdog import RankWatchdog
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
 from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_worker
 from pagoda.model.kv_cache import LayerKV
-from pagoda.model.parallel import TensorParallel
+from pagoda.model.loader import TORCH_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +67,16 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
                  structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
                  trace: StepTrace | None = None) -> None:
-        world_size = config.parallel.tensor_parallel_size
+        world_size = config.parallel.world_size
         if dist.is_initialized():
-            raise RuntimeError("this process already holds a torch.distributed process group (one tensor-parallel "
-                               "engine per process)")
-        self._world_size = world_size
+            raise RuntimeError("this process already holds a torch.distributed process group (one split engine per "
+                               "process)")
+        self._parallel = config.parallel
         self._workers: list[Worker] = []
+        heartbeats: dict[int, Any] = {}
+        self._watchdog = RankWatchdog(heartbeats, {})
         threads_before = torch.get_num_threads()
-        self._stop = weakref.finalize(self, _stop_workers, self._workers, threads_before)
+        self._stop = weakref.finalize(self, _stop_workers, self._workers, self._watchdog, threads_before)
         threads = max(1, threads_before // world_size)
         try:
             store = TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
@@ -80,8 +85,9 @@ class MultiprocExecutor(Executor):
             for rank in range(1, world_size):
                 ours, theirs = context.Pipe()
                 spec = WorkerSpec(config, rank, world_size, LOOPBACK, store.port, threads, num_blocks, block_size)
-                process = context.Process(target=run_worker, args=(spec, theirs), name=f"pagoda-tp-rank{rank}",
-                                          daemon=True)
+                heartbeats[rank] = context.Value("d", 0.0, lock=False)
+                process = context.Process(target=run_worker, args=(spec, theirs, heartbeats[rank]),
+                                          name=f"pagoda-rank{rank}", daemon=True)
                 process.start()
                 theirs.close()  # the worker's end lives in the worker alone: its exit is our end of file
                 self._workers.append(Worker(rank, process, ours))
@@ -89,23 +95,35 @@ class MultiprocExecutor(Executor):
                 _receive(worker, "starting")
             torch.set_num_threads(threads)
             dist.init_process_group("gloo", store=store, rank=0, world_size=world_size)
-            model = load_engine_model(config, TensorParallel(0, world_size))
-            self._worker_weight_bytes = [int(_receive(worker, "loading its shard")) for worker in self._workers]
+            placement = place_rank(config, 0, TORCH_DTYPES[config.dtype])
+            model = load_engine_model(config, placement.parallel, placement.stage)
+            # (weight bytes, KV bytes) of each worker, in rank order.
+            self._worker_bytes = [_receive(worker, "loading its share") for worker in self._workers]
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (rank 0 in this process), %d thread(s) each", world_size, threads)
+        logger.info("%d ranks (tensor parallel %d x pipeline parallel %d; rank 0 in this process), %d thread(s) each",
+                    world_size, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size, threads)
         local = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
-                               config.cache.calculate_kv_scales)
+                               config.cache.calculate_kv_scales, placement.links)
         execution = BroadcastExecution(local, [worker.connection for worker in self._workers])
         super().__init__(ModelRunner(execution, structured, draft, trace=trace))
+        self._watchdog.processes = {worker.rank: worker.process for worker in self._workers}
+        self._watchdog.start()
 
     @property
     def tensor_parallel_size(self) -> int:
-        return self._world_size
+        return self._parallel.tensor_parallel_size
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self._parallel.pipeline_parallel_size
 
     def weight_bytes_per_rank(self) -> list[int]:
-        return [weight_bytes(self.runner.model), *self._worker_weight_bytes]
+        return [weight_bytes(self.runner.model), *(int(weights) for weights, _ in self._worker_bytes)]
+
+    def kv_bytes_per_rank(self) -> list[int]:
+        return [kv_bytes(self.runner.kv_caches), *(int(kv) for _, kv in self._worker_bytes)]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:
@@ -122,10 +140,15 @@ class MultiprocExecutor(Executor):
         if not multiprocessing.connection.wait(sentinels, timeout=wait_s):
             return
         gone = [worker for worker in self._workers if not worker.process.is_alive()]
+        hung = [worker for worker in gone if worker.rank in self._watchdog.hung]
+        if hung:
+            rank = hung[0].rank
+            raise EngineDeadError(f"split-model rank {rank} stopped answering (silent for "
+                                  f"{self._watchdog.hung[rank]:.1f} s) and was killed: the model is incomplete")
         if gone:
             worker = gone[0]
-            raise EngineDeadError(f"tensor-parallel rank {worker.rank} exited (exit code "
-                                  f"{worker.process.exitcode}): the model is incomplete")
+            raise EngineDeadError(f"split-model rank {worker.rank} exited (exit code {worker.process.exitcode}): "
+                                  "the model is incomplete")
 
     def worker_pids(self) -> list[int]:
         return [worker.process.pid for worker in self._workers if worker.process.pid is not None]
@@ -153,7 +176,7 @@ class BroadcastExecution:
 
 def _receive(worker: Worker, doing: str) -> Any:
     """The worker's next report; raises if it failed, or exited without one."""
-    exited = RuntimeError(f"tensor-parallel rank {worker.rank} exited while {doing} (a script that starts ranks "
+    exited = RuntimeError(f"split-model rank {worker.rank} exited while {doing} (a script that starts ranks "
                           "needs `if __name__ == \"__main__\":` around its code, as with any spawned process)")
     while not worker.connection.poll(0.2):
         if not worker.process.is_alive():
@@ -163,19 +186,20 @@ def _receive(worker: Worker, doing: str) -> Any:
     except EOFError:
         raise exited from None
     if status != "ok":
-        raise RuntimeError(f"tensor-parallel rank {worker.rank} failed while {doing}:\n{payload}")
+        raise RuntimeError(f"split-model rank {worker.rank} failed while {doing}:\n{payload}")
     return payload
 
 
-def _stop_workers(workers: list[Worker], threads_before: int) -> None:
+def _stop_workers(workers: list[Worker], watchdog: RankWatchdog, threads_before: int) -> None:
     """Asks every worker to stop, kills those still there after STOP_TIMEOUT_S, and leaves the process group."""
+    watchdog.stop()
     for worker in workers:
         with contextlib.suppress(OSError):  # a worker that has gone has closed its end
             worker.connection.send_bytes(STOP)
     for worker in workers:
         worker.process.join(STOP_TIMEOUT_S)
         if worker.process.is_alive():
-            logger.warning("tensor-parallel rank %d did not stop: killed", worker.rank)
+            logger.warning("split-model rank %d did not stop: killed", worker.rank)
             worker.process.kill()
             worker.process.join()
         worker.connection.close()

@@ -1,8 +1,10 @@
-"""A tensor-parallel worker process: ranks 1..N-1 of a model split across processes (rank 0 is the engine's).
+"""A worker process: ranks 1..N-1 of a model split across processes (rank 0 is the engine's), tensor-parallel
+ranks of one pipeline stage or several.
 
-It loads its shard, then runs every ModelStep the engine sends down its pipe, with the other ranks (its
-collectives meet theirs inside the forward); rank 0 alone samples, so a worker's logits are dropped. It ends
-when the engine says so, or when its pipe closes: the engine has gone, however it ended.
+It loads its share, then runs every ModelStep the engine sends down its pipe, with the other ranks (its
+collectives meet theirs inside the forward, its stage's activations go point to point to the next stage's
+ranks); rank 0 alone samples, so a worker's logits are dropped (the last stage's first rank sends them to rank 0).
+It ends when the engine says so, or when its pipe closes: the engine has gone, however it ended.
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
 
 from pagoda.config import EngineConfig
-from pagoda.engine.model_step import ModelExecution, ModelStep, load_engine_model, weight_bytes
-from pagoda.model.parallel import TensorParallel
+from pagoda.engine.model_step import ModelExecution, ModelStep, kv_bytes, load_engine_model, weight_bytes
+from pagoda.engine.rank_placement import place_rank
+from pagoda.engine.rank_watchdog import start_heartbeat
+from pagoda.model.loader import TORCH_DTYPES
 
 STOP = pickle.dumps(None)  # the engine's last message to a worker
 STARTUP_TIMEOUT_S = 120.0  # for the ranks to start and meet; loading then takes what it takes
@@ -40,11 +45,13 @@ class WorkerSpec:
     block_size: int
 
 
-def run_worker(spec: WorkerSpec, connection: Connection) -> None:
-    """The worker's whole life. It reports on the pipe: ("ok", None) once started, ("ok", its weight bytes) once
-    loaded, or ("error", the traceback) instead of either."""
+def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None:
+    """The worker's whole life. It reports on the pipe: ("ok", None) once started, ("ok", (its weight bytes, its KV
+    cache's bytes)) once loaded, or ("error", the traceback) instead of either. heartbeat: the shared value it
+    beats while it runs (engine/rank_watchdog.py)."""
     # A terminal's Ctrl-C reaches the whole process group: the engine decides when its ranks stop, not the key.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    start_heartbeat(heartbeat)
     try:
         torch.set_num_threads(spec.num_threads)
         connection.send(("ok", None))
@@ -52,11 +59,12 @@ def run_worker(spec: WorkerSpec, connection: Connection) -> None:
         store = TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
-        model = load_engine_model(spec.config, TensorParallel(spec.rank, spec.world_size))
+        placement = place_rank(spec.config, spec.rank, TORCH_DTYPES[spec.config.dtype])
+        model = load_engine_model(spec.config, placement.parallel, placement.stage)
         cache = spec.config.cache
         execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device, cache.cache_dtype,
-                                   cache.calculate_kv_scales)
-        connection.send(("ok", weight_bytes(model)))
+                                   cache.calculate_kv_scales, placement.links)
+        connection.send(("ok", (weight_bytes(model), kv_bytes(execution.kv_caches))))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
         raise

@@ -14,6 +14,7 @@ from pagoda.config import ModelConfig
 from pagoda.model.attention import AttentionBackend, CpuAttentionBackend, TorchAttentionBackend
 from pagoda.model.kernel_protocols import CpuKernels, QuantizedKernels
 from pagoda.model.parallel import TensorParallel
+from pagoda.model.pipeline import PipelineStage
 from pagoda.model.quantization import gemv_takes
 from pagoda.model.softcap_attention import SoftCappedAttentionBackend
 
@@ -27,6 +28,7 @@ class ModelRuntime:
     gemv_kernels: CpuKernels | None = None  # the linears' GEMVs, for `prepare_linears`
     quantized_kernels: QuantizedKernels | None = None  # the quantized layers' integer matmuls (AVX2)
     parallel: TensorParallel | None = None  # this rank's place when the model is split across ranks (None: whole)
+    pipeline: PipelineStage | None = None  # the layers this rank's pipeline stage holds (None: all of them)
 
 
 def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels | None,

@@ -57,7 +57,7 @@ def load_prequantized(model: LlamaModel, weights: Iterable[tuple[str, torch.Tens
             _set_module(model, path, Int4Linear(_fuse(model, path, pieces), pending.bias, quantized_kernels))
         except ValueError as error:  # a layout pagoda's int4 layer cannot take: name the layer
             raise ModelLoadError(f"{path}: {error}") from error
-    if not fmt.lm_head and kernels is not None and dtype in DenseLinear.DTYPES:
+    if not fmt.lm_head and kernels is not None and dtype in DenseLinear.DTYPES and model.lm_head is not None:
         _set_module(model, "lm_head", DenseLinear(model.lm_head, kernels))
 
 

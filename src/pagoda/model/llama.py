@@ -22,6 +22,7 @@ from pagoda.model.kv_cache import LayerKV
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, row_linear
 from pagoda.model.moe import SparseMoeBlock, expert_target, is_sparse_layer, moe_row_offsets, split_grouped_experts
 from pagoda.model.parallel import TensorParallel, VocabParallelEmbedding
+from pagoda.model.pipeline import StageActivations
 
 
 def fused_row_offsets(config: ModelConfig) -> dict[str, dict[str, int]]:
@@ -31,6 +32,9 @@ def fused_row_offsets(config: ModelConfig) -> dict[str, dict[str, int]]:
         "qkv_proj": {"q": 0, "k": q_size, "v": q_size + kv_size},
         "gate_up_proj": {"gate": 0, "up": config.intermediate_size},
     }
+
+
+RopeTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin per position
 
 
 class Attention(nn.Module):
@@ -133,18 +137,24 @@ class LlamaModel(nn.Module):
         runtime = runtime or ModelRuntime()
         self.config = config
         self.parallel = parallel = runtime.parallel
+        stage = runtime.pipeline  # a pipeline stage holds its layers, the first the embedding, the last the head
         # No random init (the checkpoint overwrites it): on the meta device, nn.Embedding's normal_ imports
         # torch._dynamo, which stays resident (~70 MB, six times the built-in model).
-        if parallel is None:
+        self.embed_tokens: nn.Embedding | None = None
+        if (stage is None or stage.is_first) and parallel is None:
             embedding = torch.empty(config.vocab_size, config.hidden_size)
             self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=embedding)
-        else:
+        elif stage is None or stage.is_first:
+            assert parallel is not None
             self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel)
         self.layers = nn.ModuleList(DecoderLayer(config, i, runtime.kernels, parallel)
                                     for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels, config.norm_unit_offset,
-                            config.norm_placement == "post")
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.norm: RMSNorm | None = None
+        self.lm_head: nn.Linear | None = None
+        if stage is None or stage.is_last:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, runtime.kernels, config.norm_unit_offset,
+                                config.norm_placement == "post")
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.max_positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config.head_dim, self.max_positions, config.rope_theta, config.rope_scaling,
                                       config.rotary_dim)
@@ -159,7 +169,7 @@ class LlamaModel(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
+        return next(self.parameters()).dtype
 
     def forward(
         self,
@@ -167,26 +177,55 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[LayerKV],
         meta: AttentionMetadata,
+        received: StageActivations | None = None,
     ) -> torch.Tensor:
-        """Returns final hidden states [num_tokens, hidden]; call compute_logits on the rows to sample."""
-        x: torch.Tensor = self.embed_tokens(input_ids)
-        if self.config.embedding_multiplier is not None:  # as HF: the multiplier in the model's dtype
-            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
-        cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        sliding = None if self.sliding_rotary is None else self.sliding_rotary.cos_sin(positions, x.dtype)
+        """Returns final hidden states [num_tokens, hidden]; call compute_logits on the rows to sample. On the last
+        pipeline stage of several, `received` is what the stage before handed on (`forward_stage`)."""
+        x, delta, cos, sin, sliding = self._stage_input(input_ids, positions, received)
         runner = self.backend.decode_runner
         # fp8 scales still to be calculated are set by the modules' first write (the stack only reads them).
-        if runner is not None and runner.takes(meta, x.shape[0]) and not kv_caches[0].scales_pending:
+        if (received is None and runner is not None and runner.takes(meta, x.shape[0])
+                and not kv_caches[0].scales_pending):
             return runner(x, cos, sin, kv_caches, meta)
-        delta = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            layer_cos, layer_sin = sliding if sliding is not None and layer.sliding_rope else (cos, sin)
-            delta = layer(x, delta, layer_cos, layer_sin, kv_cache, meta, self.backend)
+        delta = self._run_layers(x, delta, (cos, sin), sliding, kv_caches, meta)
+        assert self.norm is not None, "a pipeline stage before the last runs forward_stage"
         hidden: torch.Tensor = self.norm(x, delta)
         return hidden
 
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[LayerKV],
+                      meta: AttentionMetadata, received: StageActivations | None) -> StageActivations:
+        """A pipeline stage before the last: its layers over the embedded tokens (the first stage) or over what the
+        stage before handed on; returns what the next stage continues from."""
+        x, delta, cos, sin, sliding = self._stage_input(input_ids, positions, received)
+        return StageActivations(x, self._run_layers(x, delta, (cos, sin), sliding, kv_caches, meta))
+
+    def _stage_input(self, input_ids: torch.Tensor, positions: torch.Tensor, received: StageActivations | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, RopeTables | None]:
+        """The residual stream the layers start from, the sublayer output still to add to it, and rope's tables (the
+        sliding layers' own, where the model has them: Gemma 3)."""
+        if received is None:
+            assert self.embed_tokens is not None, "a pipeline stage after the first continues from the one before"
+            x: torch.Tensor = self.embed_tokens(input_ids)
+            if self.config.embedding_multiplier is not None:  # as HF: the multiplier in the model's dtype
+                x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)
+            delta = None
+        else:
+            x, delta = received.residual, received.delta
+        cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        sliding = None if self.sliding_rotary is None else self.sliding_rotary.cos_sin(positions, x.dtype)
+        return x, delta, cos, sin, sliding
+
+    def _run_layers(self, x: torch.Tensor, delta: torch.Tensor | None, rope: RopeTables, sliding: RopeTables | None,
+                    kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            cos, sin = sliding if sliding is not None and layer.sliding_rope else rope
+            delta = layer(x, delta, cos, sin, kv_cache, meta, self.backend)
+        assert delta is not None, "a model or stage has at least one layer"
+        return delta
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary: split across ranks, each rank's columns are gathered."""
+        assert self.lm_head is not None, "only the last pipeline stage holds the LM head"
         logits: torch.Tensor = self.lm_head(hidden)
         if self.parallel is not None:
             logits = self.parallel.gather_columns(logits)
@@ -227,6 +266,7 @@ class LlamaModel(nn.Module):
                 param[rows].copy_(tensor)
             loaded.add(f"{name}@{offset}")
         if self.config.tie_word_embeddings:
+            assert self.lm_head is not None and self.embed_tokens is not None
             self.lm_head.weight = self.embed_tokens.weight
             loaded.add("lm_head.weight@None")
         missing = sorted(set(self._expected_keys()) - loaded)

@@ -27,9 +27,12 @@ from pagoda.moe_config import DENSE_FAMILY, MOE_ARCHITECTURES, MoEConfigError, r
 if TYPE_CHECKING:
     from pagoda.model.llama import LlamaModel
     from pagoda.model.parallel import TensorParallel
+    from pagoda.model.pipeline import PipelineStage
 
 # name -> the slice of it to read, (dimension, start, stop), or None for the whole tensor.
 TensorSlicer = Callable[[str], "tuple[int, int, int] | None"]
+# name -> whether to read it at all (a pipeline stage reads its own layers' tensors only).
+TensorFilter = Callable[[str], bool]
 
 # The torch dtype of each dtype name config holds (its names are torch's own).
 TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPE_BYTES}
@@ -198,13 +201,17 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def iter_weights(model_dir: str | Path, slicer: TensorSlicer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(model_dir: str | Path, slicer: TensorSlicer | None = None,
+                 reads: TensorFilter | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) for every tensor in the checkpoint, on CPU, in its stored dtype. slicer: which part
-    of each tensor to read (a tensor-parallel rank's shard), read through safetensors' slices: only those bytes."""
+    of each tensor to read (a tensor-parallel rank's shard), read through safetensors' slices: only those bytes.
+    reads: which tensors to read (a pipeline stage's); the others are not read at all."""
     for file in safetensors_files(model_dir):
         try:
             with safe_open(str(file), framework="pt") as reader:
                 for name in reader.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    if reads is not None and not reads(name):
+                        continue
                     part = None if slicer is None else slicer(name)
                     if part is None:
                         yield name, reader.get_tensor(name)
@@ -234,6 +241,7 @@ def load_model(
     use_kernels: bool = True,
     quantization_config: Int4Options | None = None,
     parallel: TensorParallel | None = None,
+    pipeline: PipelineStage | None = None,
 ) -> tuple[LlamaModel, ModelConfig]:
     """Builds the model for the directory and loads its weights. Returns (model, ModelConfig), the config being
     the whole model's even when the model is one rank's share.
@@ -243,7 +251,9 @@ def load_model(
     use_kernels: pagoda's native CPU kernels where they apply (`backends.create_runtime` says where),
     for a model on the CPU; without them, or elsewhere, the torch reference throughout.
     parallel: this process's rank when the model is split across ranks (model/parallel.py): it builds and reads
-    only its shard, and runs the torch reference (the native decode stack is one process's whole stack)."""
+    only its shard, and runs the torch reference (the native decode stack is one process's whole stack).
+    pipeline: this process's pipeline stage (model/pipeline.py): it builds and reads only its layers (and the
+    embedding on the first stage, the final norm and LM head on the last), and runs the torch reference."""
     from pagoda.kernels import avx2_kernels, cpu_kernels
     from pagoda.model.backends import create_runtime
     from pagoda.model.checkpoint_adapters import adapt_checkpoint, needs_adapting
@@ -264,20 +274,31 @@ def load_model(
     if parallel is not None:
         from pagoda.model.parallel import shard_config, shard_rows
 
-        if quantization is not None:
-            raise ModelLoadError(f"{model_dir}: quantized weights are not split across ranks yet "
-                                 f"(tensor_parallel_size {parallel.world_size} runs float32/bfloat16)")
         model_config = shard_config(config, parallel)
         slicer = partial(shard_rows, config=config, parallel=parallel)
-    native = use_kernels and torch.device(device).type == "cpu" and parallel is None
+    reads: TensorFilter | None = None
+    if pipeline is not None:
+        from pagoda.model.pipeline import stage_config, stage_reads
+
+        model_config = stage_config(model_config, pipeline)
+        reads = partial(stage_reads, config=config, stage=pipeline)
+    split = parallel is not None or pipeline is not None
+    if split and quantization is not None:
+        raise ModelLoadError(f"{model_dir}: quantized weights are not split across ranks yet (a split model runs "
+                             "float32/bfloat16)")
+    native = use_kernels and torch.device(device).type == "cpu" and not split
     kernels = cpu_kernels() if native else None
     # `create_runtime` decides which quantized layers take these; an unquantized model needs no AVX2 module.
     quantized_kernels = (kernels if kernels is not None else avx2_kernels()) if native and quantization else None
     runtime = replace(create_runtime(model_config, dtype, kernels, quantization, quantized_kernels),
-                      parallel=parallel)
+                      parallel=parallel, pipeline=pipeline)
     with torch.device("meta"):
         model = LlamaModel(model_config, runtime)
-    weights = _with_progress(iter_weights(model_dir, slicer), model_dir)
+    weights = _with_progress(iter_weights(model_dir, slicer, reads), model_dir)
+    if pipeline is not None:
+        from pagoda.model.pipeline import stage_weights
+
+        weights = stage_weights(weights, config, pipeline)
     if needs_adapting(config):  # fused projections split, partial rotary's q/k rows reordered (Phi-3)
         if prequantized is not None:
             raise ModelLoadError(f"{model_dir}: {prequantized.method} weights of {config.architecture} are not "

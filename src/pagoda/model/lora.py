@@ -145,7 +145,7 @@ def attach_lora(model: LlamaModel, max_loras: int, max_rank: int) -> LoRAStack:
     if model.config.moe is not None:
         raise ValueError("LoRA adapters are not served on a mixture-of-experts model yet")
     config = model.config
-    stack = LoRAStack(config, max_loras, max_rank, model.dtype, model.embed_tokens.weight.device)
+    stack = LoRAStack(config, max_loras, max_rank, model.dtype, next(model.parameters()).device)
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     for index, layer in enumerate(cast("list[DecoderLayer]", list(model.layers))):

@@ -64,8 +64,10 @@ class NativeDecode:
     def __init__(self, model: LlamaModel, kernels: CpuKernels) -> None:
         config = model.config
         layers = cast("list[DecoderLayer]", list(model.layers))
-        self.stack = kernels.DecodeStack(config.num_heads, config.num_kv_heads, config.head_dim, model.norm.eps,
-                                         layers[0].self_attn.scale, model.norm.weight)
+        norm = model.norm
+        assert norm is not None, "the decode stack runs a whole model, not a pipeline stage"
+        self.stack = kernels.DecodeStack(config.num_heads, config.num_kv_heads, config.head_dim, norm.eps,
+                                         layers[0].self_attn.scale, norm.weight)
         for layer in layers:
             attention = layer.self_attn
             qkv, o, gate_up, down = (cast("LinearSpec", _linear_spec(linear)) for linear in _layer_linears(layer))

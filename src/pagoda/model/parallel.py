@@ -9,7 +9,8 @@ column-parallel (each rank computes its own heads and columns, no communication)
 along the vocabulary before sampling). Norms are replicated. `shard_rows` says which slice of a checkpoint tensor
 a rank reads, so that each rank reads only its own bytes.
 
-The collectives run on torch.distributed's default process group, which the executor sets up.
+The collectives run on the rank's tensor-parallel group (torch.distributed's default group without pipeline
+stages), which the executor sets up.
 """
 
 from __future__ import annotations
@@ -28,20 +29,22 @@ from pagoda.model_dir import ModelLoadError
 
 @dataclass(frozen=True)
 class TensorParallel:
-    """This process's place among the ranks one model is split across."""
+    """This process's place among the ranks one model is split across: its rank and their number in its
+    tensor-parallel group (with pipeline stages, the group of its stage's ranks; None: the default group)."""
 
     rank: int
     world_size: int
+    group: dist.ProcessGroup | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place."""
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.group)
         return tensor
 
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """Each rank's [rows, columns] side by side, in rank order: [rows, world_size * columns]."""
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        dist.all_gather(parts, tensor.contiguous())
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
 
 

@@ -1,0 +1,58 @@
+"""How one model is split across processes: tensor and pipeline parallelism (docs/parallelism.md).
+
+Torch-free, like the rest of the configuration (pagoda.config re-exports it): the CLI's --help reads its
+defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# How the ranks of one model are started (vLLM's names): "uni" one process, "mp" pagoda starts them as processes on
+# this machine; "external_launcher" (torchrun or Kubernetes started them) is named so that it can be refused by name.
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one model is split across processes (docs/parallelism.md).
+
+    tensor_parallel_size: ranks every layer is split across, Megatron-style, one process each.
+    pipeline_parallel_size: stages the layers are split into, contiguous, each stage on its own
+    tensor_parallel_size ranks (world size: their product).
+    distributed_executor_backend: "uni" (one process; one rank only) or "mp" (pagoda starts the ranks as worker
+    processes on this machine); None: "mp" when there are several ranks, else "uni".
+    """
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"{name} must be positive, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
+                             f"got {backend!r}")
+        if backend == "external_launcher":
+            raise ValueError('distributed_executor_backend "external_launcher" (ranks started by torchrun or '
+                             'Kubernetes) is not built yet; "mp" starts the ranks on this machine')
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f'distributed_executor_backend "uni" runs one process; tensor_parallel_size '
+                             f'{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size} '
+                             'needs "mp"')
+
+    @property
+    def world_size(self) -> int:
+        """The ranks the model runs on: tensor_parallel_size in each of pipeline_parallel_size stages."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend that runs: the one given, else "mp" for several ranks and "uni" for one."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "mp" if self.world_size > 1 else "uni"
