@@ -118,8 +118,10 @@ def _as_prompt(prompt: object) -> Prompt:
             return prompt["prompt_token_ids"]
         raise ValueError(f"a prompt dict takes one key, 'prompt' (a string) or 'prompt_token_ids' (a list of "
                          f"token ids); got keys {sorted(keys)}")
-    if isinstance(prompt, str) or _is_token_ids(prompt):
+    if isinstance(prompt, str):
         return prompt
+    if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+        return prompt  # an empty one too: the engine refuses it, naming the prompt
     raise ValueError(f"a prompt is a string, a list of token ids or a dict of either; got {type(prompt).__name__}")
 
 
