@@ -8,12 +8,11 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter
 
 from pagoda.api_keys import ApiKeys
 from pagoda.engine.api import TenantShare
@@ -44,7 +43,7 @@ class TenantPass:
         """Charges prompt ("prompt") or generated ("generation") tokens to the tenant's token bucket."""
         if num_tokens:
             self.door.limits.charge(self.tenant, num_tokens, time.monotonic())
-            self.door.count(self.tenant.name, f"{kind}_tokens", num_tokens)
+            self.door.count_tokens(self.tenant.name, kind, num_tokens)
 
     def headers(self) -> dict[str, str]:
         return self.door.limits.headers(self.tenant, time.monotonic())
@@ -58,7 +57,9 @@ class Tenants:
         self.base_keys, self.path = api_keys, Path(path) if path is not None else None
         self.table = TenantTable.load(self.path) if self.path is not None else TenantTable()
         self.limits = TenantLimits()
-        self._counts: dict[tuple[str, str], float] = {}
+        # per-tenant counters, in the server's registry once the model is loaded (no request comes before)
+        self._requests: Counter | None = None
+        self._tokens: Counter | None = None
         self.keys = self._keys()
 
     def _keys(self) -> ApiKeys:
@@ -102,36 +103,25 @@ class Tenants:
         now = time.monotonic()
         refusal = self.limits.admit(tenant, now)
         if refusal is not None:
-            self.count(tenant.name, "rate_limited", 1)
+            self.count_request(tenant.name, "rate_limited")
             headers = {"Retry-After": str(max(1, math.ceil(refusal.retry_after))), **self.limits.headers(tenant, now)}
             raise OpenAIError(429, f"tenant {tenant.name!r} is over its {refusal.limit} per minute; retry in "
                                    f"{refusal.retry_after:.1f} s", headers=headers)
-        self.count(tenant.name, "admitted", 1)
+        self.count_request(tenant.name, "admitted")
         return TenantPass(tenant, self)
 
-    def count(self, tenant: str, what: str, amount: float) -> None:
-        self._counts[(tenant, what)] = self._counts.get((tenant, what), 0.0) + amount
+    def count_request(self, tenant: str, outcome: str) -> None:
+        if self._requests is not None:
+            self._requests.labels(tenant, outcome).inc()
+
+    def count_tokens(self, tenant: str, kind: str, amount: int) -> None:
+        if self._tokens is not None:
+            self._tokens.labels(tenant, kind).inc(amount)
 
     def register(self, registry: CollectorRegistry) -> None:
-        registry.register(_TenantCollector(self))
-
-
-class _TenantCollector:
-    """pagoda:tenant_requests{tenant,outcome} and pagoda:tenant_tokens{tenant,kind}: the label takes only the
-    names of the tenants file, so its cardinality is the operator's."""
-
-    def __init__(self, tenants: Tenants) -> None:
-        self.tenants = tenants
-
-    def collect(self) -> Iterator[Metric]:
-        requests = CounterMetricFamily("pagoda:tenant_requests", "Requests by tenant: admitted or rate-limited (429).",
-                                       labels=["tenant", "outcome"])
-        tokens = CounterMetricFamily("pagoda:tenant_tokens", "Tokens charged to a tenant: prompt or generation.",
-                                     labels=["tenant", "kind"])
-        for (tenant, what), value in sorted(self.tenants._counts.items()):
-            if what.endswith("_tokens"):
-                tokens.add_metric([tenant, what.removesuffix("_tokens")], value)
-            else:
-                requests.add_metric([tenant, what], value)
-        yield requests
-        yield tokens
+        """pagoda:tenant_requests{tenant,outcome} and pagoda:tenant_tokens{tenant,kind}: the label takes only the
+        names of the tenants file, so its cardinality is the operator's."""
+        self._requests = Counter("pagoda:tenant_requests", "Requests by tenant: admitted or rate-limited (429).",
+                                 ["tenant", "outcome"], registry=registry)
+        self._tokens = Counter("pagoda:tenant_tokens", "Tokens charged to a tenant: prompt or generation.",
+                               ["tenant", "kind"], registry=registry)

@@ -200,6 +200,8 @@ class FairQueue:
         """Puts the requests of tenants holding more KV blocks than their quota (`max_kv_blocks`) last, in the
         policy's order among themselves: the step's budget reaches them last and preemption takes them first. Once
         no tenant is over, the policy's order comes back."""
+        if len(self._admission) > 2 * len(running) + 64:  # forget the requests that left, now and then
+            self._admission = {r.request_id: self._admission.get(r.request_id, 0) for r in running}
         held: dict[str, int] = {}
         quota: dict[str, int] = {}
         for request in running:
