@@ -29,13 +29,14 @@ from pagoda.testing import ARCHITECTURES
 LAYOUTS = {"pp2": dict(pipeline_parallel_size=2), "tp2xpp2": dict(tensor_parallel_size=2, pipeline_parallel_size=2)}
 
 
-# Every architecture in stages; with tensor parallelism too where the ranks can split it (OLMo 2's q/k norms and
-# the mixtures of experts are refused at TP > 1: tests/test_tensor_parallel.py, tests/test_moe.py).
-SPLITS = [(arch, "pp2") for arch in ARCHITECTURES] + [(arch, "tp2xpp2") for arch in TP_ARCHITECTURES]
+# Every architecture in stages, in every mode; with tensor parallelism too where the ranks can split it (OLMo 2's
+# q/k norms and the mixtures of experts are refused at TP > 1: tests/test_tensor_parallel.py, tests/test_moe.py),
+# there in one mode each, in turn: four processes a case, and each mode's stage logic is the same code at PP=2.
+SPLITS = [(arch, "pp2", mode) for arch in ARCHITECTURES for mode in MODES] + [
+    (arch, "tp2xpp2", list(MODES)[index % len(MODES)]) for index, arch in enumerate(TP_ARCHITECTURES)]
 
 
-@pytest.mark.parametrize("mode", list(MODES))
-@pytest.mark.parametrize(("arch", "layout"), SPLITS)
+@pytest.mark.parametrize(("arch", "layout", "mode"), SPLITS)
 def test_pipeline_greedy_matches_unsplit_and_transformers(arch, layout, mode, checkpoint, hf_reference, make_llm,
                                                           monkeypatch):
     model_dir = checkpoint(arch)
