@@ -12,7 +12,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 from pagoda import LLM, SamplingParams
 from pagoda.demo import DEMO_MODEL_DIR, encode_prompts, transformers_greedy
 from pagoda.demo.tasks import TOOLS, held_out_set, is_correct, tool_call_text
-from pagoda.server.tools import HermesParser
+from pagoda.server.tool_parsers import HermesParser
 from pagoda.text.tokenizer import render_chat
 
 ITEMS_PER_FAMILY = 12

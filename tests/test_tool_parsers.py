@@ -7,7 +7,7 @@ import json
 import jsonschema
 import pytest
 
-from pagoda.server.tools import HermesParser, Llama3JsonParser
+from pagoda.server.tool_parsers import HermesParser, Llama3JsonParser
 from pagoda.wire.tool_calls import forced_calls, forced_constraint
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

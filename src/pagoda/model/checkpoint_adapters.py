@@ -33,17 +33,23 @@ def adapt_checkpoint(weights: Iterator[tuple[str, torch.Tensor]], config: ModelC
                      slicer: Slicer | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors with fused projections split (each part then sliced by `slicer`, a tensor-parallel rank's) and
     q/k rows reordered for partial rotary. config: the whole model's."""
-    order = None
-    if config.rotary_dim is not None:
-        order = torch.tensor(partial_rotary_order(config.head_dim, config.rotary_dim))
     for name, tensor in weights:
         fused = _FUSED.fullmatch(name)
         parts = [(name, tensor)] if fused is None else _split(fused, tensor, config, slicer)
         for part_name, part in parts:
-            if order is not None and _ROTATED.fullmatch(part_name):
-                heads = part.view(-1, config.head_dim, *part.shape[1:])
-                part = heads[:, order].reshape(part.shape)
+            if config.rotary_dim is not None and _ROTATED.fullmatch(part_name):
+                part = rotary_row_order(part, config)
             yield part_name, part
+
+
+def rotary_row_order(rows: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """q or k output rows (whole heads; a weight, a bias, or a LoRA B) in the model's order: with partial rotary,
+    each head's rows reordered as `partial_rotary_order` says; otherwise as they are."""
+    if config.rotary_dim is None:
+        return rows
+    order = torch.tensor(partial_rotary_order(config.head_dim, config.rotary_dim))
+    heads = rows.view(-1, config.head_dim, *rows.shape[1:])
+    return heads[:, order].reshape(rows.shape)
 
 
 def _split(fused: re.Match[str], tensor: torch.Tensor, config: ModelConfig,

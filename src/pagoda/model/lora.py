@@ -5,7 +5,8 @@ B `[layers, slots, out, max_rank]`); the caller loads an adapter into a slot (`l
 says which slot each token's row uses (`begin_step`: -1 for the base). Each of a layer's four linears is wrapped
 (`LoRALinear`): the base output first, then for each slot in the step, its rows' `(x A^T) B^T * scaling` added
 to the columns of the projection it targets inside the fused output (q/k/v in qkv_proj, gate/up in
-gate_up_proj), the SGMV shape: one pair of matmuls per slot and projection, over all of that slot's rows. A
+gate_up_proj; a Phi-3 adapter's qkv_proj or gate_up_proj: all of them, the checkpoint's fused order being
+ours), the SGMV shape: one pair of matmuls per slot and projection, over all of that slot's rows. A
 projection an adapter does not target costs nothing, and an adapter's rank is its own (A and B are sliced to
 it): each row computes what PEFT computes for it, `W x + B(A x) * scaling`, in the same order.
 
@@ -151,12 +152,15 @@ def attach_lora(model: LlamaModel, max_loras: int, max_rank: int) -> LoRAStack:
     for index, layer in enumerate(cast("list[DecoderLayer]", list(model.layers))):
         attention, mlp = layer.self_attn, cast("GatedMLP", layer.mlp)
         # add_module replaces the child in place: the modules call it by the same attribute.
+        # Both layouts' parts: an adapter targets the split projections or (Phi-3) the fused ones, never both,
+        # and a part no adapter of the step targets costs nothing.
         attention.add_module("qkv_proj", LoRALinear(attention.qkv_proj, stack, index, (
             ("q_proj", 0, q_size), ("k_proj", q_size, q_size + kv_size),
-            ("v_proj", q_size + kv_size, q_size + 2 * kv_size))))
+            ("v_proj", q_size + kv_size, q_size + 2 * kv_size), ("qkv_proj", 0, q_size + 2 * kv_size))))
         attention.add_module("o_proj", LoRALinear(attention.o_proj, stack, index, (("o_proj", 0, config.hidden_size),)))
         mlp.add_module("gate_up_proj", LoRALinear(mlp.gate_up_proj, stack, index,
-                                                  (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter))))
+                                                  (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter),
+                                                   ("gate_up_proj", 0, 2 * inter))))
         mlp.add_module("down_proj", LoRALinear(mlp.down_proj, stack, index, (("down_proj", 0, config.hidden_size),)))
     backend = model.backend
     if backend.decode_runner is not None:

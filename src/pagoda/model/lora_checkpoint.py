@@ -1,7 +1,8 @@
 """A PEFT LoRA adapter directory -> `LoRAAdapter`, checked against the base model.
 
 Reads adapter_config.json and adapter_model.safetensors (never pickle). What the batched LoRA layers
-(model/lora.py) compute is `W x + (B A x) * scaling` on q/k/v/o/gate/up/down, with scaling lora_alpha / r
+(model/lora.py) compute is `W x + (B A x) * scaling` on q/k/v/o/gate/up/down (Phi-3: on its fused qkv and gate_up,
+which PEFT targets as whole modules, and o/down), with scaling lora_alpha / r
 (rsLoRA: lora_alpha / sqrt(r)), as PEFT's `Linear` does. Every adapter feature that would change that formula
 (DoRA, biases, modules_to_save, embedding or LM-head targets, per-module ranks) is refused here, by name: an
 adapter either runs exactly or does not load.
@@ -20,12 +21,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagoda.config import ModelConfig
+from pagoda.model.checkpoint_adapters import rotary_row_order
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-# The projections an adapter may target (PEFT's names), and the block each belongs to.
+# The projections an adapter may target (PEFT's names: the modules of the Hugging Face model), and the block each
+# belongs to. Phi-3's checkpoint fuses q/k/v and gate/up, so its adapters target the fused modules.
 TARGET_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
                   "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+FUSED_TARGET_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
 _TENSOR_NAME = re.compile(
     r"base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+_proj)\.lora_(A|B)\.weight")
 # Config fields whose non-empty value changes what a layer computes, and what each one is.
@@ -62,10 +66,17 @@ class LoRAAdapter:
         return sorted({module for _, module in self.weights})
 
 
+def target_modules(config: ModelConfig) -> dict[str, str]:
+    """The modules an adapter of this base model may target (PEFT's names), each with its block."""
+    return FUSED_TARGET_MODULES if config.architecture == "phi3" else TARGET_MODULES
+
+
 def module_shape(config: ModelConfig, module: str) -> tuple[int, int]:
     """(input features, output features) of a projection of the base model."""
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     return {
+        "qkv_proj": (config.hidden_size, q_size + 2 * kv_size),
+        "gate_up_proj": (config.hidden_size, 2 * config.intermediate_size),
         "q_proj": (config.hidden_size, q_size), "k_proj": (config.hidden_size, kv_size),
         "v_proj": (config.hidden_size, kv_size), "o_proj": (q_size, config.hidden_size),
         "gate_proj": (config.hidden_size, config.intermediate_size),
@@ -81,7 +92,7 @@ def load_lora_adapter(path: str | Path, config: ModelConfig, max_rank: int) -> L
     if not directory.is_dir():
         raise LoRALoadError(f"{where}: not a directory")
     settings = _read_config(directory / CONFIG_FILE, where)
-    rank, alpha = _check_config(settings, where, max_rank)
+    rank, alpha = _check_config(settings, where, max_rank, config)
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         pickles = sorted(p.name for p in directory.glob("*.bin")) + sorted(p.name for p in directory.glob("*.pt*"))
@@ -105,7 +116,7 @@ def _read_config(path: Path, where: str) -> dict[str, Any]:
     return settings
 
 
-def _check_config(settings: dict[str, Any], where: str, max_rank: int) -> tuple[int, float]:
+def _check_config(settings: dict[str, Any], where: str, max_rank: int, config: ModelConfig) -> tuple[int, float]:
     """(r, lora_alpha), once every field is one pagoda computes exactly."""
     peft_type = settings.get("peft_type", "LORA")
     if peft_type != "LORA":
@@ -127,17 +138,22 @@ def _check_config(settings: dict[str, Any], where: str, max_rank: int) -> tuple[
     names = [targets] if isinstance(targets, str) else targets if isinstance(targets, list) else []
     # A string other than a module name is PEFT's regex over module paths: the tensors then say what is targeted.
     for name in names if isinstance(targets, list) else []:
-        _check_target(str(name), where)
+        _check_target(str(name), where, config)
     return rank, float(alpha)
 
 
-def _check_target(name: str, where: str) -> None:
-    if name in TARGET_MODULES or name == "all-linear":
+def _check_target(name: str, where: str, config: ModelConfig) -> None:
+    supported = target_modules(config)
+    if name in supported or name == "all-linear":
         return
+    listed = ", ".join(supported)
     if name in ("embed_tokens", "lm_head") or "embed" in name:
         raise LoRALoadError(f"{where}: target module {name!r} is not supported (embedding and LM-head adapters "
-                            f"are not); supported: {', '.join(TARGET_MODULES)}")
-    raise LoRALoadError(f"{where}: unknown target module {name!r}; supported: {', '.join(TARGET_MODULES)}")
+                            f"are not); supported: {listed}")
+    if name in TARGET_MODULES or name in FUSED_TARGET_MODULES:  # the other layout's name
+        raise LoRALoadError(f"{where}: target module {name!r} is not a module of this {config.architecture} model "
+                            f"(the adapter was made for another architecture); supported: {listed}")
+    raise LoRALoadError(f"{where}: unknown target module {name!r}; supported: {listed}")
 
 
 def _read_weights(path: Path, where: str, config: ModelConfig,
@@ -164,8 +180,20 @@ def _read_weights(path: Path, where: str, config: ModelConfig,
                 f"{where}: layer {layer} {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; the base "
                 f"model's {module} ({fan_in} -> {fan_out}) at rank {rank} needs ({rank}, {fan_in}) and "
                 f"({fan_out}, {rank}): the adapter does not fit this model")
-        weights[layer, module] = (a.contiguous(), b.contiguous())
+        weights[layer, module] = (a.contiguous(), _model_row_order(b, module, config).contiguous())
     return weights
+
+
+def _model_row_order(b: torch.Tensor, module: str, config: ModelConfig) -> torch.Tensor:
+    """B's output rows in the order of the model's projection: the loader reorders q and k rows for partial
+    rotary (checkpoint_adapters), so an adapter's q and k rows move with them (in Phi-3's fused qkv too)."""
+    if module in ("q_proj", "k_proj"):
+        return rotary_row_order(b, config)
+    if module == "qkv_proj":
+        kv_size = config.num_kv_heads * config.head_dim
+        q, k, v = torch.split(b, [config.num_heads * config.head_dim, kv_size, kv_size])
+        return torch.cat([rotary_row_order(q, config), rotary_row_order(k, config), v])
+    return b
 
 
 def _tensor_place(name: str, where: str, config: ModelConfig) -> tuple[int, str, str]:
@@ -183,8 +211,9 @@ def _tensor_place(name: str, where: str, config: ModelConfig) -> tuple[int, str,
         raise LoRALoadError(f"{where}: tensor {name!r} is not supported ({what})")
     layer_text, block, module, half = match.groups()
     layer = int(layer_text)
-    if TARGET_MODULES.get(module) != block:
-        raise LoRALoadError(f"{where}: tensor {name!r}: unknown target module {module!r}")
+    if target_modules(config).get(module) != block:
+        raise LoRALoadError(f"{where}: tensor {name!r}: target module {module!r} is not one of this "
+                            f"{config.architecture} model's ({', '.join(target_modules(config))})")
     if layer >= config.num_layers:
         raise LoRALoadError(f"{where}: tensor {name!r} is for layer {layer}; the base model has "
                             f"{config.num_layers} layers: the adapter does not fit this model")

@@ -36,7 +36,7 @@ from pagoda.server.prompts import check_prompt_chars, conversation_of, echo_text
 from pagoda.server.responses import ResponseAnswer
 from pagoda.server.state import LoadedModel, ServerState
 from pagoda.server.tenancy import TenantPass
-from pagoda.server.tools import TOOL_CALL_PARSERS, ToolCallReader
+from pagoda.server.tools import ToolCallReader
 from pagoda.server.web import mount_web_ui
 from pagoda.text.reasoning import REASONING_PARSERS
 from pagoda.version import __version__
@@ -262,7 +262,7 @@ def _tool_reader(state: ServerState, body: ChatCompletionRequest) -> ToolCallRea
         if state.tool_call_parser is None:
             raise OpenAIError(400, '"auto" tool choice requires the server to run with --enable-auto-tool-choice '
                                    'and --tool-call-parser', "tool_choice")
-        return ToolCallReader(parser=TOOL_CALL_PARSERS[state.tool_call_parser]())
+        return ToolCallReader.auto(state.tool_call_parser)
     return ToolCallReader(forced_choice=choice)
 
 
@@ -306,6 +306,8 @@ async def _chat_generation(state: ServerState, loaded: LoadedModel, body: ChatCo
                            tenant: TenantPass | None) -> Generation:
     params = _sampling_params(body, body.num_logprobs())
     tool_reader = _tool_reader(state, body)
+    if tool_reader is not None:
+        params = tool_reader.sampling_params(params)
     tools = body.tool_dicts() if tool_reader is not None else None  # tool_choice "none": answer in text
     conversation = conversation_of(state, loaded, body.messages)
     with _holding(_reserve(state, 1, params.n)) as slots:
