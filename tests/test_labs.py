@@ -77,3 +77,19 @@ def test_each_accepted_draft_token_saves_one_step_and_the_conditional_rate_predi
         assert abs(row["calc_from_conditional"] - row["tokens_per_step"]) < 0.1
         if row["k"] >= 2:  # with one draft token the two rates are the same count
             assert row["calc_from_rate"] < row["tokens_per_step"] - 0.1
+
+
+def test_continuous_batching_takes_the_steps_calc_predicts_and_fewer_than_static(tmp_path, capsys):
+    result = run_lab("static-batching", tmp_path, capsys)
+    static, continuous = result["rows"]
+    lens, slots = result["settings"]["output_lens"], result["settings"]["max_num_seqs"]
+    batches = [lens[start : start + slots] for start in range(0, len(lens), slots)]
+    assert static["steps"] == static["predicted_steps"] == sum(max(batch) for batch in batches)
+    assert static["wasted"] == sum(slots * max(batch) - sum(batch) for batch in batches)
+    assert continuous["steps"] == continuous["predicted_steps"] >= -(-sum(lens) // slots)
+    assert continuous["steps"] < static["steps"] and continuous["wasted"] < static["wasted"] / 4
+    # The same tokens computed either way: static batching's cost is idle slots, not padded compute.
+    assert static["tokens_computed"] == continuous["tokens_computed"] == len(lens) * 8 + sum(lens) - len(lens)
+    # Static batching fills its slots only as a batch starts: they are full for less than half the steps.
+    occupancy = result["series"]["static"]
+    assert max(occupancy) == slots and occupancy.count(slots) < len(occupancy) / 2
