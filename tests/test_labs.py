@@ -93,3 +93,19 @@ def test_continuous_batching_takes_the_steps_calc_predicts_and_fewer_than_static
     # Static batching fills its slots only as a batch starts: they are full for less than half the steps.
     occupancy = result["series"]["static"]
     assert max(occupancy) == slots and occupancy.count(slots) < len(occupancy) / 2
+
+
+def test_a_smaller_budget_caps_the_stall_and_delays_the_long_prompt_as_calc_says(tmp_path, capsys):
+    result = run_lab("interference", tmp_path, capsys)
+    rows = result["rows"]
+    streams, prompt = result["settings"]["streams"], result["settings"]["prompt_tokens"]
+    unchunked, *chunked = rows
+    # Unchunked, one step carries every stream's decode and the whole prompt.
+    assert unchunked["stall_tokens"] == streams + prompt and unchunked["prefill_steps"] == 1
+    for row in chunked:
+        assert row["stall_tokens"] == row["budget"] == row["predicted_stall_tokens"]
+        assert row["prefill_steps"] == row["predicted_prefill_steps"] == -(-prompt // (row["budget"] - streams))
+    # Decodes come first in every step: no stream ever skipped one, whatever the budget.
+    assert all(row["gap_steps"] == 1 for row in rows)
+    assert [row["prefill_steps"] for row in rows] == sorted(row["prefill_steps"] for row in rows)
+    assert len({row["prefill_steps"] for row in rows}) == len(rows)

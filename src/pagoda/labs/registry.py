@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from pagoda.labs import kv_capacity, prefix_cache, priority, speculative, static_batching
+from pagoda.labs import (
+    interference,
+    kv_capacity,
+    prefix_cache,
+    priority,
+    speculative,
+    static_batching,
+)
 
 LABS: dict[str, ModuleType] = {
-    lab.NAME: lab for lab in (kv_capacity, prefix_cache, priority, speculative, static_batching)
+    lab.NAME: lab for lab in (kv_capacity, prefix_cache, priority, speculative, static_batching, interference)
 }
