@@ -109,3 +109,18 @@ def test_a_smaller_budget_caps_the_stall_and_delays_the_long_prompt_as_calc_says
     assert all(row["gap_steps"] == 1 for row in rows)
     assert [row["prefill_steps"] for row in rows] == sorted(row["prefill_steps"] for row in rows)
     assert len({row["prefill_steps"] for row in rows}) == len(rows)
+
+
+def test_cache_aware_routing_serves_each_history_from_cache_and_round_robin_does_not(tmp_path, capsys):
+    result = run_lab("router-policies", tmp_path, capsys)
+    round_robin, cache_aware = result["rows"]
+    # Given the routes, every request's hit is what the blocks its replica computed before predict.
+    assert round_robin["hit_tokens"] == round_robin["predicted_hit_tokens"] > 0
+    assert cache_aware["hit_tokens"] == cache_aware["predicted_hit_tokens"]
+    # Cache-aware routing reaches the ideal (every turn on the replica of its history); round robin falls short.
+    assert cache_aware["hit_rate"] == cache_aware["napkin_hit_rate"] > round_robin["hit_rate"] * 1.5
+    assert round_robin["hit_rate"] >= round_robin["napkin_hit_rate"]  # older turns on the same replica hit too
+    # Round robin is even by construction; cache-aware stays within a request or two of even.
+    replicas, requests = result["settings"]["replicas"], round_robin["requests"]
+    assert round_robin["busiest_share"] == -(-requests // replicas) / requests
+    assert cache_aware["busiest_share"] <= 1 / replicas + 2 / requests

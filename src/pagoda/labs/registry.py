@@ -9,10 +9,12 @@ from pagoda.labs import (
     kv_capacity,
     prefix_cache,
     priority,
+    router_policies,
     speculative,
     static_batching,
 )
 
 LABS: dict[str, ModuleType] = {
-    lab.NAME: lab for lab in (kv_capacity, prefix_cache, priority, speculative, static_batching, interference)
+    lab.NAME: lab for lab in (kv_capacity, prefix_cache, priority, speculative, static_batching, interference,
+                              router_policies)
 }
