@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagoda.cli import main
 from pagoda.labs.registry import LABS
 from pagoda.labs.result import LabResult
@@ -124,3 +126,16 @@ def test_cache_aware_routing_serves_each_history_from_cache_and_round_robin_does
     replicas, requests = result["settings"]["replicas"], round_robin["requests"]
     assert round_robin["busiest_share"] == -(-requests // replicas) / requests
     assert cache_aware["busiest_share"] <= 1 / replicas + 2 / requests
+
+
+def test_the_queue_bends_at_the_knee_and_littles_law_holds_on_the_counts(tmp_path, capsys):
+    result = run_lab("queueing", tmp_path, capsys)
+    rows = result["rows"]
+    for row in rows:
+        assert row["littles_law"] and row["busy_while_waiting"]  # exact identities on the counted steps
+        assert row["predicted_sojourn"] == pytest.approx(result["settings"]["mean_output_tokens"] / (1 - row["rho"]))
+    queues, sojourns = [row["queue"] for row in rows], [row["sojourn"] for row in rows]
+    assert queues == sorted(queues) and sojourns == sorted(sojourns)
+    # Past the knee the queue grows far faster than the load: tripling rho multiplies the queue over tenfold.
+    assert queues[-1] > 10 * queues[0] and rows[-1]["rho"] == pytest.approx(3 * rows[0]["rho"])
+    assert rows[-1]["within_slo"] < rows[0]["within_slo"]

@@ -9,6 +9,7 @@ from pagoda.labs import (
     kv_capacity,
     prefix_cache,
     priority,
+    queueing,
     router_policies,
     speculative,
     static_batching,
@@ -16,5 +17,5 @@ from pagoda.labs import (
 
 LABS: dict[str, ModuleType] = {
     lab.NAME: lab for lab in (kv_capacity, prefix_cache, priority, speculative, static_batching, interference,
-                              router_policies)
+                              router_policies, queueing)
 }
