@@ -22,9 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 from pagoda.block_hash import hash_block_chain, max_cacheable_blocks
 from pagoda.labs.result import Cell, LabResult
-from pagoda.router.config import RouterConfig
-from pagoda.router.core import Router
-from pagoda.router.policies import RoutedPrompt
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -84,6 +81,9 @@ def _serve(engines: list[Any], policy: str, conversations: int, turns: int, bloc
     """Runs the conversations through a router over the engines; per request: its replica, prompt tokens, hit
     tokens (the engine's count), and the hits predicted from the blocks each replica has computed."""
     from pagoda import SamplingParams
+    from pagoda.router.config import RouterConfig  # here: the router's modules load pydantic
+    from pagoda.router.core import Router
+    from pagoda.router.policies import RoutedPrompt
 
     ticks = iter(range(1 << 30))  # the router's clock: one tick a decision, so nothing expires mid-run
     urls = [f"replica-{index}" for index in range(len(engines))]
