@@ -46,6 +46,7 @@ OPTIONS = {
     "long_prefill_token_threshold": 256,
     "scheduling_policy": "priority",
     "priority_aging_s": 2.5,
+    "batching": "static",
     "speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
                            "prompt_lookup_max": 4, "disable_by_batch_size": 8},
     # Each grammar limit at twice its default.
@@ -71,7 +72,7 @@ FLAGS = [
     "--no-enable-prefix-caching", "--kv-cache-dtype", "fp8", "--calculate-kv-scales", "--max-model-len", "512",
     "--max-num-seqs", "8",
     "--max-num-batched-tokens", "1024", "--max-step-ms", "50", "--long-prefill-token-threshold", "256",
-    "--scheduling-policy", "priority", "--priority-aging-s", "2.5",
+    "--scheduling-policy", "priority", "--priority-aging-s", "2.5", "--batching", "static",
     "--speculative-config", json.dumps(OPTIONS["speculative_config"]),
     *[text for f in dataclasses.fields(GrammarLimits) for text in (f"--grammar-{f.name.replace('_', '-')}",
                                                                     str(2 * f.default))],
@@ -104,7 +105,7 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
                                       enable_prefix_caching=False, cache_dtype="fp8_e4m3", calculate_kv_scales=True)
     assert given.scheduler == SchedulerConfig(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=1024,
                                               max_step_ms=50.0, long_prefill_token_threshold=256,
-                                              scheduling_policy="priority", priority_aging_s=2.5)
+                                              scheduling_policy="priority", priority_aging_s=2.5, batching="static")
     assert given.speculative_config == SpeculativeConfig(method="ngram", num_speculative_tokens=3, prompt_lookup_min=2,
                                                          prompt_lookup_max=4, disable_by_batch_size=8)
     assert given.grammar == GrammarLimits(**{f.name: 2 * f.default for f in dataclasses.fields(GrammarLimits)})

@@ -77,6 +77,26 @@ def test_fcfs_admission_and_max_num_seqs():
     assert scheduled(scheduler.schedule()) == [("a", 1), ("b", 1)], "c waits: max_num_seqs is 2"
 
 
+def test_static_batching_waits_for_the_whole_batch_and_continuous_does_not():
+    def steps_run(batching: str, budget: int = 64) -> list[list[str]]:
+        config = SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=budget, max_model_len=1024, batching=batching)
+        scheduler = Scheduler(config, KVCacheManager(64, BLOCK_SIZE, True))
+        for name, max_tokens in zip("abcd", (1, 3, 2, 2)):
+            scheduler.add_request(make_request(name, 6, max_tokens=max_tokens, first_token=10 * ord(name)))
+        names = []
+        while scheduler.has_unfinished_requests():
+            names.append([item.request.request_id for item in step(scheduler).scheduled])
+        assert_consistent(scheduler)
+        assert scheduler.kv_cache.num_free_blocks == 64
+        return names
+
+    # a's slot is free after one step: continuous gives it to c at once, static keeps it until b ends.
+    assert steps_run("continuous") == [["a", "b"], ["b", "c"], ["b", "c"], ["d"], ["d"]]
+    assert steps_run("static") == [["a", "b"], ["b"], ["b"], ["c", "d"], ["c", "d"]]
+    # A batch whose prompts take several steps still forms: b joins while a's prompt is unfinished.
+    assert steps_run("static", budget=4)[:3] == [["a"], ["a", "b"], ["b"]]
+
+
 def test_head_of_queue_is_not_overtaken_when_it_does_not_fit():
     scheduler = make_scheduler(num_blocks=4)
     scheduler.add_request(make_request("big", 12, max_tokens=1))  # 3 blocks

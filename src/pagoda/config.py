@@ -110,6 +110,8 @@ class SchedulerConfig:
     (0: none). scheduling_policy: "fcfs" or "priority" (lower `priority` first, FCFS within a level).
     priority_aging_s: under "priority", each level of priority counts as this many seconds of later
     arrival, which bounds how long lower levels can be passed over; 0 is vLLM's strict order (no bound).
+    batching: "continuous" (admit whenever a slot frees) or "static", for teaching only: a new batch is
+    admitted only once every request of the previous one has finished (engine/core/batching.py).
     """
 
     max_num_seqs: int = 128
@@ -119,6 +121,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     priority_aging_s: float = 10.0
+    batching: str = "continuous"
 
     def __post_init__(self) -> None:
         _require_positive(self, "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -128,9 +131,12 @@ class SchedulerConfig:
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
+        if self.batching not in BATCHING_MODES:
+            raise ValueError(f"batching must be one of {', '.join(BATCHING_MODES)}, got {self.batching!r}")
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+BATCHING_MODES = ("continuous", "static")  # static: teaching only (pagoda lab static-batching)
 
 
 # The speculative decoding methods built; vLLM's others ("eagle", "medusa", ...) are refused by name.

@@ -58,6 +58,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine flags, with vLLM's names. Each defaults to None, "not given": build_engine_config fills in
     pagoda.config's defaults, and each help shows the default read from there (pagoda.config is torch-free)."""
     from pagoda.config import (
+        BATCHING_MODES,
         DISTRIBUTED_EXECUTOR_BACKENDS,
         DTYPE_BYTES,
         SCHEDULING_POLICIES,
@@ -101,6 +102,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="priority: each level counts as this many seconds of later arrival, bounding how "
                              f"long lower levels wait (default {show_default(SchedulerConfig.priority_aging_s)}; "
                              "0: strict order, no bound)")
+    parser.add_argument("--batching", choices=BATCHING_MODES,
+                        help="continuous (the default), or static, for teaching only: a new batch starts once "
+                             "the whole previous batch has finished (docs/labs.md)")
     parser.add_argument("--block-size", type=int, help=f"default {CacheConfig.block_size}")
     parser.add_argument("--kv-cache-memory-bytes", type=parse_bytes,
                         help="most bytes the KV pool may take (suffixes K, M, G: 2G = 2 GiB; "

@@ -39,7 +39,7 @@ TOP_LEVEL_OPTIONS = ("dtype", "device", "seed", "quantization", "quantization_co
 CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable_prefix_caching", "kv_cache_dtype",
                  "calculate_kv_scales")
 SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_step_ms",
-                     "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s")
+                     "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s", "batching")
 PARALLEL_OPTIONS = ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend")
 LORA_OPTIONS = ("max_loras", "max_cpu_loras", "max_lora_rank")  # with enable_lora=True only
 # vLLM's connector option and its offloading shorthand, which together make EngineConfig.kv_transfer_config.

@@ -198,3 +198,48 @@ def chunked_prefill_steps(prompt_len: int, token_budget: int, running_decodes: i
     if chunk <= 0:
         return None
     return math.ceil(prompt_len / chunk)
+
+
+def static_batching_steps(output_lens: list[int], slots: int) -> int:
+    """Steps to serve requests (in order) when a batch of `slots` starts only after the previous one ended.
+
+    A request of L output tokens is in L steps (its first token comes with its prompt), so each batch lasts
+    as long as its longest answer: the sum of the batch maxima.
+    """
+    return sum(max(output_lens[start : start + slots]) for start in range(0, len(output_lens), slots))
+
+
+def continuous_batching_steps(output_lens: list[int], slots: int) -> int:
+    """Steps to serve requests (in order) when a freed slot takes the next request at the next step.
+
+    Each request goes to the slot that frees first (list scheduling); the last slot to finish ends it.
+    """
+    free_at = [0] * slots  # the step at which each slot is next free
+    for length in output_lens:
+        slot = min(range(slots), key=free_at.__getitem__)
+        free_at[slot] += length
+    return max(free_at, default=0)
+
+
+def expected_batch_max_uniform(max_len: int, batch: int) -> float:
+    """E[max of `batch` output lengths drawn uniformly from 1..max_len]: a static batch's expected steps."""
+    return sum(1 - ((k - 1) / max_len) ** batch for k in range(1, max_len + 1))
+
+
+# --- queueing -----------------------------------------------------------------------------------
+
+
+def mm1_mean_sojourn(arrival_rate: float, service_rate: float) -> float | None:
+    """M/M/1: mean time in the system (waiting + service), 1 / (mu - lambda); None at or past saturation."""
+    return 1 / (service_rate - arrival_rate) if arrival_rate < service_rate else None
+
+
+def mm1_mean_queue(arrival_rate: float, service_rate: float) -> float | None:
+    """M/M/1: mean number waiting (not in service), rho^2 / (1 - rho); None at or past saturation."""
+    rho = arrival_rate / service_rate
+    return rho * rho / (1 - rho) if rho < 1 else None
+
+
+def mm1_within(arrival_rate: float, service_rate: float, slo: float) -> float:
+    """M/M/1: the share of requests done within `slo` of arriving (time in system is exponential, mu - lambda)."""
+    return 1 - math.exp(-(service_rate - arrival_rate) * slo) if arrival_rate < service_rate else 0.0

@@ -4,6 +4,18 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from pagoda.labs import kv_capacity, prefix_cache, priority, speculative
+from pagoda.labs import (
+    interference,
+    kv_capacity,
+    prefix_cache,
+    priority,
+    queueing,
+    router_policies,
+    speculative,
+    static_batching,
+)
 
-LABS: dict[str, ModuleType] = {lab.NAME: lab for lab in (kv_capacity, prefix_cache, priority, speculative)}
+LABS: dict[str, ModuleType] = {
+    lab.NAME: lab for lab in (kv_capacity, prefix_cache, priority, speculative, static_batching, interference,
+                              router_policies, queueing)
+}

@@ -24,6 +24,7 @@ class LabResult:
     lesson: str  # what the numbers show, in one or two sentences
     lesson_holds: bool  # the lesson checked on counted quantities
     settings: dict[str, Any] = field(default_factory=dict)
+    series: dict[str, list[float]] = field(default_factory=dict)  # per-step traces, for the plot
 
     def column(self, key: str) -> list[float]:
         """A numeric column, for plotting."""

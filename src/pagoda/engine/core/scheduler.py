@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
+from pagoda.engine.core.batching import make_admission_gate
 from pagoda.engine.core.drafts import Draft, DraftSource
 from pagoda.engine.core.kv_cache import KVCacheManager
 from pagoda.engine.core.kv_connector import KVConnectorScheduler, StepItem
@@ -25,7 +26,7 @@ from pagoda.engine.core.queues import make_waiting_queue
 from pagoda.engine.core.request import FinishReason, Request, RequestStatus
 from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.speculative import SpecDecodeCounters
-from pagoda.engine.core.step_budget import LinearStepCost, StepCostModel, prefill_token_cap
+from pagoda.engine.core.step_budget import LinearStepCost, PrefillAllowance, StepCostModel, prefill_token_cap
 from pagoda.structured.interface import GrammarStateError
 
 # vLLM's buckets for vllm:iteration_tokens_total (tokens computed per engine step).
@@ -107,17 +108,6 @@ class StepTokenHistogram:
         self.total += num_tokens
 
 
-@dataclass
-class PrefillAllowance:
-    """One step's limits on prefill work: all chunks together (`left`) and each request's (`per_request`)."""
-
-    left: int
-    per_request: int
-
-    def chunk(self, wanted: int, budget: int) -> int:
-        return min(wanted, budget, self.left, self.per_request)
-
-
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache: KVCacheManager, drafts: DraftSource | None = None,
@@ -132,6 +122,7 @@ class Scheduler:
         self.draft_source = drafts  # None: no speculative decoding
         self.step_cost: StepCostModel = step_cost if step_cost is not None else LinearStepCost()
         self.waiting = make_waiting_queue(config)
+        self.admission = make_admission_gate(config)  # continuous, or static batching (teaching only)
         self.running: list[Request] = []
         self.iteration_tokens = StepTokenHistogram()
         self.requests: dict[str, Request] = {}
@@ -164,7 +155,7 @@ class Scheduler:
         if not output.preempted:
             budget = self._schedule_drafts(output, budget, drafts)
         self.waiting.charge((item.request, item.num_tokens) for item in output.scheduled)
-        if not output.preempted:
+        if not output.preempted and self.admission.admits(self.running):
             self._schedule_waiting(output, budget, prefill)  # charges each request as it admits it
         if output.scheduled:
             self.iteration_tokens.observe(output.num_batched_tokens)

@@ -17,6 +17,17 @@ from typing import Protocol
 PREFILL_FLOOR_SHARE = 1.0
 
 
+@dataclass
+class PrefillAllowance:
+    """One step's limits on prefill work: all chunks together (`left`) and each request's (`per_request`)."""
+
+    left: int
+    per_request: int
+
+    def chunk(self, wanted: int, budget: int) -> int:
+        return min(wanted, budget, self.left, self.per_request)
+
+
 class StepCostModel(Protocol):
     """Predicts a step's wall time from its token count, learning from the steps it is shown."""
 
