@@ -127,6 +127,27 @@ def test_decode_computes_at_most_a_block_and_the_bytes_moved_are_calcs(fleet):
         assert moved_now - moved == predicted["handoff_bytes"] > 0
 
 
+def test_a_prefix_the_decode_replica_caches_is_not_pulled_again(fleet):
+    router, decode, reference = fleet["router"], fleet["decode"], fleet["reference"]
+    shared = new_prompt(4 * BLOCK_SIZE)
+    first = shared + new_prompt(20)  # through the split: the decode replica caches the shared blocks
+    assert tokens(router, first) == tokens(reference, first)
+    for suffix in (30, 3):
+        prompt = shared + new_prompt(suffix)
+        computed, moved, failures = kv_counters(decode)
+        assert tokens(router, prompt) == tokens(reference, prompt)
+        computed_now, moved_now, failures_now = kv_counters(decode)
+        predicted = calc_handoff(fleet["model_dir"], len(prompt), decode_prefix_len=len(shared))
+        whole = calc_handoff(fleet["model_dir"], len(prompt))
+        # Only the blocks after the cached prefix crossed the wire, and the decode replica still computed only the
+        # last prompt token's block: the prefix came from its own cache, the rest from the prefill replica.
+        assert moved_now - moved == predicted["handoff_bytes"] < whole["handoff_bytes"]
+        assert computed_now - computed == len(prompt) - whole["handoff_tokens"] <= BLOCK_SIZE
+        assert failures_now == failures
+    # With nothing left to pull the decode replica still tells the producer, which releases the blocks at once.
+    fleet["prefill"].wait_until_idle(timeout=5)
+
+
 def test_prefix_hits_streaming_n_stop_strings_and_structured_output_as_on_one_replica(fleet):
     router, reference = fleet["router"], fleet["reference"]
     shared = new_prompt(64)
