@@ -189,6 +189,20 @@ def prefix_reusable_tokens(prompt_len: int, prefix_len: int, block_size: int) ->
     return (shared // block_size) * block_size
 
 
+def handoff_blocks(prompt_len: int, block_size: int, decode_prefix_len: int = 0) -> int:
+    """Blocks a prefill replica hands a decode replica for one prompt: every full block before the last prompt
+    token's (the decode replica computes that one, to sample from), less those the decode replica's prefix cache
+    already holds."""
+    held = max(prompt_len - 1, 0) // block_size
+    local = prefix_reusable_tokens(prompt_len, decode_prefix_len, block_size) // block_size
+    return max(0, held - local)
+
+
+def handoff_bytes(prompt_len: int, block_size: int, kv_bytes_per_token: float, decode_prefix_len: int = 0) -> float:
+    """KV bytes one request's handoff moves: blocks x block size x KV bytes per token (no framing)."""
+    return handoff_blocks(prompt_len, block_size, decode_prefix_len) * block_size * kv_bytes_per_token
+
+
 def chunked_prefill_steps(prompt_len: int, token_budget: int, running_decodes: int) -> int | None:
     """Steps to prefill a prompt when running decodes take their 1 token each from the budget first.
 

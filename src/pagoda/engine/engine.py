@@ -146,15 +146,22 @@ class LLMEngine:
                                   'with "kv_connector": "TcpConnector" and kv_role kv_consumer or kv_both',
                                   "kv_transfer_params")
 
-    def pull_remote_kv(self, params: SamplingParams) -> int:
+    def pull_remote_kv(self, params: SamplingParams, prompt: str | list[int] | None = None,
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> int:
         """Pulls the prompt KV a prefill replica holds for this request (kv_transfer_params.do_remote_prefill) to
         where admitting the request finds it; returns the blocks that arrived (0: it computes its prompt).
-        Thread-safe, and meant to run off the engine thread, before add_request: the engine steps meanwhile."""
+        With the prompt (and its cache salt), the leading blocks this engine's prefix cache already holds are not
+        pulled, only those after them (an adapter's prompt pulls every block: its blocks hash with the adapter,
+        resolved at admission). Thread-safe, and meant to run off the engine thread, before add_request: the
+        engine steps meanwhile."""
         transfer = params.kv_transfer_params
         remote = None if self.kv_connector is None else self.kv_connector.remote
         if transfer is None or not transfer.do_remote_prefill or remote is None:
             return 0
-        return remote.pull(transfer)
+        local = 0
+        if prompt is not None and lora_request is None:
+            local = self.kv_cache.cached_prefix_blocks(self.input_processor.prompt_ids(prompt), cache_salt)
+        return remote.pull(transfer, skip_blocks=min(local, len(transfer.remote_block_ids)))
 
     def release_sent_blocks(self) -> None:
         """Blocks the KV connector held for finished requests (a prefill replica's, for a decode replica to pull)

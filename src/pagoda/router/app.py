@@ -50,7 +50,7 @@ def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncCl
     forwarded = [name for name in FORWARDED_HEADERS if replica_api_key is None or name != "authorization"]
     decode = Forwarder(router, client, random.Random(router.config.seed))
     forwarder: Forwarder | DisaggregatedForwarder = decode if prefill_router is None else DisaggregatedForwarder(
-        Forwarder(prefill_router, client, random.Random(prefill_router.config.seed)), decode)
+        Forwarder(prefill_router, client, random.Random(prefill_router.config.seed)), decode, router.metrics)
     decoder = JsonDecoder()
 
     def headers_of(raw: Request) -> dict[str, str]:

@@ -87,8 +87,10 @@ class Lease:
 
 class Router:
     def __init__(self, urls: Sequence[str], config: RouterConfig, policy: RoutingPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic, event_endpoints: Mapping[str, str] | None = None) -> None:
-        """event_endpoints: replica URL -> where it publishes KV events, for the replicas that do."""
+                 clock: Callable[[], float] = time.monotonic, event_endpoints: Mapping[str, str] | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
+        """event_endpoints: replica URL -> where it publishes KV events, for the replicas that do. metrics: a
+        registry shared with another pool's Router (--pd-disaggregation); by default this Router's own."""
         urls = [url.rstrip("/") for url in urls]
         if not urls:
             raise ValueError("a router needs at least one replica")
@@ -106,7 +108,7 @@ class Router:
             replica.shared_index = self.shared_index
         self.policy = policy or make_policy(config)
         self.clock = clock
-        self.metrics = RouterMetrics(lambda: self.replicas, clock)
+        self.metrics = metrics or RouterMetrics(lambda: self.replicas, clock)
         # Which replica answered each recent /v1/responses call: a continuation (previous_response_id) needs
         # the replica that stored it. Bounded, oldest forgotten first, as the replicas' own stores are.
         self.response_owners: OrderedDict[str, Replica] = OrderedDict()

@@ -15,6 +15,7 @@ from pagoda.api_keys import ApiKeys
 from pagoda.router.app import build_router_app
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
+from pagoda.router.disaggregated import disaggregated_routers
 from pagoda.router.poller import POLL_LOG_FILTER
 from pagoda.router.tokens import CHARS_PER_TOKEN, LoadOnlyReader, PromptReader, TextPrefixReader, TokenizingReader
 from pagoda.text.pool import TokenizerPool
@@ -72,8 +73,11 @@ def serve_router(config: RouterConfig, replicas: Sequence[str], *, tokenizer_dir
     def endpoints_of(urls: Sequence[str]) -> dict[str, str]:
         return {url: endpoint for url, endpoint in (event_endpoints or {}).items() if url in urls}
 
-    router = Router(replicas, config, event_endpoints=endpoints_of(replicas))
-    prefill_router = Router(prefill, config, event_endpoints=endpoints_of(prefill)) if prefill else None
+    prefill_router = None
+    if prefill:
+        router, prefill_router = disaggregated_routers(replicas, prefill, config, event_endpoints)
+    else:
+        router = Router(replicas, config, event_endpoints=endpoints_of(replicas))
     app = build_router_app(router, prompt_reader(tokenizer_dir, config.policy), replica_client(config),
                            events_topic=events_topic, api_keys=api_keys, replica_api_key=replica_api_key,
                            enable_docs=enable_docs, prefill_router=prefill_router)

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pagoda.block_hash import hash_block
+from pagoda.block_hash import hash_block, hash_block_chain
 from pagoda.engine.api import KVEventSink
 from pagoda.engine.core.request import Request
 
@@ -25,7 +25,11 @@ def _root(request: Request) -> str:
     LoRA adapter (an adapter's blocks are never the base model's or another adapter's)."""
     if request.lora is not None:
         return repr(("lora", request.lora.key, request.cache_salt))
-    return "root" if request.cache_salt is None else f"salt:{request.cache_salt}"
+    return _base_root(request.cache_salt)
+
+
+def _base_root(cache_salt: str | None) -> str:
+    return "root" if cache_salt is None else f"salt:{cache_salt}"
 
 
 # What a cached block hangs from: the identity of the block before it, or for a first block the root
@@ -163,6 +167,22 @@ class KVCacheManager:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def cached_prefix_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many leading full blocks of a base-model prompt (never its last token's) the prefix cache holds now.
+        Safe to ask from another thread while the engine steps, as a hint only: admission looks again, so a block
+        evicted meanwhile is computed then, never read stale."""
+        if not self.enable_prefix_caching:
+            return 0
+        size = self.block_size
+        hashes = hash_block_chain(token_ids, size, cache_salt, (len(token_ids) - 1) // size)
+        parent: BlockParent = _base_root(cache_salt)
+        for index, block_hash in enumerate(hashes):
+            block = self.pool.lookup(block_hash, token_ids[index * size : (index + 1) * size], parent)
+            if block is None:
+                return index
+            parent = block.identity
+        return len(hashes)
 
     # --- allocation --------------------------------------------------------------------------------
 
