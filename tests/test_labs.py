@@ -139,3 +139,22 @@ def test_the_queue_bends_at_the_knee_and_littles_law_holds_on_the_counts(tmp_pat
     # Past the knee the queue grows far faster than the load: tripling rho multiplies the queue over tenfold.
     assert queues[-1] > 10 * queues[0] and rows[-1]["rho"] == pytest.approx(3 * rows[0]["rho"])
     assert rows[-1]["within_slo"] < rows[0]["within_slo"]
+
+
+def test_calc_counts_the_bytes_a_decode_step_reads_and_each_step_computes_the_batch(tmp_path, capsys):
+    result = run_lab("roofline", tmp_path, capsys)
+    rows, settings = result["rows"], result["settings"]
+    # calc's weights read per step are the bytes of the tensors the engine streams; its KV per token the pool's.
+    assert settings["weight_bytes_calc"] == settings["weight_bytes_engine"] > 0
+    assert settings["kv_bytes_per_token_calc"] == settings["kv_bytes_per_token_pool"] > 0
+    assert [row["batch"] for row in rows] == [1, 4, 16]
+    for row in rows:  # the engine's own counter: every decode step computed the whole batch, one token each
+        assert row["decode_steps"] == settings["output_tokens"] - 1 and row["tokens_per_step"] == row["batch"]
+    # The weights are read once a step whatever the batch: only the KV grows with it, so bytes per token fall.
+    kv_per_sequence = settings["kv_bytes_per_token_calc"] * settings["context_for_calc"] / 1e6
+    for row in rows:
+        assert row["bytes_per_step_mb"] == pytest.approx(settings["weight_bytes_calc"] / 1e6
+                                                         + row["batch"] * kv_per_sequence)
+    per_token = [row["bytes_per_token_mb"] for row in rows]
+    assert per_token == sorted(per_token, reverse=True) and per_token[0] > 8 * per_token[-1]
+    assert rows[0]["bound"] == "memory"

@@ -225,6 +225,9 @@ class EngineDescription:
     tensor_parallel_size: int = 1  # the processes each layer is split across
     pipeline_parallel_size: int = 1  # the stages the layers are split into (ranks: the product)
     runner: str = "generate"  # "pooling": an embedding model, which answers embedding requests only
+    # The weights a dense model's decode step streams, as stored (scales included; the first rank's share): all
+    # but the input embedding's table, which a step indexes. What `pagoda calc` predicts as weights read per step.
+    weight_bytes_read_per_step: int = 0
 
 
 # --- what the engine reports to -------------------------------------------------------------------------

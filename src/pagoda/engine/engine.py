@@ -32,6 +32,7 @@ from pagoda.engine.core.runner_output import PromptLogprobsChunk
 from pagoda.engine.core.step_budget import StepCostModel
 from pagoda.engine.engine_parts import build_engine_parts
 from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.model_step import weight_bytes_read_per_step
 from pagoda.engine.output_processor import OutputProcessor, SequenceText
 from pagoda.engine.parallel_sampling import RequestGroup
 from pagoda.engine.pooling_requests import NOT_A_GENERATE_ENGINE, PoolingRequests
@@ -275,6 +276,7 @@ class LLMEngine:
         return EngineDescription(
             model=config.model, num_parameters=checkpoint_num_parameters(config.model), dtype=config.dtype,
             quantized_matmul=quantized_matmul_name(self.model),
+            weight_bytes_read_per_step=weight_bytes_read_per_step(self.model),
             max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
             num_threads=torch.get_num_threads(),
             kv_cache=KVCacheDescription(

@@ -10,6 +10,7 @@ from pagoda.labs import (
     prefix_cache,
     priority,
     queueing,
+    roofline,
     router_policies,
     speculative,
     static_batching,
@@ -17,5 +18,5 @@ from pagoda.labs import (
 
 LABS: dict[str, ModuleType] = {
     lab.NAME: lab for lab in (kv_capacity, prefix_cache, priority, speculative, static_batching, interference,
-                              router_policies, queueing)
+                              router_policies, queueing, roofline)
 }
