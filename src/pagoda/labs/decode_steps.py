@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pagoda.calc import formulas
 from pagoda.calc.deployment import CalcInputs, DecodePoint, decode_point, derive
 from pagoda.calc.shapes import GpuSpec, shape_from_path
 
@@ -22,6 +23,17 @@ def calc_step(model: str, gpu: GpuSpec, weight_dtype: str, kv_dtype: str, contex
     inputs = CalcInputs(model=shape_from_path(Path(model)), gpu=gpu, dtype=weight_dtype, kv_dtype=kv_dtype,
                         seq_len=context, batch=batch)
     return decode_point(derive(inputs), batch)
+
+
+def calc_weight_bytes(model: str, dtype: str) -> float:
+    """calc's bytes of weights a batch-1 decode step reads, in `dtype`."""
+    return formulas.weight_bytes(shape_from_path(Path(model)).weights_read_params(1), dtype)
+
+
+def calc_kv_bytes_per_token(model: str, kv_dtype: str) -> float:
+    arch = shape_from_path(Path(model)).architecture
+    assert arch is not None, f"{model}: the lab needs the model's shape (a config.json)"
+    return formulas.kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, kv_dtype)
 
 
 def calc_weight_dtype(model_dtype: str, quantization: str | None) -> str:

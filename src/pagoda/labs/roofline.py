@@ -14,12 +14,10 @@ The step times, and so the measured share of the floor, are reported only.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pagoda.calc import formulas
-from pagoda.calc.shapes import shape_from_path
-from pagoda.labs.decode_steps import calc_step, decode_run
+from pagoda.labs.decode_steps import calc_kv_bytes_per_token, calc_step, calc_weight_bytes, decode_run
 from pagoda.labs.result import Cell, LabResult
 
 if TYPE_CHECKING:
@@ -58,9 +56,9 @@ def run(model: str, quick: bool) -> LabResult:
             "share_of_floor": max(point.memory_s, point.compute_s) / step_s,
             "achieved_flop_per_s": point.flops / step_s,
         })
-    shape_kv = _calc_kv_bytes_per_token(model, kv.dtype)
+    shape_kv = calc_kv_bytes_per_token(model, kv.dtype)
     pool_kv = kv.num_bytes / (kv.num_blocks * kv.block_size)
-    calc_weights = _calc_weight_bytes(model, description.dtype)
+    calc_weights = calc_weight_bytes(model, description.dtype)
     del llm
     holds = (calc_weights == description.weight_bytes_read_per_step and shape_kv == pool_kv
              and all(row["decode_steps"] == output_tokens - 1 and row["tokens_per_step"] == row["batch"]
@@ -87,16 +85,6 @@ def run(model: str, quick: bool) -> LabResult:
                   "bandwidth_bytes_per_s": machine.bandwidth, "peak_flop_per_s": machine.peak_flops,
                   "ridge_flop_per_byte": ridge, "machine": machine.source, "quick": quick},
     )
-
-
-def _calc_weight_bytes(model: str, dtype: str) -> float:
-    return formulas.weight_bytes(shape_from_path(Path(model)).weights_read_params(1), dtype)
-
-
-def _calc_kv_bytes_per_token(model: str, kv_dtype: str) -> float:
-    arch = shape_from_path(Path(model)).architecture
-    assert arch is not None, f"{model}: the lab needs the model's shape (a config.json)"
-    return formulas.kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, kv_dtype)
 
 
 def plot(result: LabResult, axes: Axes) -> None:
