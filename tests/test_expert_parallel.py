@@ -15,11 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compare_with_reference
+import torch.distributed as dist
+from conftest import compare_with_reference, random_prompts
 from safetensors import safe_open
 from test_correctness import MAX_NEW_TOKENS, PROMPTS, observe_schedules, run_greedy
 from test_tensor_parallel import MODES
 
+from pagoda import SamplingParams
+from pagoda.calc import formulas
 from pagoda.config import ParallelConfig
 from pagoda.engine.api import EngineStats, ExpertLoadStats
 from pagoda.model.expert_parallel import ExpertParallelMoeBlock
@@ -152,6 +155,36 @@ def test_the_load_is_counted_per_expert_and_per_rank(checkpoint, make_llm):
     half = moe.num_experts // 2
     assert two.rank_tokens == (sum(two.expert_tokens[:half]), sum(two.expert_tokens[half:]))
     assert sum(one.expert_tokens) == sum(two.expert_tokens)
+
+
+def test_calcs_all_to_all_volume_is_what_rank_0_sends(checkpoint, make_llm, monkeypatch):
+    """`pagoda calc`'s expert-parallel all-to-all bytes per sparse layer at batch 32 (uniform routing) within 15% of
+    what rank 0 sends rank 1 in the dispatch and combine of 32-token decode steps, counted at the collective."""
+    model_dir = checkpoint("mixtral")
+    config = load_model_config(model_dir)
+    assert config.moe is not None
+    batch, sent_per_layer = [0], []
+    forward, all_to_all = ExpertParallelMoeBlock.forward, dist.all_to_all_single
+
+    def counting_forward(block, x):
+        batch[0] = x.shape[0]
+        return forward(block, x)
+
+    def counting_all_to_all(output, input, output_split_sizes, input_split_sizes, group=None):
+        if batch[0] == 32:  # the rows rank 0 sends rank 1, fp32
+            sent_per_layer.append(input_split_sizes[1] * input.shape[1] * input.element_size())
+        return all_to_all(output, input, output_split_sizes, input_split_sizes, group=group)
+
+    monkeypatch.setattr(ExpertParallelMoeBlock, "forward", counting_forward)
+    monkeypatch.setattr(dist, "all_to_all_single", counting_all_to_all)
+    with make_llm(model_dir, **EP2, max_num_seqs=32) as llm:
+        llm.generate(random_prompts([3] * 32, seed=5), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                     use_tqdm=False)
+    # Each sparse layer's step makes two calls (dispatch, combine); 9 decode steps of 32 tokens, 2 sparse layers.
+    assert len(sent_per_layer) == 2 * 9 * config.moe.num_sparse_layers
+    counted = 2 * sum(sent_per_layer) / len(sent_per_layer)
+    predicted = formulas.ep_all_to_all_bytes(32, config.moe.top_k, config.hidden_size, 4, 2)
+    assert counted == pytest.approx(predicted, rel=0.15)
 
 
 def test_the_load_is_exported_one_series_per_expert_and_per_rank():
