@@ -193,9 +193,8 @@ class SparseMoeBlock(nn.Module):
 
     def count(self, counts: torch.Tensor) -> None:
         """Adds a step's pairs per expert (all the model's experts) to the block's load."""
-        if self.routed_tokens is None:
-            self.routed_tokens = torch.zeros(self.num_experts, dtype=torch.int64)
-        self.routed_tokens += counts
+        # Out of place: a total made under the engine's inference mode may be added to outside it (tests call blocks).
+        self.routed_tokens = counts.clone() if self.routed_tokens is None else self.routed_tokens + counts
 
 
 def routed_token_counts(model: nn.Module) -> list[int] | None:
