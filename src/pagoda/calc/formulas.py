@@ -257,3 +257,21 @@ def mm1_mean_queue(arrival_rate: float, service_rate: float) -> float | None:
 def mm1_within(arrival_rate: float, service_rate: float, slo: float) -> float:
     """M/M/1: the share of requests done within `slo` of arriving (time in system is exponential, mu - lambda)."""
     return 1 - math.exp(-(service_rate - arrival_rate) * slo) if arrival_rate < service_rate else 0.0
+
+
+# --- expert parallelism -------------------------------------------------------------------------
+
+
+def ep_all_to_all_bytes(batch: float, top_k: int, hidden_size: int, activation_bytes: float, num_gpus: int) -> float:
+    """Bytes one GPU sends in one sparse layer's dispatch and combine under expert parallelism: its batch / N
+    tokens' top_k rows go out to their experts and come back, and (N - 1) / N of them to another GPU (routing taken
+    as uniform; a GPU's own experts' rows stay)."""
+    if num_gpus <= 1:
+        return 0.0
+    return 2 * batch / num_gpus * top_k * (num_gpus - 1) / num_gpus * hidden_size * activation_bytes
+
+
+def ep_all_gather_bytes(batch: int, hidden_size: int, activation_bytes: float, num_gpus: int) -> float:
+    """Bytes one GPU sends when a sparse layer's output is gathered back to every GPU: its slice of the batch,
+    ceil(batch / N) rows, to each of the N - 1 others."""
+    return (num_gpus - 1) * math.ceil(batch / num_gpus) * hidden_size * activation_bytes

@@ -142,6 +142,16 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class ExpertLoadStats:
+    """A mixture of experts' load since start-up: the (token, expert) pairs routed to each expert, summed over the
+    sparse layers, and to each expert-parallel rank (the sums over the experts it holds; one rank without expert
+    parallelism). With pipeline stages, the first stage's sparse layers (the ones rank 0 runs)."""
+
+    expert_tokens: tuple[int, ...]
+    rank_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class LoRAStats:
     """The adapters of the running and waiting requests, by name (vLLM's vllm:lora_requests_info)."""
 
@@ -195,6 +205,7 @@ class EngineStats:
     iteration_token_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
     lora: LoRAStats | None = None  # None: LoRA adapters are off
+    experts: ExpertLoadStats | None = None  # None: a dense model
 
 
 @dataclass(frozen=True)

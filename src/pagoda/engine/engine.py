@@ -18,6 +18,7 @@ from pagoda.engine.api import (
     EngineDescription,
     EngineOutput,
     EngineStats,
+    ExpertLoadStats,
     KVCacheDescription,
     KVConnectorStats,
     KVEventSink,
@@ -39,6 +40,7 @@ from pagoda.engine.pooling_requests import NOT_A_GENERATE_ENGINE, PoolingRequest
 from pagoda.lora_request import LoRARequest
 from pagoda.model.loader import checkpoint_num_parameters
 from pagoda.model.lora_checkpoint import LoRALoadError
+from pagoda.model.moe import routed_token_counts
 from pagoda.model.quantization import quantized_matmul_name
 from pagoda.pooling import PoolingParams
 from pagoda.sampling import SamplingParams
@@ -245,7 +247,18 @@ class LLMEngine:
             iteration_token_counts=tuple(scheduler.iteration_tokens.counts),
             iteration_tokens_sum=scheduler.iteration_tokens.total,
             lora=self._lora_stats(),
+            experts=self._expert_load(),
         )
+
+    def _expert_load(self) -> ExpertLoadStats | None:
+        expert_tokens = routed_token_counts(self.model)
+        if expert_tokens is None:
+            return None
+        parallel = self.config.parallel
+        ranks = parallel.tensor_parallel_size if parallel.enable_expert_parallel else 1
+        per_rank = len(expert_tokens) // ranks
+        rank_tokens = tuple(sum(expert_tokens[r * per_rank:(r + 1) * per_rank]) for r in range(ranks))
+        return ExpertLoadStats(tuple(expert_tokens), rank_tokens)
 
     def _lora_stats(self) -> LoRAStats | None:
         if self.lora is None:

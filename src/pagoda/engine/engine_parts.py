@@ -29,6 +29,7 @@ from pagoda.engine.lora_manager import LoRAManager
 from pagoda.engine.model_step import ModelExecution, kv_layer_tensors, load_engine_model
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
+from pagoda.model.expert_parallel import check_experts_divisible
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model_config
 from pagoda.model.lora import attach_lora
@@ -158,6 +159,12 @@ def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
     started."""
     size = config.parallel.tensor_parallel_size
     check_divisible(model_config, size)
+    if model_config.moe is not None and size > 1:
+        if not config.parallel.enable_expert_parallel:
+            raise ModelLoadError(f"tensor_parallel_size {size} splits a mixture-of-experts model only with "
+                                 "--enable-expert-parallel (enable_expert_parallel=True: each rank holds "
+                                 f"{model_config.moe.num_experts} / {size} of the experts, whole)")
+        check_experts_divisible(model_config.moe.num_experts, size)
     stage_layer_counts(model_config.num_layers, config.parallel.pipeline_parallel_size)
     unsupported = [
         reason for reason, applies in (
