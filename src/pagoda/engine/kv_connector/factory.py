@@ -42,13 +42,26 @@ def build_kv_connector(config: EngineConfig, transfer: KVTransferConfig, layers:
 
         tiers.append(LocalStore(options.cpu_bytes_to_use, layout.value_bytes, LOCAL_MEDIUM, evicted))
     if options.shared_store is not None:
-        from pagoda.engine.kv_connector.redis_store import RedisStore  # the redis client only where a tier needs it
-
-        tiers.append(RedisStore(options.shared_store, options.shared_medium, options.store_timeout_ms / 1e3,
-                                options.reconnect_backoff_s, options.max_reconnect_backoff_s))
+        tiers.append(_shared_tier(options.shared_store, options.shared_medium, options.store_timeout_ms / 1e3,
+                                  options.reconnect_backoff_s, options.max_reconnect_backoff_s, options.store_ttl_s,
+                                  events))
     scheduler = OffloadingScheduler(tiers, identity.namespace(), block_size, block_hashes, transfer.loads,
                                     transfer.saves)
     return KVConnector(scheduler, OffloadingWorker(tiers, layers, block_size, events))
+
+
+def _shared_tier(url: str, medium: str, timeout_s: float, backoff_s: float, max_backoff_s: float,
+                 ttl_s: float | None, events: KVEventSink | None) -> KVStore:
+    # the redis client is imported only where a tier needs it
+    from pagoda.engine.kv_connector.redis_store import KEY_PREFIX, RedisStore
+    from pagoda.engine.kv_connector.shared_evictions import SharedTierEvictions
+
+    evictions = None
+    if events is not None:
+        sink = events
+        evictions = SharedTierEvictions(url, KEY_PREFIX, lambda hashes: sink.blocks_removed(hashes, medium=medium),
+                                        timeout_s)
+    return RedisStore(url, medium, timeout_s, backoff_s, max_backoff_s, ttl_s, evictions)
 
 
 def build_tcp_connector(config: EngineConfig, transfer: KVTransferConfig, layers: Sequence[Sequence[torch.Tensor]],

@@ -160,15 +160,13 @@ class OffloadingWorker:
 
     def _put(self, index: int, keys: list[bytes], values: list[bytes], saves: Sequence[BlockSave | None]) -> None:
         tier = self.tiers[index]
-        stored: list[BlockSave | None] = []
         for key, value, save in zip(keys, values, saves):
-            started = time.perf_counter()
-            if tier.put(key, value):
+            with tier.event_order:
+                started = time.perf_counter()
+                if not tier.put(key, value):
+                    continue
                 tier.counters.add(bytes_saved=len(value), blocks_saved=1, save_seconds=time.perf_counter() - started)
-                stored.append(save)
-        if self.events is not None:
-            for save in stored:
-                if save is not None:
+                if self.events is not None and save is not None:
                     self.events.blocks_stored([block_hash_of(save.key)], save.parent_hash, save.token_ids,
                                               self.block_size, medium=tier.medium)
 
