@@ -141,6 +141,7 @@ def test_blocks_the_store_evicts_leave_the_routers_shared_index(model_dir, redis
     held = shared_index_equals_store(feed, redis_server)
     assert feed.removed_shared > 0, "the store evicted nothing: the test proves nothing"
     assert 0 < len(held) < 40
+    assert engine.stats().kv_connector.tiers[0].evicted_blocks == feed.removed_shared
     engine.shutdown()
 
 

@@ -10,6 +10,7 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.engine.api import KVEventSink
 from pagoda.engine.kv_connector.base import KVConnector
+from pagoda.engine.kv_connector.counters import TierCounters
 from pagoda.engine.kv_connector.keys import KVIdentity, block_hash_of, model_fingerprint
 from pagoda.engine.kv_connector.multi import MultiConnectorScheduler, MultiConnectorWorker
 from pagoda.engine.kv_connector.offload import BlockHashes, OffloadingScheduler
@@ -56,12 +57,15 @@ def _shared_tier(url: str, medium: str, timeout_s: float, backoff_s: float, max_
     from pagoda.engine.kv_connector.redis_store import KEY_PREFIX, RedisStore
     from pagoda.engine.kv_connector.shared_evictions import SharedTierEvictions
 
-    evictions = None
-    if events is not None:
-        sink = events
-        evictions = SharedTierEvictions(url, KEY_PREFIX, lambda hashes: sink.blocks_removed(hashes, medium=medium),
-                                        timeout_s)
-    return RedisStore(url, medium, timeout_s, backoff_s, max_backoff_s, ttl_s, evictions)
+    counters = TierCounters(medium)
+
+    def removed(block_hashes: list[bytes]) -> None:
+        counters.add(evicted_blocks=len(block_hashes))
+        if events is not None:
+            events.blocks_removed(block_hashes, medium=medium)
+
+    evictions = SharedTierEvictions(url, KEY_PREFIX, removed, timeout_s)
+    return RedisStore(url, medium, timeout_s, backoff_s, max_backoff_s, ttl_s, evictions, counters)
 
 
 def build_tcp_connector(config: EngineConfig, transfer: KVTransferConfig, layers: Sequence[Sequence[torch.Tensor]],

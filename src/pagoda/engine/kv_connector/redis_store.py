@@ -34,13 +34,14 @@ KEY_PREFIX = b"pagoda:kv:"
 
 class RedisStore:
     def __init__(self, url: str, medium: str, timeout_s: float, backoff_s: float, max_backoff_s: float,
-                 ttl_s: float | None = None, evictions: SharedTierEvictions | None = None) -> None:
+                 ttl_s: float | None = None, evictions: SharedTierEvictions | None = None,
+                 counters: TierCounters | None = None) -> None:
         self.medium = medium
         self.ttl_s = ttl_s
         self.evictions = evictions  # told each key stored, so that its loss is reported
         self.event_order: AbstractContextManager[object] = (
             contextlib.nullcontext() if evictions is None else evictions.event_order)
-        self.counters = TierCounters(medium)
+        self.counters = counters or TierCounters(medium)
         self.url = url
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),

@@ -34,10 +34,10 @@ Removed = Callable[[list[bytes]], None]  # block hashes gone from the store
 class SharedTierEvictions:
     """Follows one Redis store's evictions of the keys (without `key_prefix`) passed to `track`; calls `removed`
     with their block hashes, from its own thread. `max_tracked` bounds memory: the oldest keys are forgotten
-    (the router's index has a capacity bound of its own)."""
+    (the router's index has the same default capacity bound)."""
 
     def __init__(self, url: str, key_prefix: bytes, removed: Removed, timeout_s: float,
-                 reconcile_interval_s: float = 30.0, max_tracked: int = 1 << 20) -> None:
+                 reconcile_interval_s: float = 30.0, max_tracked: int = 1 << 16) -> None:
         self.url = url
         self.key_prefix = key_prefix
         self.removed = removed

@@ -104,8 +104,10 @@ class LocalStore:
             start = slot * self.slot_bytes
             self._map[start : start + len(value)] = value
             self._entries[key] = (slot, len(value))
-        if evicted and self._on_evict is not None:
-            self._on_evict(evicted)
+        if evicted:
+            self.counters.add(evicted_blocks=len(evicted))
+            if self._on_evict is not None:
+                self._on_evict(evicted)
         return True
 
     def corrupt(self, key: bytes, offset: int) -> None:
