@@ -175,6 +175,7 @@ class KVTierStats:
     save_seconds: float = 0.0
     failures: int = 0  # calls that failed or ran past the bounded wait: the store was bypassed
     refused_blocks: int = 0  # blocks found corrupt or of another layout: never served
+    evicted_blocks: int = 0  # blocks it dropped (its LRU, a shared store's eviction, expiry or loss)
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,9 @@ def build_executor(config: EngineConfig, num_blocks: int, block_size: int, struc
         return UniProcExecutor(runner), connector
     from pagoda.engine.multiproc_executor import MultiprocExecutor
 
-    return MultiprocExecutor(config, num_blocks, block_size, structured, draft, trace), None
+    executor = MultiprocExecutor(config, num_blocks, block_size, structured, draft, trace, kv_cache.block_hashes,
+                                 kv_events)
+    return executor, executor.kv_connector
 
 
 def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -173,13 +175,18 @@ def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
              config.speculative_config is not None and config.speculative_config.method == "draft_model"),
             (f"--device {config.device} (the ranks run on the CPU, over gloo)", config.device != "cpu"),
             ("--enable-lora (LoRA adapters)", config.lora is not None),
-            ("a KV connector (--kv-transfer-config, --kv-offloading-size: each rank would load its share of a block, "
-             "and a load that fails on one rank must fail on all)", config.kv_transfer_config is not None),
+            (f"the {_connector_name(config)} (only the OffloadingConnector, --kv-offloading-size, runs split)",
+             config.kv_transfer_config is not None
+             and config.kv_transfer_config.kv_connector != "OffloadingConnector"),
         ) if applies
     ]
     if unsupported:
         raise ModelLoadError(f"tensor_parallel_size {size} x pipeline_parallel_size "
                              f"{config.parallel.pipeline_parallel_size} does not run with {'; '.join(unsupported)} yet")
+
+
+def _connector_name(config: EngineConfig) -> str:
+    return "KV connector" if config.kv_transfer_config is None else config.kv_transfer_config.kv_connector
 
 
 def _fit_max_model_len(wanted: int, pool_tokens: int) -> int:

@@ -112,7 +112,8 @@ class _EngineCollector:
                               ("hit_tokens", "Tokens loaded from the tier."),
                               ("blocks_saved", "Blocks saved to the tier."),
                               ("failures", "Calls to the tier that failed or ran past the bounded wait."),
-                              ("refused_blocks", "Corrupt or mismatched blocks the tier returned, not served."))
+                              ("refused_blocks", "Corrupt or mismatched blocks the tier returned, not served."),
+                              ("evicted_blocks", "Blocks the tier dropped: evicted, expired or lost."))
         }
         for tier in stats.tiers:
             for direction, moved, seconds in ((f"{tier.medium}_to_{DEVICE_MEDIUM}", tier.bytes_loaded,
