@@ -85,6 +85,8 @@ class Fleet:
         if trace.config.longest_prompt > replica_config.scheduler.max_model_len:
             raise ValueError(f"the trace's longest conversation ({trace.config.longest_prompt} tokens) does not fit "
                              f"max_model_len {replica_config.scheduler.max_model_len}")
+        if replica_config.num_blocks * replica_config.block_size < replica_config.scheduler.max_model_len:
+            raise ValueError("a replica's KV pool must hold max_model_len tokens (one full-length sequence)")
         self.trace = trace
         self.replicas = replicas
         self.replica_config = replica_config
