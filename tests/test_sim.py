@@ -202,3 +202,13 @@ def test_cli_writes_its_figures(tmp_path):
     refused = subprocess.run([sys.executable, "-m", "pagoda", "sim", "--replicas", "0"], capture_output=True,
                              text=True, timeout=60)
     assert refused.returncode == 2 and "--replicas" in refused.stdout
+
+
+def test_request_overhead_delays_each_request_by_exactly_its_length():
+    trace = generate_trace(small_trace(num_sessions=1))
+    config = ReplicaConfig(SchedulerConfig(max_model_len=256), num_blocks=64, block_size=4)
+    router = RouterConfig(default_block_size=4)
+    direct = simulate(trace, 1, config, router, StepCost(fixed_s=0.01, prefill_token_s=1e-4))
+    delayed = simulate(trace, 1, config, router, StepCost(fixed_s=0.01, prefill_token_s=1e-4, request_overhead_s=0.25))
+    assert [r.ttft_s + 0.25 for r in direct.records] == pytest.approx([r.ttft_s for r in delayed.records])
+    assert [r.cached_tokens for r in direct.records] == [r.cached_tokens for r in delayed.records]

@@ -25,7 +25,7 @@ from pagoda.sim.replica import Progress, ReplicaConfig, ReplicaEngine, SimReplic
 from pagoda.sim.step_cost import StepCost
 from pagoda.sim.trace import Trace
 
-TURN, STEP_END, POLL = 0, 1, 2
+TURN, SUBMIT, STEP_END, POLL = 0, 1, 2, 3
 
 
 @dataclass
@@ -81,7 +81,9 @@ class FleetRun:
 
 class Fleet:
     def __init__(self, trace: Trace, replicas: list[ReplicaEngine], replica_config: ReplicaConfig,
-                 router_config: RouterConfig) -> None:
+                 router_config: RouterConfig, request_overhead_s: float = 0.0) -> None:
+        """request_overhead_s: how long after the router chose its replica a request reaches it (the serving
+        path's time outside engine steps); its TTFT counts from the choice."""
         if trace.config.longest_prompt > replica_config.scheduler.max_model_len:
             raise ValueError(f"the trace's longest conversation ({trace.config.longest_prompt} tokens) does not fit "
                              f"max_model_len {replica_config.scheduler.max_model_len}")
@@ -90,6 +92,7 @@ class Fleet:
         self.trace = trace
         self.replicas = replicas
         self.replica_config = replica_config
+        self.request_overhead_s = request_overhead_s
         self.now = 0.0
         self.router = Router([f"sim://replica-{i}" for i in range(len(replicas))], router_config,
                              clock=lambda: self.now)
@@ -112,8 +115,8 @@ class Fleet:
         self._poll()
         for index, session in enumerate(self.trace.sessions):
             self._push(session.start_s, TURN, index, 0)
-        handlers: dict[int, Callable[[int, int], None]] = {TURN: self._turn, STEP_END: self._step_end,
-                                                           POLL: lambda _a, _b: self._poll()}
+        handlers: dict[int, Callable[[int, int], None]] = {TURN: self._turn, SUBMIT: self._submit,
+                                                           STEP_END: self._step_end}
         self._push(self.router.config.poll_interval_s, POLL, 0)
         pending = len(self.trace.sessions)  # TURN and STEP_END events in the heap: the poller stops with them
         while pending:
@@ -145,10 +148,18 @@ class Fleet:
         record.replica = self._position[decision.replica]
         request_id = f"s{session_index}-t{turn_index}"
         self._in_flight[request_id] = _InFlight(record, decision, lease, prompt, answer)
-        replica = self.replicas[record.replica]
-        replica.submit(request_id, prompt, len(answer), self.now)
-        if not self._busy[record.replica]:
-            self._start_step(record.replica)
+        if self.request_overhead_s > 0:
+            self._push(self.now + self.request_overhead_s, SUBMIT, session_index, turn_index)
+        else:
+            self._submit(session_index, turn_index)
+
+    def _submit(self, session_index: int, turn_index: int) -> None:
+        request_id = f"s{session_index}-t{turn_index}"
+        flight = self._in_flight[request_id]
+        index = flight.record.replica
+        self.replicas[index].submit(request_id, flight.prompt, len(flight.answer), self.now)
+        if not self._busy[index]:
+            self._start_step(index)
 
     def _start_step(self, index: int) -> None:
         ends = self.replicas[index].start_step(self.now)
@@ -199,4 +210,4 @@ def simulate(trace: Trace, num_replicas: int, replica_config: ReplicaConfig, rou
              cost: StepCost) -> FleetRun:
     """The trace over `num_replicas` simulated replicas behind the router."""
     replicas: list[ReplicaEngine] = [SimReplica(replica_config, cost) for _ in range(num_replicas)]
-    return Fleet(trace, replicas, replica_config, router_config).run()
+    return Fleet(trace, replicas, replica_config, router_config, cost.request_overhead_s).run()

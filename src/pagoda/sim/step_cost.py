@@ -51,13 +51,17 @@ def step_shape(output: SchedulerOutput) -> StepShape:
 @dataclass(frozen=True)
 class StepCost:
     """seconds = fixed_s + prefill_token_s x prefill tokens + decode_row_s x decode rows
-    + decode_context_s x keys the decodes read + prefill_attention_s x prefill (query, key) pairs."""
+    + decode_context_s x keys the decodes read + prefill_attention_s x prefill (query, key) pairs; and each
+    request's request_overhead_s before its replica sees it."""
 
     fixed_s: float
     prefill_token_s: float = 0.0
     decode_row_s: float = 0.0
     decode_context_s: float = 0.0
     prefill_attention_s: float = 0.0
+    # The serving path's time outside the engine's steps (HTTP through the router and the server, admission, the
+    # first chunk's way back): a request reaches its replica this long after it was sent.
+    request_overhead_s: float = 0.0
     description: str = ""  # which model, dtype and machine the coefficients were measured on
 
     def __post_init__(self) -> None:
@@ -103,7 +107,8 @@ class StepCost:
         for i, value in zip(active, solution):
             coefficients[i] = max(value, 0.0)
         fixed_s, prefill_token_s, decode_row_s, decode_context_s, prefill_attention_s = coefficients
-        return cls(fixed_s, prefill_token_s, decode_row_s, decode_context_s, prefill_attention_s, description)
+        return cls(fixed_s, prefill_token_s, decode_row_s, decode_context_s, prefill_attention_s,
+                   description=description)
 
 
 def _least_squares(rows: list[list[float]], targets: list[float]) -> list[float]:
