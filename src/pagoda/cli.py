@@ -1,4 +1,4 @@
-"""`pagoda serve | generate | chat | calc | bench | route | lab`: the command line, with vLLM's flag names."""
+"""`pagoda serve | generate | chat | calc | bench | route | lab | sim`: the command line, with vLLM's flag names."""
 
 from __future__ import annotations
 
@@ -282,12 +282,14 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.chat import add_parser as add_chat
     from pagoda.labs.cli import add_parser as add_lab
     from pagoda.router.cli import add_parser as add_route
+    from pagoda.sim.cli import add_parser as add_sim
 
     add_chat(commands)
     add_calc(commands)
     add_bench_command(commands)
     add_route(commands)
     add_lab(commands)
+    add_sim(commands)
     return parser
 
 
