@@ -24,6 +24,7 @@ from fastapi.responses import Response
 from pagoda.router.policies import RoutedPrompt
 from pagoda.router.proxy import Forwarder
 from pagoda.router.replica import Replica
+from pagoda.router.tenancy import TenantMeter
 
 logger = logging.getLogger("pagoda.route")
 
@@ -61,17 +62,18 @@ class DisaggregatedForwarder:
         self.decode = decode
 
     async def dispatch(self, path: str, body: bytes, headers: dict[str, str], prompt: RoutedPrompt,
-                       stream: bool, pinned: Replica | None = None) -> Response:
+                       stream: bool, pinned: Replica | None = None, meter: TenantMeter | None = None) -> Response:
+        """meter: the request's tenant, charged by the answer (the prefill step's one token is not its)."""
         try:
             parsed = json.loads(body)
         except ValueError:
             parsed = None
         if pinned is not None or not isinstance(parsed, dict) or not splits(path, parsed):
-            return await self.decode.dispatch(path, body, headers, prompt, stream, pinned)
+            return await self.decode.dispatch(path, body, headers, prompt, stream, pinned, meter)
         transfer = await self._prefill(path, parsed, headers, prompt)
         if transfer is not None:
             body = json.dumps({**parsed, "kv_transfer_params": transfer}).encode()
-        return await self.decode.dispatch(path, body, headers, prompt, stream)
+        return await self.decode.dispatch(path, body, headers, prompt, stream, meter=meter)
 
     async def _prefill(self, path: str, parsed: dict[str, Any], headers: dict[str, str],
                        prompt: RoutedPrompt) -> dict[str, Any] | None:
