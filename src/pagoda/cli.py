@@ -17,6 +17,7 @@ from pagoda.text.reasoning import REASONING_PARSERS
 
 if TYPE_CHECKING:
     from pagoda.lora_request import LoRARequest
+    from pagoda.tenant_door import Tenants
     from pagoda.wire.kv_events import KVEventsConfig
 
 # What `pagoda bench` imports beyond serving's dependencies: the `bench` extra.
@@ -33,7 +34,7 @@ def _positive_int(text: str) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from pagoda.api_keys import ApiKeys
     from pagoda.server.launcher import exit_now, serve
-    from pagoda.server.tenancy import Tenants
+    from pagoda.tenant_door import Tenants
     from pagoda.wire.limits import ServerLimits
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -41,10 +42,7 @@ def run_serve(args: argparse.Namespace) -> int:
                          f"({', '.join(TOOL_CALL_PARSERS)})")
     try:
         api_keys = ApiKeys.from_args(args)
-        tenants = Tenants(api_keys, args.tenant_config)
-        if args.tenant_config and args.data_parallel_size > 1:
-            raise ValueError("--tenant-config is not supported with --data-parallel-size yet: the limits would count "
-                             "per replica")
+        tenants = Tenants(api_keys, args.tenant_config, enforce_limits=args.tenant_rate_limits)
         given = {name: getattr(args, name) for name in SERVER_LIMITS if getattr(args, name) is not None}
         limits = ServerLimits(**given)
         kv_events = kv_events_config(args.kv_events_config)
@@ -56,7 +54,7 @@ def run_serve(args: argparse.Namespace) -> int:
     args.model = model_to_load(args.model, "serve")
     tool_call_parser = auto_tool_call_parser(args)
     if args.data_parallel_size > 1:
-        exit_now(run_data_parallel(args))
+        exit_now(run_data_parallel(args, tenants if tenants.configured else None))
     code = serve(
         engine_config_from(args),
         model_name=served_model_name(args.model, args.served_model_name),
@@ -105,7 +103,7 @@ def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run_data_parallel(args: argparse.Namespace) -> int:
+def run_data_parallel(args: argparse.Namespace, tenants: Tenants | None = None) -> int:
     """--data-parallel-size N: N engine processes behind the router (pagoda.router.data_parallel)."""
     from pagoda.router.data_parallel import plan_engines, serve_data_parallel
 
@@ -114,7 +112,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         plan = plan_engines(commands.choices["serve"], args)
     except ValueError as error:
         raise SystemExit(f"pagoda serve: {error}") from None
-    return serve_data_parallel(plan, args)
+    return serve_data_parallel(plan, args, tenants)
 
 
 def kv_events_config(values: dict[str, Any] | None) -> KVEventsConfig | None:
@@ -217,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tenant-config", default=None, metavar="PATH",
                        help="a JSON file of tenants: their API keys (or a gateway's header), requests and tokens per "
                             "minute, adapters and prefix-cache sharing; reloaded on SIGHUP (docs/tenants.md)")
+    serve.add_argument("--tenant-rate-limits", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --tenant-config: count the tenants' requests and tokens per minute here; "
+                            "--no-tenant-rate-limits for a replica behind a front that counts them for the whole "
+                            "fleet (pagoda route --tenant-config; --data-parallel-size sets it on its engines)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 429 to a request whose sequences (prompts x n) would take the waiting queue "
                             "past this many (default: unbounded)")

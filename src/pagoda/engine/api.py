@@ -207,6 +207,9 @@ class EngineStats:
     iteration_tokens_sum: int = 0
     lora: LoRAStats | None = None  # None: LoRA adapters are off
     experts: ExpertLoadStats | None = None  # None: a dense model
+    # the KV blocks each tenant's running requests hold (engine/core/queues.py's count, which its quota meets);
+    # only tenants holding some
+    kv_blocks_by_tenant: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)

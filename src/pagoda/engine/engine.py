@@ -28,6 +28,7 @@ from pagoda.engine.api import (
     TenantShare,
 )
 from pagoda.engine.core.lora import AdapterId, distinct_adapters
+from pagoda.engine.core.queues import blocks_held_by_tenant
 from pagoda.engine.core.request import FinishReason
 from pagoda.engine.core.runner_output import PromptLogprobsChunk
 from pagoda.engine.core.step_budget import StepCostModel
@@ -248,6 +249,7 @@ class LLMEngine:
             iteration_tokens_sum=scheduler.iteration_tokens.total,
             lora=self._lora_stats(),
             experts=self._expert_load(),
+            kv_blocks_by_tenant=tuple(sorted(blocks_held_by_tenant(scheduler.running).items())),
         )
 
     def _expert_load(self) -> ExpertLoadStats | None:

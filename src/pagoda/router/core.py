@@ -119,6 +119,10 @@ class Router:
         """pinned: the one replica that can serve the request (it holds state the others lack)."""
         now = self.clock()
         up = [r for r in self.replicas if r not in exclude and r.routable(now) and pinned in (None, r)]
+        # Adapter affinity: a request naming an adapter goes to a replica that serves it, when one is up (the
+        # policy chooses among them); one that names no adapter any replica lists goes anywhere.
+        holders = [r for r in up if prompt.model is not None and prompt.model in r.adapters]
+        up = holders or up
         if not up:
             self.metrics.rejected.labels("503").inc()
             if pinned is not None:
@@ -134,6 +138,10 @@ class Router:
         replica = self.policy.choose(prompt, candidates, now)
         matched = replica.match(prompt.cacheable(replica.block_size), now)
         return Decision(replica, prompt, matched)
+
+    def adapters(self) -> frozenset[str]:
+        """Every adapter some replica lists."""
+        return frozenset().union(*(r.adapters for r in self.replicas))
 
     def begin(self, decision: Decision) -> Lease:
         """Counts the request on its replica and records its blocks there (the replica will cache them)."""

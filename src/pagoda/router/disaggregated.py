@@ -29,6 +29,7 @@ from pagoda.router.metrics import RouterMetrics
 from pagoda.router.policies import RoutedPrompt
 from pagoda.router.proxy import Forwarder
 from pagoda.router.replica import Replica
+from pagoda.router.tenancy import TenantMeter
 
 logger = logging.getLogger("pagoda.route")
 
@@ -91,14 +92,15 @@ class DisaggregatedForwarder:
             self.metrics.pool_requests.labels(pool).inc()
 
     async def dispatch(self, path: str, body: bytes, headers: dict[str, str], prompt: RoutedPrompt,
-                       stream: bool, pinned: Replica | None = None) -> Response:
+                       stream: bool, pinned: Replica | None = None, meter: TenantMeter | None = None) -> Response:
+        """meter: the request's tenant, charged by the answer (the prefill step's one token is not its)."""
         try:
             parsed = json.loads(body)
         except ValueError:
             parsed = None
         if pinned is not None or not isinstance(parsed, dict) or not splits(path, parsed):
             self._count("decode")
-            return await self.decode.dispatch(path, body, headers, prompt, stream, pinned)
+            return await self.decode.dispatch(path, body, headers, prompt, stream, pinned, meter)
         self._count("prefill")
         transfer = await self._prefill(path, parsed, headers, prompt)
         if transfer is not None:
@@ -106,7 +108,7 @@ class DisaggregatedForwarder:
             if self.metrics.transfers is not None:
                 self.metrics.transfers.inc()
         self._count("decode")
-        return await self.decode.dispatch(path, body, headers, prompt, stream)
+        return await self.decode.dispatch(path, body, headers, prompt, stream, meter=meter)
 
     def _fell_back(self, reason: str) -> None:
         if self.metrics.fallbacks is not None:

@@ -36,6 +36,15 @@ class _ReplicaGauges:
             for replica in replicas:
                 gauge.add_metric([replica.url], value_of(replica))
             yield gauge
+        tenant_blocks: dict[str, float] = {}
+        for replica in replicas:
+            for tenant, blocks in replica.stats.tenant_kv_blocks:
+                tenant_blocks[tenant] = tenant_blocks.get(tenant, 0.0) + blocks
+        held = GaugeMetricFamily("pagoda:tenant_kv_blocks", "KV blocks the tenant's running requests hold on all "
+                                 "the replicas together, as last polled.", labels=["tenant"])
+        for tenant, blocks in sorted(tenant_blocks.items()):
+            held.add_metric([tenant], blocks)
+        yield held
         active = [r.active_requests for r in replicas]
         imbalance = GaugeMetricFamily("pagoda_router_imbalance",
                                       "Most requests in flight on one replica over the mean (1: even; 0: idle).")

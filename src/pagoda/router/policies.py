@@ -20,10 +20,12 @@ from pagoda.router.replica import Replica
 @dataclass
 class RoutedPrompt:
     """A request's prompt as routing sees it: token ids (None when the router could not tokenize it: then
-    only load decides) and the cache salt that keys its first block."""
+    only load decides), the cache salt that keys its first block, and the model it names (an adapter's name
+    routes it to the replicas that serve that adapter)."""
 
     token_ids: Sequence[int] | None
     cache_salt: str | None = None
+    model: str | None = None
     _chains: dict[int, list[int]] = field(default_factory=dict, repr=False)
     _cacheable: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
