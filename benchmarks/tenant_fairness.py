@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from provenance import write_result
 from server_process import free_port, start_server, stop_server
 
 WEIGHTS = {"flood": 1.0, "alice": 2.0, "bob": 1.0}
@@ -137,7 +138,8 @@ def main() -> int:
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     config = args.out / "tenants.json"
-    config.write_text(json.dumps(tenants_file(args.rate)))
+    tenants = json.dumps(tenants_file(args.rate))  # the server's input, not a result
+    config.write_text(tenants)
     command = [sys.executable, "-m", "pagoda", "serve", "--port", str(free_port()), "--tenant-config", str(config)]
     command += ["--model", args.model] if args.model else []
     command += ["--data-parallel-size", str(args.data_parallel_size)] if args.data_parallel_size > 1 else []
@@ -155,8 +157,7 @@ def main() -> int:
         stop_server(process)
     report = summarize(solo, mixed)
     report["settings"] = {k: str(v) for k, v in vars(args).items()}
-    (args.out / "tenant_fairness.json").write_text(json.dumps(
-        {"report": report, "mixed": [asdict(o) for o in mixed]}, indent=1))
+    write_result(args.out / "tenant_fairness.json", {"report": report, "mixed": [asdict(o) for o in mixed]}, indent=1)
     plot(report, args.out / "tenant_fairness.png")
     print(json.dumps({k: v for k, v in report.items() if k != "settings"}, indent=1))
     return 0
