@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 from pagoda.api_keys import add_api_key_arguments
 from pagoda.engine_args import add_engine_args, engine_config_from, is_builtin_model, model_to_load, served_model_name
 from pagoda.flag_values import format_bytes, json_object, parse_bytes, show_default
-from pagoda.server.tool_parsers import TOOL_CALL_PARSERS
 from pagoda.text.reasoning import REASONING_PARSERS
+from pagoda.tool_parser_names import TOOL_CALL_PARSER_NAMES
 
 if TYPE_CHECKING:
     from pagoda.lora_request import LoRARequest
@@ -39,7 +39,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("pagoda serve: --enable-auto-tool-choice needs --tool-call-parser "
-                         f"({', '.join(TOOL_CALL_PARSERS)})")
+                         f"({', '.join(TOOL_CALL_PARSER_NAMES)})")
     try:
         api_keys = ApiKeys.from_args(args)
         tenants = Tenants(api_keys, args.tenant_config, enforce_limits=args.tenant_rate_limits)
@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
                        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser '
                             "(default: on for the built-in model, in the form it was trained on; off otherwise)")
-    serve.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+    serve.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSER_NAMES), default=None,
                        help="the model's tool-call format, as its chat template teaches it")
     serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                        help="split a thinking model's output: the thinking goes to message.reasoning (and "

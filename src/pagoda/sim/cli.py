@@ -11,9 +11,7 @@ from typing import Any
 
 from pagoda.config import SchedulerConfig
 from pagoda.router.config import POLICIES, RouterConfig
-from pagoda.sim.fleet import simulate
 from pagoda.sim.replica import ReplicaConfig
-from pagoda.sim.report import format_summary, summarize
 from pagoda.sim.step_cost import DEFAULT_STEP_COST, StepCost
 from pagoda.sim.trace import TraceConfig, generate_trace
 
@@ -91,6 +89,9 @@ def configs(args: argparse.Namespace) -> tuple[TraceConfig, ReplicaConfig, Route
 
 
 def run(args: argparse.Namespace) -> int:
+    from pagoda.sim.fleet import simulate  # here: the router it drives imports the web stack
+    from pagoda.sim.report import format_summary, summarize
+
     try:
         trace_config, replica_config, router_config = configs(args)
         cost = StepCost.load(args.step_cost)
