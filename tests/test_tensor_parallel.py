@@ -199,7 +199,7 @@ def test_a_model_that_does_not_divide_is_refused_before_anything_starts(checkpoi
 
 @pytest.mark.parametrize(("options", "message"), [
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), 'needs "mp"'),
-    (dict(distributed_executor_backend="external_launcher"), "not built yet"),
+    (dict(distributed_executor_backend="external_launcher"), "needs tensor_parallel_size x pipeline_parallel_size"),
     (dict(tensor_parallel_size=0), "must be positive"),
 ])
 def test_parallel_options_refused(options, message):

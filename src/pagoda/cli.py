@@ -33,6 +33,7 @@ def _positive_int(text: str) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     from pagoda.api_keys import ApiKeys
+    from pagoda.engine.external_ranks import run_if_worker_rank
     from pagoda.server.launcher import exit_now, serve
     from pagoda.tenant_door import Tenants
     from pagoda.wire.limits import ServerLimits
@@ -55,8 +56,13 @@ def run_serve(args: argparse.Namespace) -> int:
     tool_call_parser = auto_tool_call_parser(args)
     if args.data_parallel_size > 1:
         exit_now(run_data_parallel(args, tenants if tenants.configured else None))
+    engine_config = engine_config_from(args)
+    try:
+        run_if_worker_rank(engine_config)  # before the port is taken: only rank 0 serves HTTP
+    except ValueError as error:
+        raise SystemExit(f"pagoda serve: {error}") from None
     code = serve(
-        engine_config_from(args),
+        engine_config,
         model_name=served_model_name(args.model, args.served_model_name),
         host=args.host, port=args.port, api_keys=api_keys, limits=limits,
         max_waiting_requests=args.max_waiting_requests, drain_timeout=args.shutdown_timeout,

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # How the ranks of one model are started (vLLM's names): "uni" one process, "mp" pagoda starts them as processes on
-# this machine; "external_launcher" (torchrun or Kubernetes started them) is named so that it can be refused by name.
+# this machine; "external_launcher": torchrun, Kubernetes or a script started one process a rank
+# (engine/external_ranks.py).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher")
 
 
@@ -20,8 +21,9 @@ class ParallelConfig:
     tensor_parallel_size: ranks every layer is split across, Megatron-style, one process each.
     pipeline_parallel_size: stages the layers are split into, contiguous, each stage on its own
     tensor_parallel_size ranks (world size: their product).
-    distributed_executor_backend: "uni" (one process; one rank only) or "mp" (pagoda starts the ranks as worker
-    processes on this machine); None: "mp" when there are several ranks, else "uni".
+    distributed_executor_backend: "uni" (one process; one rank only), "mp" (pagoda starts the ranks as worker
+    processes on this machine) or "external_launcher" (torchrun or Kubernetes started one process a rank, each
+    running the same command); None: "mp" when there are several ranks, else "uni".
     enable_expert_parallel: a mixture of experts' routed experts are placed across the tensor-parallel ranks, whole
     (each rank holds num_experts / tensor_parallel_size of them), and tokens travel to them (docs/moe.md).
     enable_eplb: vLLM's expert load balancing (hot experts replicated); named so that it is refused by name.
@@ -42,9 +44,9 @@ class ParallelConfig:
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}, "
                              f"got {backend!r}")
-        if backend == "external_launcher":
-            raise ValueError('distributed_executor_backend "external_launcher" (ranks started by torchrun or '
-                             'Kubernetes) is not built yet; "mp" starts the ranks on this machine')
+        if backend == "external_launcher" and self.world_size == 1:
+            raise ValueError('distributed_executor_backend "external_launcher" starts one process a rank: it needs '
+                             'tensor_parallel_size x pipeline_parallel_size above 1')
         if self.enable_eplb:
             raise ValueError("enable_eplb (expert load balancing: hot experts replicated across ranks) is not built; "
                              "enable_expert_parallel places each expert on one rank")

@@ -33,6 +33,7 @@ from pagoda.engine.core.request import FinishReason
 from pagoda.engine.core.runner_output import PromptLogprobsChunk
 from pagoda.engine.core.step_budget import StepCostModel
 from pagoda.engine.engine_parts import build_engine_parts
+from pagoda.engine.external_ranks import run_if_worker_rank
 from pagoda.engine.input_processor import InputProcessor
 from pagoda.engine.model_step import weight_bytes_read_per_step
 from pagoda.engine.output_processor import OutputProcessor, SequenceText
@@ -51,7 +52,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, step_cost: StepCostModel | None = None,
                  kv_events: KVEventSink | None = None) -> None:
         """step_cost: how the scheduler predicts a step's time (default: LinearStepCost, learnt online).
-        kv_events: where the KV cache reports blocks stored and removed (default: nowhere)."""
+        kv_events: where the KV cache reports blocks stored and removed (default: nowhere).
+        Under the external launcher, on a rank other than 0, this serves rank 0 and then ends the process."""
+        run_if_worker_rank(config)
         parts = build_engine_parts(config, step_cost, kv_events)
         self.config = parts.config
         self.tokenizer = parts.tokenizer

@@ -1,5 +1,6 @@
-"""MultiprocExecutor: one model split across N processes on this machine, one rank each: tensor-parallel ranks,
-in one pipeline stage or several (engine/rank_placement.py says which rank holds what).
+"""MultiprocExecutor: one model split across N processes, one rank each: tensor-parallel ranks, in one pipeline
+stage or several (engine/rank_placement.py says which rank holds what). The workers are spawned here, on this
+machine; or, under an external launcher, started by it, perhaps on other machines (engine/external_ranks.py).
 
 Rank 0 is the engine's own process: the scheduler, KV manager, detokenizer, sampler and grammars stay there and
 never know N, and rank 0 runs its share of every step beside the workers, ranks 1..N-1, which are started here
@@ -37,6 +38,7 @@ from pagoda.engine.api import EngineDeadError, KVEventSink
 from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import SchedulerOutput
 from pagoda.engine.executor import Executor
+from pagoda.engine.external_ranks import connect_workers
 from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.kv_connector.base import KVConnector
 from pagoda.engine.kv_connector.offload import BlockHashes
@@ -69,7 +71,7 @@ RANK_EXIT_WAIT_S = 1.0
 @dataclass
 class Worker:
     rank: int
-    process: BaseProcess
+    process: BaseProcess | None  # None: started by an external launcher, perhaps on another machine
     connection: Connection
 
 
@@ -91,22 +93,12 @@ class MultiprocExecutor(Executor):
         self._stop = weakref.finalize(self, _stop_workers, self._workers, self._watchdog, threads_before)
         threads = max(1, threads_before // world_size)
         try:
-            store = TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
-            context = torch.multiprocessing.get_context("spawn")
-            for rank in range(1, world_size):
-                ours, theirs = context.Pipe()
-                spec = WorkerSpec(config, rank, world_size, LOOPBACK, store.port, threads, num_blocks, block_size)
-                heartbeats[rank] = context.Value("d", 0.0, lock=False)
-                process = context.Process(target=run_worker, args=(spec, theirs, heartbeats[rank]),
-                                          name=f"pagoda-rank{rank}", daemon=True)
-                process.start()
-                theirs.close()  # the worker's end lives in the worker alone: its exit is our end of file
-                self._workers.append(Worker(rank, process, ours))
-            for worker in self._workers:
-                _receive(worker, "starting")
-            torch.set_num_threads(threads)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=world_size)
+            if config.parallel.executor_backend == "external_launcher":
+                threads = threads_before  # each launched process was given its own threads
+                connections = connect_workers(config, num_blocks, block_size)
+                self._workers += [Worker(rank, None, connections[rank]) for rank in sorted(connections)]
+            else:
+                self._spawn_workers(config, num_blocks, block_size, threads, heartbeats)
             placement = place_rank(config, 0, TORCH_DTYPES[config.dtype])
             model = load_engine_model(config, placement.parallel, placement.stage)
             # (weight bytes, KV bytes) of each worker, in rank order.
@@ -126,8 +118,30 @@ class MultiprocExecutor(Executor):
                                                       block_hashes, kv_events, execution.send)
         super().__init__(ModelRunner(execution, structured, draft, trace=trace,
                                      kv_connector=None if self.kv_connector is None else self.kv_connector.worker))
-        self._watchdog.processes = {worker.rank: worker.process for worker in self._workers}
+        self._watchdog.processes = {worker.rank: worker.process for worker in self._workers
+                                    if worker.process is not None}
         self._watchdog.start()
+
+    def _spawn_workers(self, config: EngineConfig, num_blocks: int, block_size: int, threads: int,
+                       heartbeats: dict[int, Any]) -> None:
+        """Starts ranks 1..N-1 as processes of this machine, and joins the group with them as rank 0."""
+        world_size = config.parallel.world_size
+        store = TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
+        context = torch.multiprocessing.get_context("spawn")
+        for rank in range(1, world_size):
+            ours, theirs = context.Pipe()
+            spec = WorkerSpec(config, rank, world_size, LOOPBACK, store.port, threads, num_blocks, block_size)
+            heartbeats[rank] = context.Value("d", 0.0, lock=False)
+            process = context.Process(target=run_worker, args=(spec, theirs, heartbeats[rank]),
+                                      name=f"pagoda-rank{rank}", daemon=True)
+            process.start()
+            theirs.close()  # the worker's end lives in the worker alone: its exit is our end of file
+            self._workers.append(Worker(rank, process, ours))
+        for worker in self._workers:
+            _receive(worker, "starting")
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=world_size)
 
     @property
     def tensor_parallel_size(self) -> int:
@@ -153,11 +167,14 @@ class MultiprocExecutor(Executor):
             raise
 
     def check_health(self, wait_s: float = 0.0) -> None:
-        """Raises EngineDeadError if a worker has exited, waiting up to wait_s for one that is exiting."""
-        sentinels = [worker.process.sentinel for worker in self._workers]
-        if not multiprocessing.connection.wait(sentinels, timeout=wait_s):
+        """Raises EngineDeadError if a worker has exited, waiting up to wait_s for one that is exiting. A spawned
+        worker's exit is its process sentinel; a launched one's, its connection turning readable (it sends nothing
+        once loaded, so readable means closed)."""
+        ready = multiprocessing.connection.wait([_exit_signal(worker) for worker in self._workers], timeout=wait_s)
+        if not ready:
             return
-        gone = [worker for worker in self._workers if not worker.process.is_alive()]
+        gone = [worker for worker in self._workers if _exit_signal(worker) in ready
+                and (worker.process is None or not worker.process.is_alive())]
         hung = [worker for worker in gone if worker.rank in self._watchdog.hung]
         if hung:
             rank = hung[0].rank
@@ -165,11 +182,13 @@ class MultiprocExecutor(Executor):
                                   f"{self._watchdog.hung[rank]:.1f} s) and was killed: the model is incomplete")
         if gone:
             worker = gone[0]
-            raise EngineDeadError(f"split-model rank {worker.rank} exited (exit code {worker.process.exitcode}): "
-                                  "the model is incomplete")
+            how = ("its connection to rank 0 closed" if worker.process is None
+                   else f"exit code {worker.process.exitcode}")
+            raise EngineDeadError(f"split-model rank {worker.rank} exited ({how}): the model is incomplete")
 
     def worker_pids(self) -> list[int]:
-        return [worker.process.pid for worker in self._workers if worker.process.pid is not None]
+        return [worker.process.pid for worker in self._workers
+                if worker.process is not None and worker.process.pid is not None]
 
     def shutdown(self) -> None:
         self._stop()
@@ -200,7 +219,7 @@ def _receive(worker: Worker, doing: str) -> Any:
     exited = RuntimeError(f"split-model rank {worker.rank} exited while {doing} (a script that starts ranks "
                           "needs `if __name__ == \"__main__\":` around its code, as with any spawned process)")
     while not worker.connection.poll(0.2):
-        if not worker.process.is_alive():
+        if worker.process is not None and not worker.process.is_alive():
             raise exited
     try:
         status, payload = worker.connection.recv()
@@ -211,6 +230,11 @@ def _receive(worker: Worker, doing: str) -> Any:
     return payload
 
 
+def _exit_signal(worker: Worker) -> Any:
+    """What turns ready when the worker has gone: its process's sentinel, or for a launched worker its connection."""
+    return worker.connection if worker.process is None else worker.process.sentinel
+
+
 def _stop_workers(workers: list[Worker], watchdog: RankWatchdog, threads_before: int) -> None:
     """Asks every worker to stop, kills those still there after STOP_TIMEOUT_S, and leaves the process group."""
     watchdog.stop()
@@ -218,11 +242,12 @@ def _stop_workers(workers: list[Worker], watchdog: RankWatchdog, threads_before:
         with contextlib.suppress(OSError):  # a worker that has gone has closed its end
             worker.connection.send_bytes(STOP)
     for worker in workers:
-        worker.process.join(STOP_TIMEOUT_S)
-        if worker.process.is_alive():
-            logger.warning("split-model rank %d did not stop: killed", worker.rank)
-            worker.process.kill()
-            worker.process.join()
+        if worker.process is not None:  # a launched worker is its launcher's to reap; STOP ends it
+            worker.process.join(STOP_TIMEOUT_S)
+            if worker.process.is_alive():
+                logger.warning("split-model rank %d did not stop: killed", worker.rank)
+                worker.process.kill()
+                worker.process.join()
         worker.connection.close()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -1,5 +1,6 @@
 """A worker process: ranks 1..N-1 of a model split across processes (rank 0 is the engine's), tensor-parallel
-ranks of one pipeline stage or several.
+ranks of one pipeline stage or several; spawned by the engine here, or started by an external launcher
+(engine/external_ranks.py), which joins the group its own way and then loads and serves as below.
 
 It loads its share, then runs every ModelStep the engine sends down its pipe, with the other ranks (its
 collectives meet theirs inside the forward, its stage's activations go point to point to the next stage's
@@ -55,9 +56,9 @@ class WorkerSpec:
 
 
 def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None:
-    """The worker's whole life. It reports on the pipe: ("ok", None) once started, ("ok", (its weight bytes, its KV
-    cache's bytes)) once loaded, or ("error", the traceback) instead of either. heartbeat: the shared value it
-    beats while it runs (engine/rank_watchdog.py)."""
+    """The spawned worker's whole life. It reports on the pipe: ("ok", None) once started, ("ok", (its weight
+    bytes, its KV cache's bytes)) once loaded, or ("error", the traceback) instead of either. heartbeat: the shared
+    value it beats while it runs (engine/rank_watchdog.py)."""
     # A terminal's Ctrl-C reaches the whole process group: the engine decides when its ranks stop, not the key.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     start_heartbeat(heartbeat)
@@ -68,23 +69,36 @@ def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None
         store = TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
-        placement = place_rank(spec.config, spec.rank, TORCH_DTYPES[spec.config.dtype])
-        model = load_engine_model(spec.config, placement.parallel, placement.stage)
-        cache = spec.config.cache
-        execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device, cache.cache_dtype,
-                                   cache.calculate_kv_scales, placement.links)
-        connector = None if spec.config.kv_transfer_config is None else build_rank_worker(
-            spec.config, kv_layer_tensors(execution.kv_caches), spec.block_size, spec.rank)
-        connection.send(("ok", (weight_bytes(model), kv_bytes(execution.kv_caches))))
+        execution, connector, loaded_bytes = load_share(spec.config, spec.rank, spec.num_blocks, spec.block_size)
+        connection.send(("ok", loaded_bytes))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
         raise
+    serve_steps(execution, connection, connector)
+    dist.destroy_process_group()
+
+
+def load_share(config: EngineConfig, rank: int, num_blocks: int,
+               block_size: int) -> tuple[ModelExecution, OffloadingWorker | None, tuple[int, int]]:
+    """A worker rank's share of the model and of the KV pool (and of the KV connector), in a process that has
+    joined the group; with (its weight bytes, its KV cache's bytes) for the engine's report."""
+    placement = place_rank(config, rank, TORCH_DTYPES[config.dtype])
+    model = load_engine_model(config, placement.parallel, placement.stage)
+    cache = config.cache
+    execution = ModelExecution(model, num_blocks, block_size, config.device, cache.cache_dtype,
+                               cache.calculate_kv_scales, placement.links)
+    connector = None if config.kv_transfer_config is None else build_rank_worker(
+        config, kv_layer_tensors(execution.kv_caches), block_size, rank)
+    return execution, connector, (weight_bytes(model), kv_bytes(execution.kv_caches))
+
+
+def serve_steps(execution: ModelExecution, connection: Connection, connector: OffloadingWorker | None) -> None:
+    """Runs what the engine sends until it says stop or goes away, then lets go of the connector's resources."""
     try:
         run_steps(execution, connection, connector)
     finally:
         if connector is not None:
             connector.shutdown()
-    dist.destroy_process_group()
 
 
 def run_steps(execution: ModelExecution, connection: Connection, connector: OffloadingWorker | None = None) -> None:
