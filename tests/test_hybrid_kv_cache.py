@@ -171,3 +171,21 @@ def test_preempting_and_recomputing_keeps_the_accounting():
     manager.check_invariants()
     finish(manager, request)
     assert manager.num_free_blocks == 64
+
+
+def test_a_hit_at_the_free_queues_front_is_revived_before_another_group_takes_new_blocks():
+    """A sliding group's cached hit at the LRU front must not be handed to the full group as a new block (its
+    KV then overwritten under the hit)."""
+    manager = HybridKVCacheManager(6, BLOCK_SIZE, GEMMA2)
+    first = make_request("a", range(1, 10))  # 3 blocks in each group, 2 of them full and cached
+    admit(manager, first)
+    sliding_first_block = first.block_tables[1][0]
+    finish(manager, first)
+    manager.pool.free_queue.move_to_end(sliding_first_block, last=False)
+    again = make_request("b", range(1, 10))
+    assert admit(manager, again) == 8
+    full_table, sliding_table = again.block_tables
+    assert sliding_table[0] == sliding_first_block and not set(full_table) & set(sliding_table)
+    assert manager.pool.blocks[sliding_first_block].block_hash is not None
+    finish(manager, again)
+    manager.check_invariants()

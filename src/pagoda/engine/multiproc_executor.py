@@ -44,6 +44,7 @@ from pagoda.engine.rank_watchdog import RankWatchdog
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
 from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_worker
+from pagoda.kv_groups import KVCacheGroup
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.loader import TORCH_DTYPES
 
@@ -66,7 +67,8 @@ class Worker:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
                  structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
-                 trace: StepTrace | None = None) -> None:
+                 trace: StepTrace | None = None, kv_groups: tuple[KVCacheGroup, ...] = ()) -> None:
+        """kv_groups: the KV cache groups when there are several or a sliding one (model_step.ModelExecution)."""
         world_size = config.parallel.world_size
         if dist.is_initialized():
             raise RuntimeError("this process already holds a torch.distributed process group (one split engine per "
@@ -84,7 +86,8 @@ class MultiprocExecutor(Executor):
             context = torch.multiprocessing.get_context("spawn")
             for rank in range(1, world_size):
                 ours, theirs = context.Pipe()
-                spec = WorkerSpec(config, rank, world_size, LOOPBACK, store.port, threads, num_blocks, block_size)
+                spec = WorkerSpec(config, rank, world_size, LOOPBACK, store.port, threads, num_blocks, block_size,
+                                  kv_groups)
                 heartbeats[rank] = context.Value("d", 0.0, lock=False)
                 process = context.Process(target=run_worker, args=(spec, theirs, heartbeats[rank]),
                                           name=f"pagoda-rank{rank}", daemon=True)
@@ -105,7 +108,7 @@ class MultiprocExecutor(Executor):
         logger.info("%d ranks (tensor parallel %d x pipeline parallel %d; rank 0 in this process), %d thread(s) each",
                     world_size, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size, threads)
         local = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
-                               config.cache.calculate_kv_scales, placement.links)
+                               config.cache.calculate_kv_scales, placement.links, kv_groups)
         execution = BroadcastExecution(local, [worker.connection for worker in self._workers])
         super().__init__(ModelRunner(execution, structured, draft, trace=trace))
         self._watchdog.processes = {worker.rank: worker.process for worker in self._workers}

@@ -25,6 +25,7 @@ from pagoda.config import EngineConfig
 from pagoda.engine.model_step import ModelExecution, ModelStep, kv_bytes, load_engine_model, weight_bytes
 from pagoda.engine.rank_placement import place_rank
 from pagoda.engine.rank_watchdog import start_heartbeat
+from pagoda.kv_groups import KVCacheGroup
 from pagoda.model.loader import TORCH_DTYPES
 
 STOP = pickle.dumps(None)  # the engine's last message to a worker
@@ -43,6 +44,7 @@ class WorkerSpec:
     num_threads: int
     num_blocks: int
     block_size: int
+    kv_groups: tuple[KVCacheGroup, ...] = ()  # several, or a sliding one: a block table each
 
 
 def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None:
@@ -63,7 +65,7 @@ def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None
         model = load_engine_model(spec.config, placement.parallel, placement.stage)
         cache = spec.config.cache
         execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device, cache.cache_dtype,
-                                   cache.calculate_kv_scales, placement.links)
+                                   cache.calculate_kv_scales, placement.links, spec.kv_groups)
         connection.send(("ok", (weight_bytes(model), kv_bytes(execution.kv_caches))))
     except BaseException:
         connection.send(("error", traceback.format_exc()))

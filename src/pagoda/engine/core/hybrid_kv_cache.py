@@ -53,8 +53,10 @@ class HybridKVCacheManager(KVCacheManager):
                      for manager, blocks in zip(self.managers, hits))
         if wanted > self.pool.num_free:
             return None
-        for manager, blocks in zip(self.managers, hits):
-            manager.take_slots(request, num_new_tokens, blocks)
+        for manager, blocks in zip(self.managers, hits):  # every group's hits revived before any new block is taken
+            manager.share_hits(request, blocks)
+        for manager in self.managers:
+            manager.take_new_slots(request, num_new_tokens, num_hits)
         return request.block_ids
 
     def cache_full_blocks(self, request: Request) -> None:

@@ -130,11 +130,21 @@ class KVCacheManager:
 
     def take_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block]) -> None:
         """allocate_slots' taking, once `num_blocks_wanted` is known to be free."""
-        blocks = self._blocks.setdefault(request.request_id, [])
-        num_total_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
-        num_needed = -(-num_total_tokens // self.block_size) - len(blocks) - len(computed_blocks)
+        self.share_hits(request, computed_blocks)
+        self.take_new_slots(request, num_new_tokens, len(computed_blocks))
+
+    def share_hits(self, request: Request, computed_blocks: Sequence[Block]) -> None:
+        """The first half of take_slots. NOTE: every group over the same pool shares its hits before any takes new
+        blocks, which would otherwise evict a cached hit at the free queue's front before it is revived."""
         self.pool.share([block for block in computed_blocks if block is not NULL_BLOCK])
-        blocks.extend(computed_blocks)
+        self._blocks.setdefault(request.request_id, []).extend(computed_blocks)
+
+    def take_new_slots(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> None:
+        """The second half of take_slots: blocks for the new tokens past the computed ones and the hits (already
+        in the request's blocks)."""
+        blocks = self._blocks.setdefault(request.request_id, [])
+        num_total_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
+        num_needed = -(-num_total_tokens // self.block_size) - len(blocks)
         if num_needed > 0:
             blocks.extend(self.pool.take_new(num_needed))
         self._publish(request, blocks)

@@ -1,0 +1,73 @@
+"""The hybrid KV layout on real models (Gemma 2, Gemma 3, a Mistral-shaped model, Qwen2 with sliding layers): the
+engine picks it for a window shorter than the context, each sliding group holds at most its window's blocks as a
+long sequence decodes while the full groups hold every block (counted at every step), the greedy tokens stay
+transformers', and every block returns to the pool. Greedy equality under batching, chunked prefill, preemption
+and prefix hits is tests/test_correctness.py's, over the same models."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from conftest import compare_with_reference, random_prompts
+from test_correctness import SLIDING_WINDOW
+
+from pagoda import SamplingParams
+from pagoda.engine.core.hybrid_kv_cache import HybridKVCacheManager
+from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.kv_groups import window_blocks
+
+BLOCK_SIZE = 4
+LONG_PROMPT = random_prompts([30], seed=7)[0]
+NEW_TOKENS = 70  # 100 tokens: four windows of 24
+
+
+@pytest.mark.parametrize(("arch", "num_groups"), [("gemma2", 2), ("gemma3", 3), ("mistral", 1), ("qwen2-swa", 2)])
+def test_a_long_sequence_holds_only_its_window_in_sliding_groups(arch, num_groups, checkpoint, hf_reference,
+                                                               make_llm, monkeypatch):
+    model_dir = checkpoint(arch)
+    llm = make_llm(model_dir, block_size=BLOCK_SIZE, num_kv_blocks=256, max_num_batched_tokens=8)
+    kv_cache = llm.engine.kv_cache
+    assert isinstance(kv_cache, HybridKVCacheManager) and len(kv_cache.groups) == num_groups
+    # Layer i of every group shares the pool's tensor i: as many tensors as a group has layers.
+    kv_caches = llm.engine.runner.kv_caches
+    assert len({id(cache) for cache in kv_caches}) == len(kv_cache.groups[0].layers)
+
+    held: list[tuple[int, list[int], int]] = []  # per step: (computed tokens, blocks per group, free blocks)
+    scheduler = llm.engine.scheduler
+    original_update = scheduler.update
+
+    def update(output, runner_output):
+        for item in output.scheduled:  # as the step ran: before update moves the counts on
+            request = item.request
+            held.append((request.num_computed_tokens + item.num_tokens, kv_cache.blocks_held(request.request_id),
+                         kv_cache.num_free_blocks))
+        return original_update(output, runner_output)
+
+    monkeypatch.setattr(scheduler, "update", update)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    tokens = llm.generate([LONG_PROMPT], params, use_tqdm=False)[0].outputs[0].token_ids
+    compare_with_reference(tokens, hf_reference(model_dir, LONG_PROMPT, NEW_TOKENS), f"{arch}/long")
+
+    decode_bound = math.ceil(SLIDING_WINDOW / BLOCK_SIZE) + 1
+    chunk_bound = window_blocks(SLIDING_WINDOW, BLOCK_SIZE, chunk=8)
+    assert len(held) >= NEW_TOKENS
+    for num_slots, per_group, free in held:
+        for group, count in zip(kv_cache.groups, per_group):
+            if group.window is None:
+                assert count == math.ceil(num_slots / BLOCK_SIZE)
+            else:  # a prefill chunk sees the window before it too; a decode its window alone
+                assert count <= (decode_bound if num_slots > len(LONG_PROMPT) else chunk_bound)
+        # The pool's free count: what the groups hold, where one table over every layer would hold a block
+        # of every layer for each of the sequence's blocks.
+        assert free == 256 - sum(per_group)
+    last_slots, last_groups, _ = held[-1]
+    sliding = [count for group, count in zip(kv_cache.groups, last_groups) if group.window is not None]
+    assert sliding and max(sliding) <= decode_bound < math.ceil(last_slots / BLOCK_SIZE)
+    assert kv_cache.num_free_blocks == 256  # and the conftest checks every block's accounting
+
+
+def test_a_window_as_long_as_the_context_keeps_one_table(checkpoint, make_llm):
+    """A window no shorter than max_model_len excludes nothing: the single-table manager, as before."""
+    llm = make_llm(checkpoint("mistral"), block_size=BLOCK_SIZE, num_kv_blocks=64, max_model_len=SLIDING_WINDOW)
+    assert type(llm.engine.kv_cache) is KVCacheManager
