@@ -13,9 +13,14 @@ from conftest import compare_with_reference, random_prompts
 from test_correctness import SLIDING_WINDOW
 
 from pagoda import SamplingParams
+from pagoda.calc.deployment import CalcInputs, derive
+from pagoda.calc.presets import resolve_gpu
+from pagoda.calc.shapes import shape_from_hf_config, shape_from_path
 from pagoda.engine.core.hybrid_kv_cache import HybridKVCacheManager
 from pagoda.engine.core.kv_cache import KVCacheManager
 from pagoda.kv_groups import window_blocks
+from pagoda.model.loader import load_model_config
+from pagoda.startup import startup_summary
 
 BLOCK_SIZE = 4
 LONG_PROMPT = random_prompts([30], seed=7)[0]
@@ -71,3 +76,38 @@ def test_a_window_as_long_as_the_context_keeps_one_table(checkpoint, make_llm):
     """A window no shorter than max_model_len excludes nothing: the single-table manager, as before."""
     llm = make_llm(checkpoint("mistral"), block_size=BLOCK_SIZE, num_kv_blocks=64, max_model_len=SLIDING_WINDOW)
     assert type(llm.engine.kv_cache) is KVCacheManager
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3", "mistral", "qwen2-swa", "phi3", "llama"])
+def test_the_calculator_reads_each_layers_window_as_the_engine_does(arch, checkpoint):
+    model_dir = checkpoint(arch)
+    engine_windows = load_model_config(model_dir).sliding_windows
+    calc_windows = shape_from_path(model_dir).architecture.sliding_windows
+    assert calc_windows == (engine_windows if any(w is not None for w in engine_windows) else ())
+
+
+def test_the_calculators_kv_per_sequence_keeps_only_the_windows_of_sliding_layers():
+    """Gemma 2's shape (alternating 4096-token windows): a 32K-token sequence keeps 32K tokens in the global
+    layers and 4K in the local ones, 18K a layer on average."""
+    config = {"model_type": "gemma2", "vocab_size": 256000, "hidden_size": 2304, "num_hidden_layers": 26,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "intermediate_size": 9216,
+              "sliding_window": 4096}
+    windowed = shape_from_hf_config(config, "gemma-2-2b")
+    full = shape_from_hf_config({**config, "sliding_window": None}, "gemma-2-2b")
+    assert windowed.architecture.sliding_windows == (4096, None) * 13
+    gpu = resolve_gpu("h100-sxm")
+    with_windows = derive(CalcInputs(windowed, gpu, seq_len=32768))
+    without = derive(CalcInputs(full, gpu, seq_len=32768))
+    assert with_windows.kv_tokens_per_sequence == (32768 + 4096) / 2
+    assert with_windows.kv_bytes_per_sequence == pytest.approx(without.kv_bytes_per_sequence * 18432 / 32768)
+    assert with_windows.max_sequences > without.max_sequences
+
+
+def test_the_start_up_summary_counts_sequences_with_the_windows(checkpoint, make_llm):
+    llm = make_llm(checkpoint("gemma2"), block_size=BLOCK_SIZE, num_kv_blocks=200, max_model_len=100)
+    engine = llm.engine
+    summary = startup_summary(engine.describe(), engine.config, "gemma2")
+    # 25 blocks of the full group and ceil(23 / 4) + 1 = 7 of the sliding one: 200 // 32 = 6 sequences, where the
+    # same bytes as one table over both layers (100 blocks of 25 a sequence) would hold 4.
+    assert ("200 blocks x 4 tokens of one group's layers, 1 full + 1 sliding-window (24) groups of 1 layers: "
+            "6 sequences of max_model_len at once") in summary

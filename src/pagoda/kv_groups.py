@@ -65,3 +65,13 @@ def blocks_per_sequence(groups: Sequence[KVCacheGroup], num_tokens: int, block_s
     full = -(-num_tokens // block_size)
     return sum(full if group.window is None else min(full, window_blocks(group.window, block_size, chunk))
                for group in groups)
+
+
+def kv_tokens_per_layer(sliding_windows: Sequence[int | None], num_tokens: float) -> float:
+    """The KV one sequence of `num_tokens` tokens keeps, in tokens per layer averaged over the layers: a sliding
+    layer its window (the rest returns to the pool), a full one every token. Token-level: the engine's blocks
+    round each group up to whole blocks (`blocks_per_sequence`)."""
+    if not sliding_windows:
+        return float(num_tokens)
+    kept = sum(num_tokens if window is None else min(num_tokens, window) for window in sliding_windows)
+    return kept / len(sliding_windows)
