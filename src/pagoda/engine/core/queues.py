@@ -206,7 +206,7 @@ class FairQueue:
         quota: dict[str, int] = {}
         for request in running:
             if request.tenant is not None and request.tenant.max_kv_blocks is not None:
-                held[request.tenant.name] = held.get(request.tenant.name, 0) + len(request.block_ids)
+                held[request.tenant.name] = held.get(request.tenant.name, 0) + request.num_blocks_held
                 quota[request.tenant.name] = request.tenant.max_kv_blocks
         over = {name for name, blocks in held.items() if blocks > quota[name]}
         if not over and not self._reordered:

@@ -86,6 +86,11 @@ class Request:
         return self.params.prompt_logprobs is not None
 
     @property
+    def num_blocks_held(self) -> int:
+        """Pool blocks it holds over every KV cache group (not the -1 a window left in a table)."""
+        return sum(1 for table in self.block_tables for block_id in table if block_id >= 0)
+
+    @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
