@@ -35,6 +35,7 @@ pytestmark = pytest.mark.timeout(60)
 TTFT_S = 0.2
 GAP_S = 0.05
 NUM_TOKENS = 9  # the most a fake response holds: E2E = 0.2 + 8 x 0.05 = 0.6 s, TPOT = 0.4 / 8 = 0.05 s
+SLOW_TENANT_S = 0.3  # the tenant "slow" (named in x-tenant, or by the API key "key-slow") waits this much longer
 
 
 def fake_app(ttft_s: float = TTFT_S, gap_s: float = GAP_S, num_tokens: int = NUM_TOKENS) -> FastAPI:
@@ -52,6 +53,8 @@ def fake_app(ttft_s: float = TTFT_S, gap_s: float = GAP_S, num_tokens: int = NUM
         count = min(int(body.get("max_tokens") or 16), num_tokens)
         prompt_tokens = len(body["prompt"]) if isinstance(body.get("prompt"), list) else 7
         start = time.monotonic()
+        tenant = request.headers.get("x-tenant") or request.headers.get("authorization", "").removeprefix("Bearer key-")
+        first = ttft_s + (SLOW_TENANT_S if tenant == "slow" else 0)
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
@@ -60,7 +63,7 @@ def fake_app(ttft_s: float = TTFT_S, gap_s: float = GAP_S, num_tokens: int = NUM
             if chat:  # a role-only chunk first, as vLLM sends: it is not content and must not stop TTFT
                 yield event({"choices": [{"index": 0, "delta": {"role": "assistant"}, "finish_reason": None}]})
             for index in range(count):
-                await asyncio.sleep(max(0.0, start + ttft_s + index * gap_s - time.monotonic()))
+                await asyncio.sleep(max(0.0, start + first + index * gap_s - time.monotonic()))
                 if "FAILSTREAM" in prompt and index == 2:
                     yield event({"error": {"message": "engine died", "type": "InternalServerError", "code": 500}})
                     break
@@ -281,6 +284,46 @@ def test_cli_compare_sweep_writes_one_table_json_and_png(tmp_path, capsys):
     assert (quick_capacity["level"], quick_capacity["unit"], slow_capacity["level"]) == (2, "concurrency", None)
     assert "quick: capacity at the SLO (>= 90% of requests within ttft <= 150.0 ms): 2 concurrency" in table
     assert "slow: capacity at the SLO (>= 90% of requests within ttft <= 150.0 ms): none" in table
+
+
+@pytest.mark.parametrize("how", [["--tenant-header", "x-tenant"],
+                                 ["--tenant-api-keys", "fast=key-fast,slow=key-slow"]])
+def test_latency_per_tenant_with_goodput_in_tokens_and_capacity_at_a_percentile(fake, tmp_path, capsys, how):
+    dataset, out = tmp_path / "prompts.jsonl", tmp_path / "tenants.json"
+    dataset.write_text('{"prompt": "one"}\n{"prompt": "two"}\n', encoding="utf-8")
+    code = cli.main(["--base-url", fake.url, "--workload", "jsonl", "--dataset", str(dataset), "--output-len", "5",
+                     "--concurrency", "8",
+                     "--num-requests", "24", "--warmup", "0", "--tenant-mix", "fast=1,slow=1", *how,
+                     "--slo", "ttft=350ms", "--slo-percentile", "90", "--out", str(out), "--no-progress",
+                     "--no-plot"])
+    assert code == 0
+    table = capsys.readouterr().out
+    [point] = json.loads(out.read_text())["endpoints"][0]["levels"]
+    requests, summary = point["requests"], point["summary"]
+    tenants = summary["by_class"]["tenant"]
+    assert list(tenants) == ["fast", "slow"] and {r["tenant"] for r in requests} == {"fast", "slow"}
+    for name, c in tenants.items():
+        mine = [r for r in requests if r["tenant"] == name]
+        assert c["num_requests"] == c["num_ok"] == len(mine) > 0
+        # The server saw the tenant: the slow one's first token waits SLOW_TENANT_S more, never less.
+        assert c["ttft"]["p50"] >= TTFT_S + (SLOW_TENANT_S if name == "slow" else 0) - 0.005
+        # Goodput in tokens: the fast tenant's answers are all within 350 ms (unless the host stalls), the slow
+        # tenant's none (it is never early), and each good request brings its 5 tokens.
+        goodput = c["goodput"]
+        assert goodput["output_tokens_per_s"] == pytest.approx(5 * goodput["requests_per_s"])
+        assert goodput["good_requests"] == 0 if name == "slow" else goodput["good_requests"] <= len(mine)
+    assert summary["goodput"]["good_requests"] == tenants["fast"]["goodput"]["good_requests"]
+    assert "tenant fast" in table and "tenant slow" in table
+    # Half the requests miss: no level meets the SLO at p90.
+    assert json.loads(out.read_text())["endpoints"][0]["slo_capacity"]["level"] is None
+
+
+def test_a_tenant_mix_needs_a_way_to_name_the_tenant(tmp_path, capsys):
+    assert cli.main(["--base-url", "http://127.0.0.1:9/v1", "--tenant-mix", "a=1", "--no-progress"]) != 0
+    assert "--tenant-header or --tenant-api-keys" in capsys.readouterr().err
+    assert cli.main(["--base-url", "http://127.0.0.1:9/v1", "--tenant-mix", "a=1,b=1", "--tenant-api-keys", "a=k",
+                     "--no-progress"]) != 0
+    assert "no key for tenant(s) b" in capsys.readouterr().err
 
 
 def test_cli_says_a_note_once_and_keeps_matplotlibs_font_cache_out(fake, tmp_path):

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from server_fixtures import ServerProcess, free_port, launch_router, launch_server, make_server_checkpoint
 
-from pagoda.calc.formulas import kv_bytes_per_token
+from pagoda.calc import cli as calc_cli
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -54,7 +54,7 @@ def fleet(tmp_path_factory):
         router.wait_for_health(200)
         config = json.loads((model_dir / "config.json").read_text())
         yield {"reference": reference, "prefill": prefill, "decode": decode, "router": router, "root": root,
-               "config": config}
+               "config": config, "model_dir": model_dir}
     finally:
         for server in servers:
             server.stop()
@@ -102,18 +102,50 @@ def test_greedy_output_through_the_split_equals_one_engine_under_load(fleet):
     assert decode.metrics().value("vllm:spec_decode_num_draft_tokens_total") > 0, "no speculation on the decode side"
 
 
+def calc_handoff(model_dir, prompt_len: int, decode_prefix_len: int = 0) -> dict:
+    """`pagoda calc --disagg`'s figures for this checkpoint, as its JSON prints them."""
+    import contextlib
+    import io
+
+    argv = ["--model", str(model_dir), "--dtype", "fp32", "--prompt-len", str(prompt_len), "--block-size",
+            str(BLOCK_SIZE), "--prefix-len", str(decode_prefix_len), "--disagg", "--json"]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert calc_cli.main(argv) == 0
+    return json.loads(printed.getvalue())["disagg"]
+
+
 def test_decode_computes_at_most_a_block_and_the_bytes_moved_are_calcs(fleet):
-    router, decode, config = fleet["router"], fleet["decode"], fleet["config"]
-    per_token = kv_bytes_per_token(config["num_hidden_layers"], config["num_key_value_heads"],
-                                   config["hidden_size"] // config["num_attention_heads"], "float32")
+    router, decode = fleet["router"], fleet["decode"]
     for length in (33, 48, 80, 97):
         prompt = new_prompt(length)
         computed, moved, _ = kv_counters(decode)
         assert tokens(router, prompt) == tokens(fleet["reference"], prompt)
         computed_now, moved_now, _ = kv_counters(decode)
-        blocks = (length - 1) // BLOCK_SIZE
-        assert computed_now - computed == length - blocks * BLOCK_SIZE <= BLOCK_SIZE
-        assert moved_now - moved == blocks * BLOCK_SIZE * per_token
+        predicted = calc_handoff(fleet["model_dir"], length)
+        assert computed_now - computed == length - predicted["handoff_tokens"] <= BLOCK_SIZE
+        assert moved_now - moved == predicted["handoff_bytes"] > 0
+
+
+def test_a_prefix_the_decode_replica_caches_is_not_pulled_again(fleet):
+    router, decode, reference = fleet["router"], fleet["decode"], fleet["reference"]
+    shared = new_prompt(4 * BLOCK_SIZE)
+    first = shared + new_prompt(20)  # through the split: the decode replica caches the shared blocks
+    assert tokens(router, first) == tokens(reference, first)
+    for suffix in (30, 3):
+        prompt = shared + new_prompt(suffix)
+        computed, moved, failures = kv_counters(decode)
+        assert tokens(router, prompt) == tokens(reference, prompt)
+        computed_now, moved_now, failures_now = kv_counters(decode)
+        predicted = calc_handoff(fleet["model_dir"], len(prompt), decode_prefix_len=len(shared))
+        whole = calc_handoff(fleet["model_dir"], len(prompt))
+        # Only the blocks after the cached prefix crossed the wire, and the decode replica still computed only the
+        # last prompt token's block: the prefix came from its own cache, the rest from the prefill replica.
+        assert moved_now - moved == predicted["handoff_bytes"] < whole["handoff_bytes"]
+        assert computed_now - computed == len(prompt) - whole["handoff_tokens"] <= BLOCK_SIZE
+        assert failures_now == failures
+    # With nothing left to pull the decode replica still tells the producer, which releases the blocks at once.
+    fleet["prefill"].wait_until_idle(timeout=5)
 
 
 def test_prefix_hits_streaming_n_stop_strings_and_structured_output_as_on_one_replica(fleet):

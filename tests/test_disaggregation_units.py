@@ -103,3 +103,18 @@ def test_route_flags_take_one_mode_or_the_other():
                  ("--pd-disaggregation", "--prefill", "http://a", "--decode", "http://a")):
         with pytest.raises(ValueError):
             replica_pools(route_args(*argv))
+
+
+def test_cached_prefix_blocks_counts_whole_cached_blocks_under_the_same_salt_never_the_last_tokens():
+    kv_cache = KVCacheManager(num_blocks=8, block_size=4)
+    request = finished_request(14, 4, kv_cache)  # tokens 5..18: blocks [5..8], [9..12], [13..16] cached
+    kv_cache.free(request)
+    prompt = list(range(5, 5 + 14))
+    assert kv_cache.cached_prefix_blocks(prompt) == 3
+    assert kv_cache.cached_prefix_blocks(prompt[:12]) == 2  # the third block holds the last prompt token
+    assert kv_cache.cached_prefix_blocks(prompt[:4] + [99] + prompt[5:]) == 1  # a different second block
+    assert kv_cache.cached_prefix_blocks(prompt, cache_salt="tenant") == 0
+    # What it said is what admission finds.
+    again = Request("r2", prompt, SamplingParams(), seed=0)
+    assert kv_cache.get_computed_blocks(again)[1] == 3 * 4
+    kv_cache.check_invariants()

@@ -3,6 +3,8 @@ door, the context clamp, prefix caching across calls, and abort returning every 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from conftest import assert_all_blocks_free, random_prompts
 
@@ -294,3 +296,13 @@ def test_offline_generate_raises_when_a_request_fails_and_leaves_nothing_running
         llm.generate([[7, 8, 9], [10, 11, 12]], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
     assert not llm.engine.has_unfinished_requests()
     assert_all_blocks_free(llm.engine)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_read_per_step_are_every_weight_but_the_input_table(tied, checkpoint, make_llm):
+    model_dir = checkpoint("llama", tie_word_embeddings=tied)
+    description = make_llm(model_dir).engine.describe()
+    config = json.loads((model_dir / "config.json").read_text())
+    # A step indexes the input table; tied, it is read whole as the LM head, and counted once.
+    table = 0 if tied else config["vocab_size"] * config["hidden_size"]
+    assert description.weight_bytes_read_per_step == 4 * (description.num_parameters - table) > 0

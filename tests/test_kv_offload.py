@@ -245,6 +245,7 @@ def test_offloaded_blocks_are_reported_with_their_medium(model_dir):
     assert sink.blocks("stored", "CPU") == chain, "every full block went down to the local tier"
     evicted = sink.blocks("removed", "CPU")
     assert evicted == chain[: len(chain) - slots], "the tier's LRU evicted the oldest, and said so"
+    assert engine.stats().kv_connector.tiers[0].evicted_blocks == len(evicted)
     engine.shutdown()
 
 

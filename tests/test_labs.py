@@ -139,3 +139,49 @@ def test_the_queue_bends_at_the_knee_and_littles_law_holds_on_the_counts(tmp_pat
     # Past the knee the queue grows far faster than the load: tripling rho multiplies the queue over tenfold.
     assert queues[-1] > 10 * queues[0] and rows[-1]["rho"] == pytest.approx(3 * rows[0]["rho"])
     assert rows[-1]["within_slo"] < rows[0]["within_slo"]
+
+
+def test_calc_counts_the_bytes_a_decode_step_reads_and_each_step_computes_the_batch(tmp_path, capsys):
+    result = run_lab("roofline", tmp_path, capsys)
+    rows, settings = result["rows"], result["settings"]
+    # calc's weights read per step are the bytes of the tensors the engine streams; its KV per token the pool's.
+    assert settings["weight_bytes_calc"] == settings["weight_bytes_engine"] > 0
+    assert settings["kv_bytes_per_token_calc"] == settings["kv_bytes_per_token_pool"] > 0
+    assert [row["batch"] for row in rows] == [1, 4, 16]
+    for row in rows:  # the engine's own counter: every decode step computed the whole batch, one token each
+        assert row["decode_steps"] == settings["output_tokens"] - 1 and row["tokens_per_step"] == row["batch"]
+    # The weights are read once a step whatever the batch: only the KV grows with it, so bytes per token fall.
+    kv_per_sequence = settings["kv_bytes_per_token_calc"] * settings["context_for_calc"] / 1e6
+    for row in rows:
+        assert row["bytes_per_step_mb"] == pytest.approx(settings["weight_bytes_calc"] / 1e6
+                                                         + row["batch"] * kv_per_sequence)
+    per_token = [row["bytes_per_token_mb"] for row in rows]
+    assert per_token == sorted(per_token, reverse=True) and per_token[0] > 8 * per_token[-1]
+    assert rows[0]["bound"] == "memory"
+
+
+def test_quantized_bytes_are_calcs_and_accuracy_stays_within_the_gate(tmp_path, capsys):
+    result = run_lab("quantization", tmp_path, capsys)
+    rows = {row["config"]: row for row in result["rows"]}
+    settings = result["settings"]
+    fp32, bf16, int8, int4 = rows["fp32"], rows["bf16"], rows["int8"], rows["int4"]
+    for row in rows.values():
+        assert row["kv_bytes_calc"] == row["kv_bytes_pool"] > 0
+    for row in (fp32, bf16, rows["fp32, int8 KV"], rows["fp32, fp8 KV"]):
+        assert row["weight_mb_engine"] == row["weight_mb_calc"]
+    assert bf16["weight_mb_engine"] == fp32["weight_mb_engine"] / 2
+    for row in (int8, int4):  # scales and norms beyond calc's bytes a weight: a small, positive overhead
+        assert row["weight_mb_calc"] < row["weight_mb_engine"] <= 1.02 * row["weight_mb_calc"]
+    per_token = [row["mb_per_token_calc"] for row in (fp32, bf16, int8, int4)]
+    assert per_token == sorted(per_token, reverse=True)
+    assert rows["fp32, fp8 KV"]["kv_bytes_pool"] < rows["fp32, int8 KV"]["kv_bytes_pool"] < fp32["kv_bytes_pool"] / 3
+    # Accuracy on counted answers: the engine really answers (an engine of garbage would sit "within bounds" of
+    # itself), and each quantized path is within the gate's bound of its reference, at least one answer.
+    correct, per_family = settings["correct"], settings["items_per_family"]
+    assert sum(correct["fp32"].values()) > len(correct["fp32"]) * per_family / 2
+    allowed_loss = max(1, int(0.03 * per_family * len(correct["fp32"])))  # 3 points of the mean, in answers
+    for name in ("bf16", "int8", "int4"):
+        assert sum(correct["fp32"].values()) - sum(correct[name].values()) <= allowed_loss
+    for name in ("fp32, int8 KV", "fp32, fp8 KV"):
+        assert all(abs(correct[name][family] - count) <= 1 for family, count in correct["fp32"].items())
+    assert all(settings["checks"].values())

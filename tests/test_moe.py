@@ -244,9 +244,11 @@ def test_lora_on_a_mixture_of_experts_is_refused(checkpoint, make_llm):
         make_llm(checkpoint("qwen3-moe"), enable_lora=True)
 
 
-def test_tensor_parallel_mixture_of_experts_is_refused(checkpoint):
+def test_tensor_parallel_experts_without_expert_parallelism_are_refused(checkpoint):
+    """The loader's own check, for a caller that builds a rank's model without the engine's: experts are placed
+    across ranks (tests/test_expert_parallel.py), never sliced."""
     from pagoda.model.loader import load_model
     from pagoda.model.parallel import TensorParallel
 
-    with pytest.raises(ModelLoadError, match="not split across ranks yet"):
+    with pytest.raises(ModelLoadError, match="--enable-expert-parallel"):
         load_model(checkpoint("mixtral"), parallel=TensorParallel(rank=0, world_size=2))

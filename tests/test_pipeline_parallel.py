@@ -30,7 +30,8 @@ LAYOUTS = {"pp2": dict(pipeline_parallel_size=2), "tp2xpp2": dict(tensor_paralle
 
 
 # Every architecture in stages, in every mode; with tensor parallelism too where the ranks can split it (OLMo 2's
-# q/k norms and the mixtures of experts are refused at TP > 1: tests/test_tensor_parallel.py, tests/test_moe.py),
+# q/k norms are refused at TP > 1: tests/test_tensor_parallel.py; the mixtures of experts split there with expert
+# parallelism: tests/test_expert_parallel.py),
 # there in one mode each, in turn: four processes a case, and each mode's stage logic is the same code at PP=2.
 SPLITS = [(arch, "pp2", mode) for arch in ARCHITECTURES for mode in MODES] + [
     (arch, "tp2xpp2", list(MODES)[index % len(MODES)]) for index, arch in enumerate(TP_ARCHITECTURES)]

@@ -307,6 +307,7 @@ def test_the_dashboards_numbers_move_while_requests_run(page: Page, server):
         worker.join(30)
     wait_for_text(page, "#running .value", "text => text === '0'")
     assert "Cannot" not in (page.text_content("#dashboard-status") or "")
+    assert page.is_hidden("#kv-tiers"), "no KV connector: no tiers panel (tests/test_web_kv_tiers.py has one)"
     for chart in ("requests", "kv", "tokens", "prefix", "ttft", "itl"):  # every chart has points to draw
         assert int(page.get_attribute(f"#chart-{chart}", "data-points") or 0) > 0, chart
 
@@ -316,6 +317,7 @@ def test_the_stats_route_needs_the_key(server):
     stats = server.get("/dashboard/stats").json()
     assert stats["model"] == server.get("/v1/models").json()["data"][0]["id"]
     assert {"running", "waiting", "kv_cache_usage", "prefix_cache_hits", "prefix_cache_queries", "recent"} <= set(stats)
+    assert stats["kv_tiers"] is None
     assert httpx.get(f"{server.url}/", timeout=10).status_code == 200  # the page itself needs no key
 
 

@@ -1,4 +1,4 @@
-"""`pagoda serve | generate | chat | calc | bench | route | lab`: the command line, with vLLM's flag names."""
+"""`pagoda serve | generate | chat | calc | bench | route | lab | sim`: the command line, with vLLM's flag names."""
 
 from __future__ import annotations
 
@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 from pagoda.api_keys import add_api_key_arguments
 from pagoda.engine_args import add_engine_args, engine_config_from, is_builtin_model, model_to_load, served_model_name
 from pagoda.flag_values import format_bytes, json_object, parse_bytes, show_default
-from pagoda.server.tool_parsers import TOOL_CALL_PARSERS
 from pagoda.text.reasoning import REASONING_PARSERS
+from pagoda.tool_parser_names import TOOL_CALL_PARSER_NAMES
 
 if TYPE_CHECKING:
     from pagoda.lora_request import LoRARequest
+    from pagoda.tenant_door import Tenants
     from pagoda.wire.kv_events import KVEventsConfig
 
 # What `pagoda bench` imports beyond serving's dependencies: the `bench` extra.
@@ -33,18 +34,15 @@ def _positive_int(text: str) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from pagoda.api_keys import ApiKeys
     from pagoda.server.launcher import exit_now, serve
-    from pagoda.server.tenancy import Tenants
+    from pagoda.tenant_door import Tenants
     from pagoda.wire.limits import ServerLimits
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("pagoda serve: --enable-auto-tool-choice needs --tool-call-parser "
-                         f"({', '.join(TOOL_CALL_PARSERS)})")
+                         f"({', '.join(TOOL_CALL_PARSER_NAMES)})")
     try:
         api_keys = ApiKeys.from_args(args)
-        tenants = Tenants(api_keys, args.tenant_config)
-        if args.tenant_config and args.data_parallel_size > 1:
-            raise ValueError("--tenant-config is not supported with --data-parallel-size yet: the limits would count "
-                             "per replica")
+        tenants = Tenants(api_keys, args.tenant_config, enforce_limits=args.tenant_rate_limits)
         given = {name: getattr(args, name) for name in SERVER_LIMITS if getattr(args, name) is not None}
         limits = ServerLimits(**given)
         kv_events = kv_events_config(args.kv_events_config)
@@ -56,7 +54,7 @@ def run_serve(args: argparse.Namespace) -> int:
     args.model = model_to_load(args.model, "serve")
     tool_call_parser = auto_tool_call_parser(args)
     if args.data_parallel_size > 1:
-        exit_now(run_data_parallel(args))
+        exit_now(run_data_parallel(args, tenants if tenants.configured else None))
     code = serve(
         engine_config_from(args),
         model_name=served_model_name(args.model, args.served_model_name),
@@ -105,7 +103,7 @@ def auto_tool_call_parser(args: argparse.Namespace) -> str | None:
     return None
 
 
-def run_data_parallel(args: argparse.Namespace) -> int:
+def run_data_parallel(args: argparse.Namespace, tenants: Tenants | None = None) -> int:
     """--data-parallel-size N: N engine processes behind the router (pagoda.router.data_parallel)."""
     from pagoda.router.data_parallel import plan_engines, serve_data_parallel
 
@@ -114,7 +112,7 @@ def run_data_parallel(args: argparse.Namespace) -> int:
         plan = plan_engines(commands.choices["serve"], args)
     except ValueError as error:
         raise SystemExit(f"pagoda serve: {error}") from None
-    return serve_data_parallel(plan, args)
+    return serve_data_parallel(plan, args, tenants)
 
 
 def kv_events_config(values: dict[str, Any] | None) -> KVEventsConfig | None:
@@ -217,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--tenant-config", default=None, metavar="PATH",
                        help="a JSON file of tenants: their API keys (or a gateway's header), requests and tokens per "
                             "minute, adapters and prefix-cache sharing; reloaded on SIGHUP (docs/tenants.md)")
+    serve.add_argument("--tenant-rate-limits", action=argparse.BooleanOptionalAction, default=True,
+                       help="with --tenant-config: count the tenants' requests and tokens per minute here; "
+                            "--no-tenant-rate-limits for a replica behind a front that counts them for the whole "
+                            "fleet (pagoda route --tenant-config; --data-parallel-size sets it on its engines)")
     serve.add_argument("--max-waiting-requests", type=int, default=None,
                        help="answer 429 to a request whose sequences (prompts x n) would take the waiting queue "
                             "past this many (default: unbounded)")
@@ -244,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
                        help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser '
                             "(default: on for the built-in model, in the form it was trained on; off otherwise)")
-    serve.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+    serve.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSER_NAMES), default=None,
                        help="the model's tool-call format, as its chat template teaches it")
     serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
                        help="split a thinking model's output: the thinking goes to message.reasoning (and "
@@ -282,12 +284,14 @@ def build_parser() -> argparse.ArgumentParser:
     from pagoda.chat import add_parser as add_chat
     from pagoda.labs.cli import add_parser as add_lab
     from pagoda.router.cli import add_parser as add_route
+    from pagoda.sim.cli import add_parser as add_sim
 
     add_chat(commands)
     add_calc(commands)
     add_bench_command(commands)
     add_route(commands)
     add_lab(commands)
+    add_sim(commands)
     return parser
 
 

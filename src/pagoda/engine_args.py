@@ -135,6 +135,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                         help="mp: pagoda starts the ranks as processes; uni: one process (default: mp when "
                              "there are several ranks, else uni); external_launcher is not built yet")
+    parser.add_argument("--enable-expert-parallel", action="store_true", default=None,
+                        help="a mixture of experts: its experts placed across the --tensor-parallel-size ranks, "
+                             "tokens sent to them and back with all-to-all (docs/moe.md)")
+    parser.add_argument("--enable-eplb", action="store_true", default=None,
+                        help="vLLM's expert load balancing: not built (refused)")
     parser.add_argument("--enable-lora", action="store_true", default=None,
                         help="serve LoRA adapters (PEFT directories) beside the base model (docs/lora.md)")
     parser.add_argument("--max-loras", type=int,

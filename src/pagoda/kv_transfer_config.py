@@ -37,6 +37,8 @@ class OffloadOptions:
     reconnect_backoff_s / max_reconnect_backoff_s: a store that failed is skipped for this long, doubling up to
     the bound while it keeps failing; the first call that succeeds resets it.
     shared_medium: the medium the shared tier's KV events report.
+    store_ttl_s: each block in the shared tier expires this long after it was last stored (None: only the
+    store's own eviction, maxmemory LRU, removes it).
     model_id: who may share blocks (default: a digest of the checkpoint's config and weight files' names and sizes).
     """
 
@@ -46,6 +48,7 @@ class OffloadOptions:
     reconnect_backoff_s: float = 0.5
     max_reconnect_backoff_s: float = 5.0
     shared_medium: str = SHARED_MEDIUM
+    store_ttl_s: float | None = None
     model_id: str | None = None
 
     def __post_init__(self) -> None:
@@ -60,6 +63,10 @@ class OffloadOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"kv_connector_extra_config: {name} must be a positive number, got {value!r}")
+        ttl = self.store_ttl_s
+        if ttl is not None and (isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or not ttl > 0):
+            raise ValueError(f"kv_connector_extra_config: store_ttl_s must be a positive number of seconds, "
+                             f"got {self.store_ttl_s!r}")
         if self.cpu_bytes_to_use == 0 and self.shared_store is None:
             raise ValueError("OffloadingConnector needs a tier: cpu_bytes_to_use > 0 (--kv-offloading-size) "
                              "or shared_store")

@@ -22,11 +22,16 @@ class ParallelConfig:
     tensor_parallel_size ranks (world size: their product).
     distributed_executor_backend: "uni" (one process; one rank only) or "mp" (pagoda starts the ranks as worker
     processes on this machine); None: "mp" when there are several ranks, else "uni".
+    enable_expert_parallel: a mixture of experts' routed experts are placed across the tensor-parallel ranks, whole
+    (each rank holds num_experts / tensor_parallel_size of them), and tokens travel to them (docs/moe.md).
+    enable_eplb: vLLM's expert load balancing (hot experts replicated); named so that it is refused by name.
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    enable_expert_parallel: bool = False
+    enable_eplb: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -40,6 +45,9 @@ class ParallelConfig:
         if backend == "external_launcher":
             raise ValueError('distributed_executor_backend "external_launcher" (ranks started by torchrun or '
                              'Kubernetes) is not built yet; "mp" starts the ranks on this machine')
+        if self.enable_eplb:
+            raise ValueError("enable_eplb (expert load balancing: hot experts replicated across ranks) is not built; "
+                             "enable_expert_parallel places each expert on one rank")
         if backend == "uni" and self.world_size > 1:
             raise ValueError(f'distributed_executor_backend "uni" runs one process; tensor_parallel_size '
                              f'{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size} '

@@ -1,6 +1,6 @@
-"""Latency per request class: by priority (when the workload sends one) and by prompt-length bucket, each
-class with its own percentiles and goodput (requests and tokens per second within the SLO), over the run's
-whole duration, so that the classes' throughputs add up to the run's.
+"""Latency per request class: by priority and by tenant (when the workload names them) and by prompt-length
+bucket, each class with its own percentiles and goodput (requests and tokens per second within the SLO), over
+the run's whole duration, so that the classes' throughputs add up to the run's.
 
 A prompt-length bucket is the powers of two that bound it (`129-256` tokens), from the server's count or,
 for a request that failed before usage came back, the client's; `unknown` when neither exists.
@@ -34,6 +34,8 @@ def classes_of(record: RequestRecord) -> dict[str, tuple[int, str]]:
     classes = {"prompt_len": prompt_bucket(record.prompt_tokens or record.expected_prompt_tokens)}
     if record.priority is not None:
         classes["priority"] = (record.priority, str(record.priority))
+    if record.tenant is not None:
+        classes["tenant"] = (0, record.tenant)  # by name
     return classes
 
 

@@ -9,6 +9,7 @@ import logging
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +18,13 @@ from pagoda.bench.load import ARRIVALS, LoadSpec
 from pagoda.bench.metrics import PERCENTILES, parse_slo
 from pagoda.bench.session import BenchConfig, bench_endpoint
 from pagoda.bench.sweep import doubling_levels, parse_levels
-from pagoda.bench.workloads import KINDS, LENGTH_DISTRIBUTIONS, WorkloadSpec, parse_priority_mix
+from pagoda.bench.workloads import (
+    KINDS,
+    LENGTH_DISTRIBUTIONS,
+    WorkloadSpec,
+    parse_priority_mix,
+    parse_tenant_mix,
+)
 
 if TYPE_CHECKING:
     from pagoda.bench.tokens import ClientTokenizer
@@ -41,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--api", choices=APIS, default="completions")
     target.add_argument("--model", help="model name to ask for (default: the first of GET /v1/models)")
     target.add_argument("--api-key", help="sent as a bearer token")
+    target.add_argument("--tenant-header", metavar="HEADER",
+                        help="send each request's tenant (--tenant-mix) in this header, as a gateway in front of "
+                             "pagoda serve --tenant-config would (its tenant_header)")
+    target.add_argument("--tenant-api-keys", metavar="NAME=KEY,...",
+                        help="send each request's tenant (--tenant-mix) as that tenant's API key")
     target.add_argument("--tokenizer", help="local tokenizer directory (tokenizer.json): exact-length prompts, "
                         "token cross-checks (default: --model when it is a local directory)")
     target.add_argument("--no-server-tokenize", action="store_true", help="do not use the server's /tokenize")
@@ -64,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--num-turns", type=int, default=3, help="multi-turn: user turns per conversation (3)")
     work.add_argument("--priority-mix", help="send vLLM's priority, drawn per conversation from PRIORITY=WEIGHT "
                                              "pairs, e.g. 0=3,1=1 (the server needs --scheduling-policy priority)")
+    work.add_argument("--tenant-mix", help="send each conversation for a tenant drawn from NAME=WEIGHT pairs, "
+                                           "e.g. alice=3,bob=1 (with --tenant-header or --tenant-api-keys); "
+                                           "latencies per tenant")
     work.add_argument("--ignore-eos", action="store_true", help="ask the server to ignore EOS (vLLM extension)")
     work.add_argument("--temperature", type=float, default=0.0)
     work.add_argument("--extra-body", type=json.loads, default={}, help="JSON merged into every request body")
@@ -120,7 +135,28 @@ def endpoints_from(args: argparse.Namespace) -> list[Endpoint]:
     urls = ([args.base_url] if args.base_url else []) + list(args.compare or [])
     if not urls:
         raise ValueError("give --base-url (or --compare URL ...)")
-    return [Endpoint.parse(url, api=args.api, model=args.model, api_key=args.api_key) for url in urls]
+    keys = tenant_keys(args.tenant_api_keys)
+    tenants = [name for name, _ in parse_tenant_mix(args.tenant_mix)]
+    if tenants and args.tenant_header is None:
+        if not keys:
+            raise ValueError("--tenant-mix needs --tenant-header or --tenant-api-keys: how the server learns whose "
+                             "request it is")
+        if missing := [name for name in tenants if name not in dict(keys)]:
+            raise ValueError(f"--tenant-api-keys has no key for tenant(s) {', '.join(missing)} of --tenant-mix")
+    return [replace(Endpoint.parse(url, api=args.api, model=args.model, api_key=args.api_key),
+                    tenant_header=args.tenant_header, tenant_keys=keys) for url in urls]
+
+
+def tenant_keys(text: str | None) -> tuple[tuple[str, str], ...]:
+    """`alice=KEY1,bob=KEY2` -> (("alice", "KEY1"), ("bob", "KEY2"))."""
+    pairs = []
+    for part in (text or "").split(","):
+        name, _, key = part.partition("=")
+        if part.strip() and not (name.strip() and key.strip()):
+            raise ValueError(f"--tenant-api-keys entry {part!r}: expected NAME=KEY")
+        if part.strip():
+            pairs.append((name.strip(), key.strip()))
+    return tuple(pairs)
 
 
 def loads_from(args: argparse.Namespace) -> tuple[LoadSpec, ...]:
@@ -146,6 +182,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
         output_len=args.output_len, output_dist=args.output_dist, output_spread=args.output_spread,
         num_prefix_groups=args.num_prefix_groups, prefix_len=args.prefix_len, num_turns=args.num_turns,
         path=args.dataset, priority_mix=parse_priority_mix(args.priority_mix),
+        tenant_mix=parse_tenant_mix(args.tenant_mix),
     )
     return BenchConfig(
         workload=workload, loads=loads_from(args), num_requests=args.num_requests, waves=args.waves,

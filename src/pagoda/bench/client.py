@@ -30,6 +30,10 @@ class Endpoint:
     model: str | None = None
     name: str = ""
     api_key: str | None = None
+    # How a request names its tenant: in this header (a gateway's, as a tenants file's `tenant_header`), or by
+    # sending that tenant's API key instead of `api_key`.
+    tenant_header: str | None = None
+    tenant_keys: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def parse(cls, text: str, api: str = "completions", model: str | None = None,
@@ -50,6 +54,17 @@ class Endpoint:
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def headers_for(self, tenant: str | None) -> dict[str, str]:
+        """A request's headers: the tenant's key in place of `api_key` where it has one, its name in the tenant
+        header where there is one."""
+        if tenant is None:
+            return self.headers
+        key = dict(self.tenant_keys).get(tenant, self.api_key)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if self.tenant_header:
+            headers[self.tenant_header] = tenant
+        return headers
 
 
 @dataclass(frozen=True)
@@ -133,7 +148,8 @@ async def send(http: httpx.AsyncClient, endpoint: Endpoint, body: dict[str, Any]
     started = time.monotonic()
     record.sent = started - origin
     try:
-        async with http.stream("POST", endpoint.url, json=body, headers=endpoint.headers) as response:
+        async with http.stream("POST", endpoint.url, json=body, headers=endpoint.headers_for(record.tenant)) \
+                as response:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")
                 record.error, record.error_detail = f"http_{response.status_code}", detail[:300]
@@ -196,7 +212,7 @@ def make_sender(http: httpx.AsyncClient, endpoint: Endpoint, options: RequestOpt
                      origin: float) -> tuple[RequestRecord, str]:
         turn = conversation.turns[turn_index]
         record = RequestRecord(f"c{conversation.index}-t{turn_index}", conversation.index, turn_index,
-                               max_tokens=turn.max_tokens, priority=turn.priority,
+                               max_tokens=turn.max_tokens, priority=turn.priority, tenant=turn.tenant,
                                expected_prompt_tokens=turn.expected_prompt_tokens if turn_index == 0 else None)
         try:
             body = request_body(endpoint, conversation, turn_index, earlier_outputs, options)

@@ -22,6 +22,7 @@ class RequestRecord:
     end: float | None = None  # after `sent`: when the response was over (stream closed, [DONE])
     max_tokens: int = 0  # output tokens asked for
     priority: int | None = None  # vLLM's request priority, when the workload sends one (lower runs first)
+    tenant: str | None = None  # whose request it is, when the workload names tenants (sent as a header or API key)
     prompt_tokens: int | None = None  # server's usage.prompt_tokens
     output_tokens: int | None = None  # server's usage.completion_tokens
     cached_tokens: int | None = None  # server's usage.prompt_tokens_details.cached_tokens (prefix cache hits)

@@ -61,7 +61,7 @@ def detail_table(point: dict[str, Any]) -> str:
 
 CLASS_COLUMNS = ("class", "n", "ok", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50",
                  "E2E p99", "out tok/s", "goodput")
-CLASS_DIMENSIONS = {"priority": "priority", "prompt_len": "prompt tokens"}
+CLASS_DIMENSIONS = {"priority": "priority", "tenant": "tenant", "prompt_len": "prompt tokens"}
 
 
 def class_tables(point: dict[str, Any]) -> list[str]:

@@ -9,11 +9,13 @@ prompt is token ids (exact length; completions only), text, or a list of chat me
 - multi-turn: conversations of `num_turns` user turns of random text; each turn resends the conversation
   so far, with the server's earlier answers in it.
 - jsonl: one JSON object a line: {"prompt": text} or {"prompt_token_ids": [...]} or {"messages": [...]},
-  optionally with "max_tokens" and "priority"; lines are used in order, cycling when there are fewer than
+  optionally with "max_tokens", "priority" and "tenant"; lines are used in order, cycling when there are fewer than
   requests.
 
 With a priority mix (`--priority-mix 0=3,1=1`), each conversation draws a priority, sent as vLLM's `priority`
-field; `pagoda bench` then reports latencies per priority (bench/classes.py).
+field; `pagoda bench` then reports latencies per priority (bench/classes.py). A tenant mix
+(`--tenant-mix alice=3,bob=1`) draws a tenant per conversation the same way, sent in a header or as that
+tenant's API key (bench/client.py), and reported per tenant.
 
 For chat, token ids are decoded to text (random ids do not survive decode -> encode), so chat prompt lengths
 come from the server's `usage` (or its `/tokenize`), not from the asked length.
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -46,6 +48,7 @@ class Turn:
     max_tokens: int
     expected_prompt_tokens: int | None = None  # the client's count of what the server will see
     priority: int | None = None  # vLLM's request priority (None: not sent)
+    tenant: str | None = None  # the tenant it is sent for (None: none named)
 
 
 @dataclass
@@ -70,6 +73,8 @@ class WorkloadSpec:
     path: str | None = None
     # (priority, weight) pairs: each conversation draws its priority from them (a JSONL line's own wins)
     priority_mix: tuple[tuple[int, float], ...] = ()
+    # (tenant, weight) pairs: each conversation draws the tenant it is sent for
+    tenant_mix: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -81,8 +86,8 @@ class WorkloadSpec:
             raise ValueError("input and output lengths must be at least 1")
         if self.kind == "jsonl" and not self.path:
             raise ValueError("the jsonl workload needs a file (--dataset)")
-        if any(weight <= 0 for _, weight in self.priority_mix):
-            raise ValueError("priority weights must be > 0")
+        if any(weight <= 0 for _, weight in (*self.priority_mix, *self.tenant_mix)):
+            raise ValueError("priority and tenant weights must be > 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -114,11 +119,34 @@ def parse_priority_mix(text: str | None) -> tuple[tuple[int, float], ...]:
     return tuple(mix)
 
 
+def parse_tenant_mix(text: str | None) -> tuple[tuple[str, float], ...]:
+    """`alice=3,bob=1` -> (("alice", 3.0), ("bob", 1.0)): tenants and their relative weights (default 1)."""
+    mix = []
+    for part in (text or "").split(","):
+        if not part.strip():
+            continue
+        name, _, weight = part.partition("=")
+        try:
+            mix.append((name.strip(), float(weight or 1)))
+        except ValueError:
+            raise ValueError(f"bad tenant mix entry {part!r}: expected NAME=WEIGHT, e.g. alice=3,bob=1") from None
+        if not mix[-1][0]:
+            raise ValueError(f"bad tenant mix entry {part!r}: no tenant name")
+    return tuple(mix)
+
+
 def build_workload(spec: WorkloadSpec, num_requests: int, tokenizer: ClientTokenizer | None, api: str,
                    seed: int) -> list[Conversation]:
     """Conversations holding `num_requests` turns in all (multi-turn: the last conversation may be shorter),
-    each conversation's turns at the priority it drew from the mix (when there is one)."""
+    each conversation's turns at the priority, and for the tenant, it drew from the mixes (when there are)."""
     conversations = _conversations(spec, num_requests, tokenizer, api, seed)
+    if spec.tenant_mix:
+        rng = random.Random(f"tenant-{seed}")  # its own stream, as the priorities'
+        names, shares = [n for n, _ in spec.tenant_mix], [w for _, w in spec.tenant_mix]
+        for conversation in conversations:
+            tenant = rng.choices(names, shares)[0]
+            for turn in conversation.turns:
+                turn.tenant = tenant if turn.tenant is None else turn.tenant
     if spec.priority_mix:
         rng = random.Random(f"priority-{seed}")  # its own stream: the prompts do not change with the mix
         priorities = [p for p, _ in spec.priority_mix]
@@ -184,7 +212,8 @@ def _jsonl(spec: WorkloadSpec, num_requests: int, tokenizer: ClientTokenizer | N
         entries.append(_jsonl_turn(entry, spec, tokenizer, api, f"{spec.path}:{number}"))
     if not entries:
         raise ValueError(f"{spec.path}: no prompts")
-    return [Conversation(i, [entries[i % len(entries)]]) for i in range(num_requests)]
+    # A copy a conversation: the priority and tenant it draws are its own, though lines repeat.
+    return [Conversation(i, [replace(entries[i % len(entries)])]) for i in range(num_requests)]
 
 
 def _jsonl_turn(entry: dict[str, Any], spec: WorkloadSpec, tokenizer: ClientTokenizer | None, api: str,
@@ -193,6 +222,7 @@ def _jsonl_turn(entry: dict[str, Any], spec: WorkloadSpec, tokenizer: ClientToke
     priority = int(entry["priority"]) if entry.get("priority") is not None else None
     turn = _jsonl_prompt(entry, max_tokens, tokenizer, api, where)
     turn.priority = priority
+    turn.tenant = str(entry["tenant"]) if entry.get("tenant") is not None else None
     return turn
 
 

@@ -74,6 +74,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tricks.add_argument("--token-budget", type=int, help="tokens per scheduler step (max_num_batched_tokens)")
     tricks.add_argument("--running-decodes", type=int, default=0, help="decodes sharing each step (0)")
 
+    split = parser.add_argument_group("prefill/decode disaggregation")
+    split.add_argument("--disagg", action="store_true",
+                       help="the split's handoff per request (--prompt-len, --block-size; --prefix-len: tokens the "
+                            "decode replica caches), its transfer time, and whether the split pays")
+    split.add_argument("--kv-link-gbps", type=float, default=50.0,
+                       help="GB/s between prefill and decode replicas, one direction (50: a 400 Gb/s NIC)")
+    split.add_argument("--output-len", type=int, default=128, help="answer tokens per request (128)")
+    split.add_argument("--request-rate", type=float, default=1.0, help="requests/s (1)")
+
     parser.add_argument("--json", action="store_true", help="print JSON (raw SI numbers) instead of tables")
     parser.add_argument("--list-presets", action="store_true", help="list GPU and model presets and exit")
 
@@ -145,6 +154,10 @@ def inputs_from_args(args: argparse.Namespace) -> CalcInputs:
         block_size=args.block_size,
         token_budget=args.token_budget,
         running_decodes=args.running_decodes,
+        disagg=args.disagg,
+        kv_link_gbps=args.kv_link_gbps,
+        output_len=args.output_len,
+        request_rate=args.request_rate,
     )
 
 

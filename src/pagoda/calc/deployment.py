@@ -33,6 +33,10 @@ class CalcInputs:
     block_size: int = 16
     token_budget: int | None = None
     running_decodes: int = 0
+    disagg: bool = False  # the prefill/decode split's section
+    kv_link_gbps: float = 50.0  # GB/s between a prefill and a decode replica, one direction
+    output_len: int = 128  # answer tokens per request
+    request_rate: float = 1.0  # requests/s
 
     @property
     def cache_dtype(self) -> str:
@@ -55,6 +59,7 @@ class CalcInputs:
             "block_size": self.block_size,
             "spec_k": self.spec_k,
             "token_budget": self.token_budget,
+            "output_len": self.output_len,
         }
         non_negative: dict[str, float | None] = {
             "prefix_len": self.prefix_len,
@@ -71,6 +76,8 @@ class CalcInputs:
         for name, value in {
             "tokens_per_s": self.tokens_per_s,
             "achieved_tflops": self.achieved_tflops,
+            "kv_link_gbps": self.kv_link_gbps,
+            "request_rate": self.request_rate,
         }.items():
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -160,6 +167,18 @@ def derive(inputs: CalcInputs) -> Deployment:
         allreduce_wire_bytes_per_token=wire_bytes,
         allreduces_per_step=allreduces,
     )
+
+
+def prefill_seconds(d: Deployment, tokens: int, include_weight_reads: bool = True) -> float:
+    """Time to compute a prompt of `tokens` on all the GPUs: its flops at the achieved rate, or, for short prompts,
+    reading every weight once (include_weight_reads), whichever is slower."""
+    inputs, model = d.inputs, d.inputs.model
+    arch = model.architecture
+    flops = f.prefill_flops(model.matmul_params, arch.num_layers if arch else 0, arch.q_dim if arch else 0, tokens)
+    seconds = flops / (inputs.achieved_flops * inputs.num_gpus)
+    if include_weight_reads:
+        seconds = max(seconds, d.weights_read_at(tokens) / inputs.gpu.bandwidth)
+    return seconds
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,10 @@ A step reads every weight outside the routed experts once, and of the routed exp
 batch chose: at batch 1 exactly top_k per sparse layer, at batch B the expected union of B independent top-k
 choices (`shapes.expected_experts_hit`, routing taken as uniform; trained routers are balanced towards it by
 their auxiliary loss, and a skewed router hits fewer).
+
+On several GPUs the section adds what expert parallelism (`--enable-expert-parallel`) sends per step: each GPU
+routes its slice of the batch, sends each token's top_k rows to the GPUs holding their experts and takes the
+results back (the all-to-all), then the layer's output slices are gathered to every GPU.
 """
 
 from __future__ import annotations
@@ -33,4 +37,14 @@ def experts_section(d: Deployment, experts: ExpertShape) -> Section:
               note="expected union of top-k choices" if batch > 1 else "")
         s.add(f"weights_read_bytes_batch_{batch}", f"weights read per step, batch {batch}",
               d.weights_read_at(batch), "bytes", "per GPU")
+    if inputs.num_gpus > 1 and (arch := model.architecture) is not None:
+        gpus, activation_bytes = inputs.num_gpus, max(2.0, f.dtype_bytes(inputs.dtype))
+        for batch in sorted({*SHOWN_BATCHES, inputs.batch}):
+            all_to_all = experts.num_sparse_layers * f.ep_all_to_all_bytes(batch, experts.top_k, arch.hidden_size,
+                                                                            activation_bytes, gpus)
+            gather = experts.num_sparse_layers * f.ep_all_gather_bytes(batch, arch.hidden_size, activation_bytes, gpus)
+            s.add(f"ep_all_to_all_bytes_batch_{batch}", f"expert-parallel all-to-all per step, batch {batch}",
+                  all_to_all, "bytes", "sent per GPU: dispatch + combine, uniform routing")
+            s.add(f"ep_all_gather_bytes_batch_{batch}", f"expert-parallel output all-gather per step, batch {batch}",
+                  gather, "bytes", "sent per GPU")
     return s

@@ -189,6 +189,20 @@ def prefix_reusable_tokens(prompt_len: int, prefix_len: int, block_size: int) ->
     return (shared // block_size) * block_size
 
 
+def handoff_blocks(prompt_len: int, block_size: int, decode_prefix_len: int = 0) -> int:
+    """Blocks a prefill replica hands a decode replica for one prompt: every full block before the last prompt
+    token's (the decode replica computes that one, to sample from), less those the decode replica's prefix cache
+    already holds."""
+    held = max(prompt_len - 1, 0) // block_size
+    local = prefix_reusable_tokens(prompt_len, decode_prefix_len, block_size) // block_size
+    return max(0, held - local)
+
+
+def handoff_bytes(prompt_len: int, block_size: int, kv_bytes_per_token: float, decode_prefix_len: int = 0) -> float:
+    """KV bytes one request's handoff moves: blocks x block size x KV bytes per token (no framing)."""
+    return handoff_blocks(prompt_len, block_size, decode_prefix_len) * block_size * kv_bytes_per_token
+
+
 def chunked_prefill_steps(prompt_len: int, token_budget: int, running_decodes: int) -> int | None:
     """Steps to prefill a prompt when running decodes take their 1 token each from the budget first.
 
@@ -243,3 +257,21 @@ def mm1_mean_queue(arrival_rate: float, service_rate: float) -> float | None:
 def mm1_within(arrival_rate: float, service_rate: float, slo: float) -> float:
     """M/M/1: the share of requests done within `slo` of arriving (time in system is exponential, mu - lambda)."""
     return 1 - math.exp(-(service_rate - arrival_rate) * slo) if arrival_rate < service_rate else 0.0
+
+
+# --- expert parallelism -------------------------------------------------------------------------
+
+
+def ep_all_to_all_bytes(batch: float, top_k: int, hidden_size: int, activation_bytes: float, num_gpus: int) -> float:
+    """Bytes one GPU sends in one sparse layer's dispatch and combine under expert parallelism: its batch / N
+    tokens' top_k rows go out to their experts and come back, and (N - 1) / N of them to another GPU (routing taken
+    as uniform; a GPU's own experts' rows stay)."""
+    if num_gpus <= 1:
+        return 0.0
+    return 2 * batch / num_gpus * top_k * (num_gpus - 1) / num_gpus * hidden_size * activation_bytes
+
+
+def ep_all_gather_bytes(batch: int, hidden_size: int, activation_bytes: float, num_gpus: int) -> float:
+    """Bytes one GPU sends when a sparse layer's output is gathered back to every GPU: its slice of the batch,
+    ceil(batch / N) rows, to each of the N - 1 others."""
+    return (num_gpus - 1) * math.ceil(batch / num_gpus) * hidden_size * activation_bytes

@@ -11,7 +11,8 @@ import math
 from dataclasses import replace
 
 from pagoda.calc import formulas as f
-from pagoda.calc.deployment import CalcInputs, Deployment, decode_point, derive, table_batches
+from pagoda.calc.deployment import CalcInputs, Deployment, decode_point, derive, prefill_seconds, table_batches
+from pagoda.calc.disagg import disagg_section
 from pagoda.calc.experts import experts_section
 from pagoda.calc.render import Column, Report, Section, Table
 
@@ -160,7 +161,7 @@ def _prefill(d: Deployment) -> Section:
         flops = f.prefill_flops(model.matmul_params, 0, 0, prompt)
     achieved = inputs.achieved_flops * inputs.num_gpus
     # Prefill also reads every weight once; for short prompts that, not the flops, is the floor.
-    seconds = max(flops / achieved, d.weights_read_at(prompt) / inputs.gpu.bandwidth)
+    seconds = prefill_seconds(d, prompt)
     note = "given" if inputs.achieved_tflops is not None else "assumed: 50% of peak"
     s = Section("prefill", f"Prefill ({prompt:,} tok prompt)")
     s.add("flops", "flops", flops, "flop", "2 x params x tokens + causal attention")
@@ -368,5 +369,9 @@ def build_report(inputs: CalcInputs) -> Report:
         parts.append(_prefix_cache(d, inputs.prefix_len))
     if inputs.token_budget is not None:
         parts.append(_chunked_prefill(d, inputs.token_budget))
+    if inputs.disagg:
+        if d.kv_bytes_per_token is None:
+            raise ValueError("--disagg needs the model's KV shape: a preset or a config.json, not a bare count")
+        parts.append(disagg_section(d, inputs.kv_link_gbps, inputs.output_len, inputs.request_rate))
     fits = d.weights_fit and decode_point(d, inputs.batch).fits is not False
     return Report(parts=parts, warnings=_warnings(d), fits=fits)

@@ -142,6 +142,16 @@ class SpecDecodeStats:
 
 
 @dataclass(frozen=True)
+class ExpertLoadStats:
+    """A mixture of experts' load since start-up: the (token, expert) pairs routed to each expert, summed over the
+    sparse layers, and to each expert-parallel rank (the sums over the experts it holds; one rank without expert
+    parallelism). With pipeline stages, the first stage's sparse layers (the ones rank 0 runs)."""
+
+    expert_tokens: tuple[int, ...]
+    rank_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class LoRAStats:
     """The adapters of the running and waiting requests, by name (vLLM's vllm:lora_requests_info)."""
 
@@ -165,6 +175,7 @@ class KVTierStats:
     save_seconds: float = 0.0
     failures: int = 0  # calls that failed or ran past the bounded wait: the store was bypassed
     refused_blocks: int = 0  # blocks found corrupt or of another layout: never served
+    evicted_blocks: int = 0  # blocks it dropped (its LRU, a shared store's eviction, expiry or loss)
 
 
 @dataclass(frozen=True)
@@ -195,6 +206,10 @@ class EngineStats:
     iteration_token_counts: tuple[int, ...] = ()
     iteration_tokens_sum: int = 0
     lora: LoRAStats | None = None  # None: LoRA adapters are off
+    experts: ExpertLoadStats | None = None  # None: a dense model
+    # the KV blocks each tenant's running requests hold (engine/core/queues.py's count, which its quota meets);
+    # only tenants holding some
+    kv_blocks_by_tenant: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -229,6 +244,9 @@ class EngineDescription:
     tensor_parallel_size: int = 1  # the processes each layer is split across
     pipeline_parallel_size: int = 1  # the stages the layers are split into (ranks: the product)
     runner: str = "generate"  # "pooling": an embedding model, which answers embedding requests only
+    # The weights a dense model's decode step streams, as stored (scales included; the first rank's share): all
+    # but the input embedding's table, which a step indexes. What `pagoda calc` predicts as weights read per step.
+    weight_bytes_read_per_step: int = 0
 
 
 # --- what the engine reports to -------------------------------------------------------------------------

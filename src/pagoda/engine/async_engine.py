@@ -118,7 +118,7 @@ class AsyncEngine:
             raise EngineDeadError("the engine is not running")
         if params.kv_transfer_params is not None and params.kv_transfer_params.do_remote_prefill:
             # A decode replica pulls the prompt's KV before the engine sees the request: no step waits on it.
-            await asyncio.to_thread(self._engine.pull_remote_kv, params)
+            await asyncio.to_thread(self._engine.pull_remote_kv, params, prompt, cache_salt, lora_request)
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._submit(lambda: self._add(request_id, prompt, params, cache_salt, priority, lora_request, tenant))

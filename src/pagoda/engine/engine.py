@@ -19,6 +19,7 @@ from pagoda.engine.api import (
     EngineDescription,
     EngineOutput,
     EngineStats,
+    ExpertLoadStats,
     KVCacheDescription,
     KVConnectorStats,
     KVEventSink,
@@ -29,11 +30,13 @@ from pagoda.engine.api import (
 )
 from pagoda.engine.core.hybrid_kv_cache import HybridKVCacheManager
 from pagoda.engine.core.lora import AdapterId, distinct_adapters
+from pagoda.engine.core.queues import blocks_held_by_tenant
 from pagoda.engine.core.request import FinishReason
 from pagoda.engine.core.runner_output import PromptLogprobsChunk
 from pagoda.engine.core.step_budget import StepCostModel
 from pagoda.engine.engine_parts import build_engine_parts
 from pagoda.engine.input_processor import InputProcessor
+from pagoda.engine.model_step import weight_bytes_read_per_step
 from pagoda.engine.output_processor import OutputProcessor, SequenceText
 from pagoda.engine.parallel_sampling import RequestGroup
 from pagoda.engine.pooling_requests import NOT_A_GENERATE_ENGINE, PoolingRequests
@@ -41,6 +44,7 @@ from pagoda.kv_groups import blocks_per_sequence
 from pagoda.lora_request import LoRARequest
 from pagoda.model.loader import checkpoint_num_parameters
 from pagoda.model.lora_checkpoint import LoRALoadError
+from pagoda.model.moe import routed_token_counts
 from pagoda.model.quantization import quantized_matmul_name
 from pagoda.pooling import PoolingParams
 from pagoda.sampling import SamplingParams
@@ -149,15 +153,22 @@ class LLMEngine:
                                   'with "kv_connector": "TcpConnector" and kv_role kv_consumer or kv_both',
                                   "kv_transfer_params")
 
-    def pull_remote_kv(self, params: SamplingParams) -> int:
+    def pull_remote_kv(self, params: SamplingParams, prompt: str | list[int] | None = None,
+                       cache_salt: str | None = None, lora_request: LoRARequest | None = None) -> int:
         """Pulls the prompt KV a prefill replica holds for this request (kv_transfer_params.do_remote_prefill) to
         where admitting the request finds it; returns the blocks that arrived (0: it computes its prompt).
-        Thread-safe, and meant to run off the engine thread, before add_request: the engine steps meanwhile."""
+        With the prompt (and its cache salt), the leading blocks this engine's prefix cache already holds are not
+        pulled, only those after them (an adapter's prompt pulls every block: its blocks hash with the adapter,
+        resolved at admission). Thread-safe, and meant to run off the engine thread, before add_request: the
+        engine steps meanwhile."""
         transfer = params.kv_transfer_params
         remote = None if self.kv_connector is None else self.kv_connector.remote
         if transfer is None or not transfer.do_remote_prefill or remote is None:
             return 0
-        return remote.pull(transfer)
+        local = 0
+        if prompt is not None and lora_request is None:
+            local = self.kv_cache.cached_prefix_blocks(self.input_processor.prompt_ids(prompt), cache_salt)
+        return remote.pull(transfer, skip_blocks=min(local, len(transfer.remote_block_ids)))
 
     def release_sent_blocks(self) -> None:
         """Blocks the KV connector held for finished requests (a prefill replica's, for a decode replica to pull)
@@ -240,7 +251,19 @@ class LLMEngine:
             iteration_token_counts=tuple(scheduler.iteration_tokens.counts),
             iteration_tokens_sum=scheduler.iteration_tokens.total,
             lora=self._lora_stats(),
+            experts=self._expert_load(),
+            kv_blocks_by_tenant=tuple(sorted(blocks_held_by_tenant(scheduler.running).items())),
         )
+
+    def _expert_load(self) -> ExpertLoadStats | None:
+        expert_tokens = routed_token_counts(self.model)
+        if expert_tokens is None:
+            return None
+        parallel = self.config.parallel
+        ranks = parallel.tensor_parallel_size if parallel.enable_expert_parallel else 1
+        per_rank = len(expert_tokens) // ranks
+        rank_tokens = tuple(sum(expert_tokens[r * per_rank:(r + 1) * per_rank]) for r in range(ranks))
+        return ExpertLoadStats(tuple(expert_tokens), rank_tokens)
 
     def _lora_stats(self) -> LoRAStats | None:
         if self.lora is None:
@@ -271,6 +294,7 @@ class LLMEngine:
         return EngineDescription(
             model=config.model, num_parameters=checkpoint_num_parameters(config.model), dtype=config.dtype,
             quantized_matmul=quantized_matmul_name(self.model),
+            weight_bytes_read_per_step=weight_bytes_read_per_step(self.model),
             max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
             num_threads=torch.get_num_threads(),
             kv_cache=KVCacheDescription(

@@ -32,6 +32,7 @@ from pagoda.engine.model_step import ModelExecution, kv_layer_tensors, load_engi
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
 from pagoda.kv_groups import KVCacheGroup, blocks_per_sequence, is_hybrid, kv_cache_groups
+from pagoda.model.expert_parallel import check_experts_divisible
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model_config
 from pagoda.model.lora import attach_lora
@@ -161,7 +162,9 @@ def build_executor(config: EngineConfig, num_blocks: int, block_size: int, struc
         return UniProcExecutor(runner), connector
     from pagoda.engine.multiproc_executor import MultiprocExecutor
 
-    return MultiprocExecutor(config, num_blocks, block_size, structured, draft, trace, tuple(groups)), None
+    executor = MultiprocExecutor(config, num_blocks, block_size, structured, draft, trace, kv_cache.block_hashes,
+                                 kv_events, tuple(groups))
+    return executor, executor.kv_connector
 
 
 def choose_kv_cache_groups(config: EngineConfig, model_config: ModelConfig, max_model_len: int
@@ -193,6 +196,12 @@ def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
     started."""
     size = config.parallel.tensor_parallel_size
     check_divisible(model_config, size)
+    if model_config.moe is not None and size > 1:
+        if not config.parallel.enable_expert_parallel:
+            raise ModelLoadError(f"tensor_parallel_size {size} splits a mixture-of-experts model only with "
+                                 "--enable-expert-parallel (enable_expert_parallel=True: each rank holds "
+                                 f"{model_config.moe.num_experts} / {size} of the experts, whole)")
+        check_experts_divisible(model_config.moe.num_experts, size)
     stage_layer_counts(model_config.num_layers, config.parallel.pipeline_parallel_size)
     unsupported = [
         reason for reason, applies in (
@@ -201,13 +210,18 @@ def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
              config.speculative_config is not None and config.speculative_config.method == "draft_model"),
             (f"--device {config.device} (the ranks run on the CPU, over gloo)", config.device != "cpu"),
             ("--enable-lora (LoRA adapters)", config.lora is not None),
-            ("a KV connector (--kv-transfer-config, --kv-offloading-size: each rank would load its share of a block, "
-             "and a load that fails on one rank must fail on all)", config.kv_transfer_config is not None),
+            (f"the {_connector_name(config)} (only the OffloadingConnector, --kv-offloading-size, runs split)",
+             config.kv_transfer_config is not None
+             and config.kv_transfer_config.kv_connector != "OffloadingConnector"),
         ) if applies
     ]
     if unsupported:
         raise ModelLoadError(f"tensor_parallel_size {size} x pipeline_parallel_size "
                              f"{config.parallel.pipeline_parallel_size} does not run with {'; '.join(unsupported)} yet")
+
+
+def _connector_name(config: EngineConfig) -> str:
+    return "KV connector" if config.kv_transfer_config is None else config.kv_transfer_config.kv_connector
 
 
 def _fit_max_model_len(wanted: int, num_blocks: int, blocks_of: Callable[[int], int]) -> int:

@@ -72,6 +72,10 @@ class InputProcessor:
         ]
         return ProcessedInputs(prompt_text, samples)
 
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """The prompt's token ids, as a request made from it has them. Thread-safe."""
+        return self._tokenize(prompt)[0]
+
     def _tokenize(self, prompt: str | list[int]) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True), prompt

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from pagoda.config import EngineConfig
 from pagoda.engine.rank_placement import StageLinks
@@ -130,6 +131,26 @@ def load_engine_model(config: EngineConfig, parallel: TensorParallel | None = No
 def weight_bytes(model: LlamaModel) -> int:
     """The bytes of the model's parameters (a tied embedding and LM head counted once)."""
     return sum(param.numel() * param.element_size() for param in model.parameters())
+
+
+def weight_bytes_read_per_step(model: nn.Module) -> int:
+    """The bytes of weights a dense model's decode step streams, as stored (quantization scales included): every
+    parameter and persistent buffer once, less the input embedding's table (a step indexes one row of it a token;
+    a tied LM head reads the shared table, counted once) and non-persistent tables (rotary cos/sin, rows indexed
+    by position). A mixture of experts' routed experts all count, though a step reads only those chosen."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            continue
+        skipped = module._non_persistent_buffers_set
+        tensors = [*module.parameters(recurse=False),
+                   *(buffer for name, buffer in module.named_buffers(recurse=False) if name not in skipped)]
+        for tensor in tensors:
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def kv_bytes(kv_caches: list[LayerKV]) -> int:

@@ -33,12 +33,22 @@ import torch.multiprocessing
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
 
 from pagoda.config import EngineConfig
-from pagoda.engine.api import EngineDeadError
+from pagoda.engine.api import EngineDeadError, KVEventSink
 from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import SchedulerOutput
 from pagoda.engine.executor import Executor
 from pagoda.engine.grammar_masks import StructuredOutputs
-from pagoda.engine.model_step import ModelExecution, ModelStep, kv_bytes, load_engine_model, weight_bytes
+from pagoda.engine.kv_connector.base import KVConnector
+from pagoda.engine.kv_connector.offload import BlockHashes
+from pagoda.engine.kv_connector.split import build_split_connector
+from pagoda.engine.model_step import (
+    ModelExecution,
+    ModelStep,
+    kv_bytes,
+    kv_layer_tensors,
+    load_engine_model,
+    weight_bytes,
+)
 from pagoda.engine.rank_placement import place_rank
 from pagoda.engine.rank_watchdog import RankWatchdog
 from pagoda.engine.runner import DraftModel, ModelRunner
@@ -67,8 +77,10 @@ class Worker:
 class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
                  structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
-                 trace: StepTrace | None = None, kv_groups: tuple[KVCacheGroup, ...] = ()) -> None:
-        """kv_groups: the KV cache groups when there are several or a sliding one (model_step.ModelExecution)."""
+                 trace: StepTrace | None = None, block_hashes: BlockHashes | None = None,
+                 kv_events: KVEventSink | None = None, kv_groups: tuple[KVCacheGroup, ...] = ()) -> None:
+        """block_hashes, kv_events: the KV manager's, for the KV connector config.kv_transfer_config names.
+        kv_groups: the KV cache groups when there are several or a sliding one (model_step.ModelExecution)."""
         world_size = config.parallel.world_size
         if dist.is_initialized():
             raise RuntimeError("this process already holds a torch.distributed process group (one split engine per "
@@ -110,7 +122,13 @@ class MultiprocExecutor(Executor):
         local = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
                                config.cache.calculate_kv_scales, placement.links, kv_groups)
         execution = BroadcastExecution(local, [worker.connection for worker in self._workers])
-        super().__init__(ModelRunner(execution, structured, draft, trace=trace))
+        self.kv_connector: KVConnector | None = None
+        if config.kv_transfer_config is not None:
+            assert block_hashes is not None
+            self.kv_connector = build_split_connector(config, kv_layer_tensors(local.kv_caches), block_size,
+                                                      block_hashes, kv_events, execution.send)
+        super().__init__(ModelRunner(execution, structured, draft, trace=trace,
+                                     kv_connector=None if self.kv_connector is None else self.kv_connector.worker))
         self._watchdog.processes = {worker.rank: worker.process for worker in self._workers}
         self._watchdog.start()
 
@@ -171,10 +189,13 @@ class BroadcastExecution:
         self.connections = connections
 
     def run(self, step: ModelStep) -> list[torch.Tensor]:
-        message = pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL)
+        self.send(pickle.dumps(step, protocol=pickle.HIGHEST_PROTOCOL))
+        return self.local.run(step)
+
+    def send(self, message: bytes) -> None:
+        """A pickled message to every worker, in order with the steps."""
         for connection in self.connections:
             connection.send_bytes(message)
-        return self.local.run(step)
 
 
 def _receive(worker: Worker, doing: str) -> Any:

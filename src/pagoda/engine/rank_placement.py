@@ -106,7 +106,8 @@ def place_rank(config: EngineConfig, rank: int, dtype: torch.dtype) -> RankPlace
             stage_group = dist.new_group(layout.stage_ranks(stage))
             if stage == stage_index:
                 group = stage_group
-    parallel = TensorParallel(tensor_rank, tensor_size, group) if tensor_size > 1 else None
+    parallel = None if tensor_size == 1 else TensorParallel(tensor_rank, tensor_size, group,
+                                                            config.parallel.enable_expert_parallel)
     if pipeline_size == 1:
         return RankPlacement(parallel, None, None)
     model_config = load_model_config(config.model)

@@ -22,7 +22,16 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
 
 from pagoda.config import EngineConfig
-from pagoda.engine.model_step import ModelExecution, ModelStep, kv_bytes, load_engine_model, weight_bytes
+from pagoda.engine.kv_connector.offload_worker import OffloadingWorker
+from pagoda.engine.kv_connector.split import KVConnectorCall, build_rank_worker
+from pagoda.engine.model_step import (
+    ModelExecution,
+    ModelStep,
+    kv_bytes,
+    kv_layer_tensors,
+    load_engine_model,
+    weight_bytes,
+)
 from pagoda.engine.rank_placement import place_rank
 from pagoda.engine.rank_watchdog import start_heartbeat
 from pagoda.kv_groups import KVCacheGroup
@@ -66,17 +75,24 @@ def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None
         cache = spec.config.cache
         execution = ModelExecution(model, spec.num_blocks, spec.block_size, spec.config.device, cache.cache_dtype,
                                    cache.calculate_kv_scales, placement.links, spec.kv_groups)
+        connector = None if spec.config.kv_transfer_config is None else build_rank_worker(
+            spec.config, kv_layer_tensors(execution.kv_caches), spec.block_size, spec.rank)
         connection.send(("ok", (weight_bytes(model), kv_bytes(execution.kv_caches))))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
         raise
-    run_steps(execution, connection)
+    try:
+        run_steps(execution, connection, connector)
+    finally:
+        if connector is not None:
+            connector.shutdown()
     dist.destroy_process_group()
 
 
-def run_steps(execution: ModelExecution, connection: Connection) -> None:
-    """Runs the steps the engine sends until it says stop or goes away. A step that raises ends the process
-    (the exception propagates): its sockets close, so rank 0's collective fails at once instead of waiting."""
+def run_steps(execution: ModelExecution, connection: Connection, connector: OffloadingWorker | None = None) -> None:
+    """Runs the steps (and the KV connector's calls on this rank's share) the engine sends until it says stop or
+    goes away. A step that raises ends the process (the exception propagates): its sockets close, so rank 0's
+    collective fails at once instead of waiting."""
     while True:
         try:
             message = pickle.loads(connection.recv_bytes())
@@ -84,5 +100,9 @@ def run_steps(execution: ModelExecution, connection: Connection) -> None:
             return  # the engine's end of the pipe closed: it has gone
         if message is None:
             return
+        if isinstance(message, KVConnectorCall):
+            assert connector is not None, "a KV connector call to a rank built without one"
+            message.apply(connector)
+            continue
         assert isinstance(message, ModelStep)
         execution.run(message)

@@ -9,7 +9,9 @@ from pagoda.labs import (
     kv_capacity,
     prefix_cache,
     priority,
+    quantization,
     queueing,
+    roofline,
     router_policies,
     speculative,
     static_batching,
@@ -17,5 +19,5 @@ from pagoda.labs import (
 
 LABS: dict[str, ModuleType] = {
     lab.NAME: lab for lab in (kv_capacity, prefix_cache, priority, speculative, static_batching, interference,
-                              router_policies, queueing)
+                              router_policies, queueing, roofline, quantization)
 }

@@ -17,6 +17,7 @@ from torch import nn
 from pagoda.config import ModelConfig
 from pagoda.model.attention import AttentionBackend, AttentionMetadata
 from pagoda.model.backends import ModelRuntime
+from pagoda.model.expert_parallel import ExpertParallelMoeBlock, ExpertPlacement
 from pagoda.model.kernel_protocols import CpuKernels
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, row_linear
@@ -98,7 +99,9 @@ class DecoderLayer(nn.Module):
         if config.norm_placement != "pre":
             self.post_feedforward_layernorm = norm()
         self.mlp: GatedMLP | SparseMoeBlock
-        if is_sparse_layer(config, layer_index):
+        if is_sparse_layer(config, layer_index) and parallel is not None and parallel.expert_parallel:
+            self.mlp = ExpertParallelMoeBlock(config, kernels, parallel)
+        elif is_sparse_layer(config, layer_index):
             self.mlp = SparseMoeBlock(config, kernels)
         else:
             self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias, kernels, parallel,
@@ -165,7 +168,10 @@ class LlamaModel(nn.Module):
                                                   config.rotary_dim)
         self.backend = runtime.attention
         self.fused_rows = fused_row_offsets(config)
-        self.expert_rows = moe_row_offsets(config)  # the grouped experts' rows, by parameter
+        held = None  # under expert parallelism, this rank's experts: their rows of the grouped tensors
+        if config.moe is not None and parallel is not None and parallel.expert_parallel:
+            held = ExpertPlacement(parallel.rank, parallel.world_size, config.moe.num_experts).held
+        self.expert_rows = moe_row_offsets(config, held)  # the grouped experts' rows, by parameter
 
     @property
     def dtype(self) -> torch.dtype:

@@ -271,17 +271,21 @@ def load_model(
         _check_moe_request(model_dir, prequantized is not None, parallel)
     slicer: TensorSlicer | None = None
     model_config = config
+    reads: TensorFilter | None = None
     if parallel is not None:
+        from pagoda.model.expert_parallel import expert_placement, expert_reads
         from pagoda.model.parallel import shard_config, shard_rows
 
         model_config = shard_config(config, parallel)
         slicer = partial(shard_rows, config=config, parallel=parallel)
-    reads: TensorFilter | None = None
+        if (placement := expert_placement(config, parallel)) is not None:
+            reads = partial(expert_reads, placement=placement)
     if pipeline is not None:
         from pagoda.model.pipeline import stage_config, stage_reads
 
         model_config = stage_config(model_config, pipeline)
-        reads = partial(stage_reads, config=config, stage=pipeline)
+        in_stage = partial(stage_reads, config=config, stage=pipeline)
+        reads = in_stage if reads is None else _both(reads, in_stage)
     split = parallel is not None or pipeline is not None
     if split and quantization is not None:
         raise ModelLoadError(f"{model_dir}: quantized weights are not split across ranks yet (a split model runs "
@@ -321,9 +325,14 @@ def _check_moe_request(model_dir: str | Path, prequantized: bool, parallel: Tens
     if prequantized:
         raise ModelLoadError(f"{model_dir}: GPTQ/AWQ mixture-of-experts checkpoints are not loaded; load the "
                              "unquantized checkpoint with --quantization int8 or int4")
-    if parallel is not None:
-        raise ModelLoadError(f"{model_dir}: a mixture-of-experts model is not split across ranks yet "
-                             f"(tensor_parallel_size {parallel.world_size}); run it on one")
+    if parallel is not None and not parallel.expert_parallel:
+        raise ModelLoadError(f"{model_dir}: a mixture-of-experts model splits across tensor_parallel_size "
+                             f"{parallel.world_size} ranks with --enable-expert-parallel (enable_expert_parallel=True: "
+                             "each rank holds some experts whole); its experts are not sliced tensor-parallel")
+
+
+def _both(first: TensorFilter, second: TensorFilter) -> TensorFilter:
+    return lambda name: first(name) and second(name)
 
 
 def _check_prequantized_request(model_dir: str | Path, method: str, quantization: str | None,

@@ -11,12 +11,17 @@ At load, each layer's experts are one grouped tensor per projection (`GroupedExp
 [num_experts * 2 * width, hidden], and down, [num_experts * hidden, width]), filled expert by expert from
 the checkpoint's per-expert tensors. `split` then gives each expert its own linear layers over views of that
 storage, so that `quantization.prepare_linears` gives every expert the fast path its dtype and quantization
-call for (int8 and int4 quantize per expert) exactly as it does a dense layer's linears.
+call for (int8 and int4 quantize per expert) exactly as it does a dense layer's linears. Under expert parallelism
+(model/expert_parallel.py) a rank's grouped tensors hold its own experts only, and the pairs travel between ranks
+between the sorting and the weighted sum; both halves are this module's (`sort_pairs`, `run_experts`, `combine`).
+
+Each block counts the (token, expert) pairs it routed, per expert (`routed_tokens`: the load the metrics report).
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -75,8 +80,8 @@ def _linear_over(weight: torch.Tensor) -> nn.Linear:
 
 
 class GroupedExperts(nn.Module):
-    """One layer's routed experts: grouped tensors while loading, then (after `split`) one gate_up and one down
-    linear per expert over them."""
+    """One layer's routed experts (all of them, or under expert parallelism the rank's own, numbered from 0 here):
+    grouped tensors while loading, then (after `split`) one gate_up and one down linear per expert over them."""
 
     def __init__(self, hidden_size: int, width: int, num_experts: int, kernels: CpuKernels | None) -> None:
         super().__init__()
@@ -108,46 +113,101 @@ class GroupedExperts(nn.Module):
         return out
 
 
-class SparseMoeBlock(nn.Module):
-    """A sparse layer's MLP: routed experts, plus Qwen2-MoE's gated shared expert where the model has one."""
+@dataclass(frozen=True)
+class RoutedPairs:
+    """A step's (token, expert) pairs, sorted by expert (by token within an expert, as the sort is stable)."""
 
-    def __init__(self, config: ModelConfig, kernels: CpuKernels | None) -> None:
+    tokens: torch.Tensor  # [pairs]: each pair's token row
+    weights: torch.Tensor  # [pairs]: its fp32 routing weight
+    counts: torch.Tensor  # [num_experts]: pairs per expert, int64
+
+
+def sort_pairs(weights: torch.Tensor, experts: torch.Tensor, num_experts: int) -> RoutedPairs:
+    flat = experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // experts.shape[1]
+    return RoutedPairs(tokens, weights.reshape(-1)[order], torch.bincount(flat, minlength=num_experts))
+
+
+def run_experts(experts: GroupedExperts, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Rows grouped by expert (counts[e] rows for expert e, in order) through their experts: one call per expert
+    with rows; an expert with none is not read."""
+    results = torch.empty_like(rows)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            results[start:start + count] = experts.forward_expert(expert, rows[start:start + count])
+            start += count
+    return results
+
+
+def combine(x: torch.Tensor, pairs: RoutedPairs, results: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """Each token's routed results scaled by their weights and summed, expert by expert in ascending order, as
+    `transformers` adds them (so that fp32 sums agree with it)."""
+    out = torch.zeros_like(x)
+    start = 0
+    for count in counts:
+        if count:
+            end = start + count
+            scaled = results[start:end] * pairs.weights[start:end, None].to(results.dtype)
+            out.index_add_(0, pairs.tokens[start:end], scaled)
+            start = end
+    return out
+
+
+class SparseMoeBlock(nn.Module):
+    """A sparse layer's MLP: routed experts, plus Qwen2-MoE's gated shared expert where the model has one.
+    experts_held: how many routed experts this block's grouped tensors hold (default: all of them)."""
+
+    def __init__(self, config: ModelConfig, kernels: CpuKernels | None, experts_held: int | None = None) -> None:
         super().__init__()
         moe = config.moe
         assert moe is not None
+        self.num_experts = moe.num_experts
         self.gate = TopKRouter(config.hidden_size, moe)
-        self.experts = GroupedExperts(config.hidden_size, moe.expert_intermediate_size, moe.num_experts, kernels)
+        self.experts = GroupedExperts(config.hidden_size, moe.expert_intermediate_size,
+                                      experts_held or moe.num_experts, kernels)
         self.shared_expert: GatedMLP | None = None
         self.shared_expert_gate: RowGate | None = None
         if moe.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(config.hidden_size, moe.shared_expert_intermediate_size, False, kernels)
             self.shared_expert_gate = RowGate(config.hidden_size, 1)
+        # Pairs routed to each expert since the model was built: made at the first step (not on the meta device).
+        self.routed_tokens: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.gate.route(x)
-        out = self.dispatch(x, weights, experts)
+        return self.add_shared_expert(x, self.dispatch(x, weights, experts))
+
+    def add_shared_expert(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for each token: pairs sorted by expert, one call per expert hit."""
-        top_k = experts.shape[1]
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tokens = order // top_k  # the token of each sorted (token, expert) pair
-        pair_weights = weights.reshape(-1)[order]
-        rows = x.index_select(0, tokens)  # every pair's input, grouped by expert
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(torch.bincount(flat, minlength=self.experts.num_experts).tolist()):
-            if count == 0:
-                continue  # an expert no token chose: its weights are not read
-            end = start + count
-            y = self.experts.forward_expert(expert, rows[start:end])
-            out.index_add_(0, tokens[start:end], y * pair_weights[start:end, None].to(y.dtype))
-            start = end
-        return out
+        pairs = sort_pairs(weights, experts, self.num_experts)
+        self.count(pairs.counts)
+        counts = pairs.counts.tolist()
+        return combine(x, pairs, run_experts(self.experts, x.index_select(0, pairs.tokens), counts), counts)
+
+    def count(self, counts: torch.Tensor) -> None:
+        """Adds a step's pairs per expert (all the model's experts) to the block's load."""
+        # Out of place: a total made under the engine's inference mode may be added to outside it (tests call blocks).
+        self.routed_tokens = counts.clone() if self.routed_tokens is None else self.routed_tokens + counts
+
+
+def routed_token_counts(model: nn.Module) -> list[int] | None:
+    """The (token, expert) pairs each expert has been routed, summed over the model's sparse layers; None for a
+    dense model."""
+    blocks = [module for module in model.modules() if isinstance(module, SparseMoeBlock)]
+    if not blocks:
+        return None
+    total = torch.zeros(blocks[0].num_experts, dtype=torch.int64)
+    for block in blocks:
+        if block.routed_tokens is not None:
+            total += block.routed_tokens
+    return [int(count) for count in total.tolist()]
 
 
 def split_grouped_experts(model: nn.Module) -> None:
@@ -157,20 +217,22 @@ def split_grouped_experts(model: nn.Module) -> None:
             module.split()
 
 
-def moe_row_offsets(config: ModelConfig) -> dict[str, dict[str, int]]:
-    """For each grouped parameter (by its full name): where each checkpoint tensor's rows start in it."""
+def moe_row_offsets(config: ModelConfig, held: range | None = None) -> dict[str, dict[str, int]]:
+    """For each grouped parameter (by its full name): where each checkpoint tensor's rows start in it. held: the
+    experts (the model's numbers) the grouped tensors hold, in order (default: all of them)."""
     moe = config.moe
     offsets: dict[str, dict[str, int]] = {}
     if moe is None:
         return offsets
     width, hidden = moe.expert_intermediate_size, config.hidden_size
+    held = range(moe.num_experts) if held is None else held
     for layer in (i for i, sparse in enumerate(moe.sparse_layers) if sparse):
         prefix = f"layers.{layer}.mlp"
         gate_up: dict[str, int] = {}
-        for expert in range(moe.num_experts):
-            gate_up |= {f"{expert}.gate": 2 * width * expert, f"{expert}.up": 2 * width * expert + width}
+        for index, expert in enumerate(held):
+            gate_up |= {f"{expert}.gate": 2 * width * index, f"{expert}.up": 2 * width * index + width}
         offsets[f"{prefix}.experts.gate_up_proj"] = gate_up
-        offsets[f"{prefix}.experts.down_proj"] = {str(expert): hidden * expert for expert in range(moe.num_experts)}
+        offsets[f"{prefix}.experts.down_proj"] = {str(expert): hidden * index for index, expert in enumerate(held)}
         if moe.shared_expert_intermediate_size:
             offsets[f"{prefix}.shared_expert.gate_up_proj.weight"] = {
                 "gate": 0, "up": moe.shared_expert_intermediate_size}
@@ -195,6 +257,6 @@ def expert_target(name: str, row_offsets: dict[str, dict[str, int]]) -> tuple[st
 
 def _offset_into(name: str, param: str, part: str, row_offsets: dict[str, dict[str, int]]) -> tuple[str, int]:
     offset = row_offsets.get(param, {}).get(part)
-    if offset is None:  # an expert of a layer the config calls dense, or past its expert count
+    if offset is None:  # an expert of a layer the config calls dense, past its expert count, or not this rank's
         raise ValueError(f"unexpected tensor {name!r} in checkpoint (not an expert the config.json describes)")
     return param, offset

@@ -30,11 +30,13 @@ from pagoda.model_dir import ModelLoadError
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place among the ranks one model is split across: its rank and their number in its
-    tensor-parallel group (with pipeline stages, the group of its stage's ranks; None: the default group)."""
+    tensor-parallel group (with pipeline stages, the group of its stage's ranks; None: the default group), and
+    whether a mixture of experts' experts are placed across the same ranks (model/expert_parallel.py)."""
 
     rank: int
     world_size: int
     group: dist.ProcessGroup | None = None
+    expert_parallel: bool = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place."""

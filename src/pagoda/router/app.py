@@ -3,7 +3,10 @@
 Generations go through `Forwarder` (retries, streams); questions about the model (/v1/models, /tokenize,
 /detokenize) go to the first replica up that answers them. The router checks its own API keys
 (`pagoda.api_keys`, as `pagoda serve` does), and sends the replicas either the client's Authorization or,
-when configured, a key of its own for them. No OpenAPI pages unless asked: they map the routes to anyone.
+when configured, a key of its own for them. With tenants (router/tenancy.py) the tenants' keys open the door
+too, each request is admitted against its tenant's limits before it is routed, and the client's Authorization
+and the tenants file's header reach the replica unchanged whatever key the router has of its own.
+No OpenAPI pages unless asked: they map the routes to anyone.
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from pagoda.router.faults import Outcome, classify_answer
 from pagoda.router.policies import RoutedPrompt
 from pagoda.router.poller import poll_forever
 from pagoda.router.proxy import Forwarder, error_response
+from pagoda.router.tenancy import enter
 from pagoda.router.tokens import PromptReader, embedding_as_completion, responses_as_chat
+from pagoda.tenant_door import Tenants
 from pagoda.version import __version__
 from pagoda.wire import OpenAIError
 from pagoda.wire.guards import BodySizeLimit, JsonDecoder
@@ -39,22 +44,31 @@ FORWARDED_HEADERS = ("authorization", "content-type", "accept", "x-request-id")
 def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncClient, *,
                      limits: ServerLimits | None = None, events_topic: str = "", api_keys: ApiKeys | None = None,
                      replica_api_key: str | None = None, enable_docs: bool = False,
-                     prefill_router: Router | None = None) -> FastAPI:
+                     prefill_router: Router | None = None, tenants: Tenants | None = None,
+                     tenant_header: str | None = None) -> FastAPI:
     """api_keys: what clients must present (none: no check). replica_api_key: sent to the replicas on every
     call (proxied requests and polls alike) in place of the client's Authorization, which is then not
     forwarded; without it, the client's Authorization goes to the replica as it came. prefill_router: the
-    prefill pool of --pd-disaggregation (`router` is then the decode pool; router/disaggregated.py)."""
+    prefill pool of --pd-disaggregation (`router` is then the decode pool; router/disaggregated.py). tenants:
+    the tenants file the router admits requests by (it then also checks the keys, in place of api_keys; its
+    per-tenant counters join the router's metrics). tenant_header: a gateway's tenant header to pass on
+    without a tenants file."""
     limits = limits or ServerLimits()
     if replica_api_key is not None:
         client.headers["Authorization"] = f"Bearer {replica_api_key}"
-    forwarded = [name for name in FORWARDED_HEADERS if replica_api_key is None or name != "authorization"]
+    # With tenants, the replicas find the tenant as the router did: by the client's key or the gateway's header.
+    keep_authorization = replica_api_key is None or (tenants is not None and tenants.configured)
+    forwarded = [name for name in FORWARDED_HEADERS if keep_authorization or name != "authorization"]
+    if tenants is not None:
+        tenants.register(router.metrics.registry)
     decode = Forwarder(router, client, random.Random(router.config.seed))
     forwarder: Forwarder | DisaggregatedForwarder = decode if prefill_router is None else DisaggregatedForwarder(
-        Forwarder(prefill_router, client, random.Random(prefill_router.config.seed)), decode)
+        Forwarder(prefill_router, client, random.Random(prefill_router.config.seed)), decode, router.metrics)
     decoder = JsonDecoder()
 
     def headers_of(raw: Request) -> dict[str, str]:
-        return {name: raw.headers[name] for name in forwarded if name in raw.headers}
+        names = [*forwarded, *(h for h in (tenant_header, tenants.table.header if tenants else None) if h)]
+        return {name: raw.headers[name] for name in names if name in raw.headers}
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -73,7 +87,7 @@ def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncCl
     app = FastAPI(title="pagoda router", version=__version__, lifespan=lifespan, **docs)
     app.add_middleware(BodySizeLimit, max_bytes=limits.max_request_body_bytes)
     # outermost: a request without a key is not read
-    app.add_middleware(ApiKeyGuard, keys=api_keys or ApiKeys(), error_response=error_response)
+    app.add_middleware(ApiKeyGuard, keys=tenants or api_keys or ApiKeys(), error_response=error_response)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_request: Request, error: OpenAIError) -> JSONResponse:
@@ -119,14 +133,22 @@ def build_router_app(router: Router, reader: PromptReader, client: httpx.AsyncCl
             raise OpenAIError(400, "the request body is not valid JSON") from None
         if not isinstance(parsed, dict):
             raise OpenAIError(400, "the request body must be a JSON object")
+        model = parsed.get("model")
+        meter = enter(tenants, raw.headers, model, router.adapters())  # 403, 429 before any routing work
         prompt = await read(parsed)
+        prompt.model = model if isinstance(model, str) else None
+        if meter is not None:
+            meter.start(prompt)
         # A continued response is served where its conversation is stored; an unknown id goes anywhere,
         # and that replica's 404 says so.
         previous = parsed.get("previous_response_id") if path == "/v1/responses" else None
         pinned = router.response_owners.get(previous) if isinstance(previous, str) else None
         work = forwarder.dispatch(path, body, headers_of(raw), prompt, stream=parsed.get("stream") is True,
-                                  pinned=pinned)
-        return await _unless_client_leaves(raw, work)
+                                  pinned=pinned, meter=meter)
+        response = await _unless_client_leaves(raw, work)
+        if meter is not None:
+            response.headers.update(meter.headers())
+        return response
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:

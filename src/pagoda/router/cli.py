@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import signal
 import sys
 from collections.abc import Mapping
 
@@ -72,6 +73,12 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     route.add_argument("--replica-api-key", default=None, metavar="KEY",
                        help="send the replicas `Authorization: Bearer KEY` (on requests and polls) instead of the "
                             f"client's Authorization (also: {REPLICA_API_KEY_ENV_VAR})")
+    route.add_argument("--tenant-config", default=None, metavar="PATH",
+                       help="a tenants file (pagoda serve's): the router admits each request against its tenant's "
+                            "limits, once for the whole fleet; reloaded on SIGHUP (docs/tenants.md)")
+    route.add_argument("--tenant-header", default=None, metavar="NAME",
+                       help="a gateway's tenant header to pass on to the replicas (the tenants file's header is "
+                            "passed anyway; the client's Authorization is, unless --replica-api-key)")
     route.add_argument("--enable-docs", action="store_true",
                        help="serve the OpenAPI pages (/docs, /redoc, /openapi.json); off by default")
     for flag, (field, kind, text) in CONFIG_FLAGS.items():
@@ -127,12 +134,15 @@ def replica_pools(args: argparse.Namespace) -> tuple[list[str], list[str]]:
 
 
 def run_route(args: argparse.Namespace) -> int:
+    from pagoda.tenant_door import Tenants
+
     try:
         replicas, prefill = replica_pools(args)
         config = router_config_from(args)
         endpoints = event_endpoints(args.replica_kv_events)
         api_keys = ApiKeys.from_args(args)
         replica_key = replica_api_key(args.replica_api_key)
+        tenants = Tenants(api_keys, args.tenant_config) if args.tenant_config else None
     except (OSError, ValueError) as error:
         raise SystemExit(f"pagoda route: {error}") from None
     unknown = sorted(set(endpoints) - set(replicas) - set(prefill))
@@ -141,11 +151,14 @@ def run_route(args: argparse.Namespace) -> int:
     from pagoda.model_dir import ModelLoadError
     from pagoda.router.launcher import serve_router
 
+    if tenants is not None:
+        signal.signal(signal.SIGHUP, lambda _signum, _frame: tenants.reload())
     try:
         return serve_router(config, replicas, tokenizer_dir=args.tokenizer, host=args.host, port=args.port,
                             log_level=args.uvicorn_log_level, event_endpoints=endpoints,
                             events_topic=args.kv_events_topic, api_keys=api_keys, replica_api_key=replica_key,
-                            enable_docs=args.enable_docs, prefill=prefill)
+                            enable_docs=args.enable_docs, prefill=prefill, tenants=tenants,
+                            tenant_header=args.tenant_header.lower() if args.tenant_header else None)
     except ModelLoadError as error:  # --tokenizer's directory, read before the router listens
         print(f"pagoda route: {error}", file=sys.stderr)
         return 2

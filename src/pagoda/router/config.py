@@ -32,7 +32,8 @@ class RouterConfig:
     index_ttl_s: float = 120.0
     index_max_blocks: int = 65536
     # The KV events medium of a store every replica reads (the replicas' offload shared tier): a block stored there
-    # counts as cached on every replica. Nothing reports its evictions, so such blocks expire after index_ttl_s.
+    # counts as cached on every replica. The replicas that stored a block report its eviction, expiry or loss;
+    # index_ttl_s bounds an entry whose removal was lost.
     shared_kv_medium: str = "SHARED"
     default_block_size: int = 16  # until a replica's vllm:cache_config_info says otherwise
     # Health and load polling (/health and /metrics of every replica).

@@ -87,8 +87,10 @@ class Lease:
 
 class Router:
     def __init__(self, urls: Sequence[str], config: RouterConfig, policy: RoutingPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic, event_endpoints: Mapping[str, str] | None = None) -> None:
-        """event_endpoints: replica URL -> where it publishes KV events, for the replicas that do."""
+                 clock: Callable[[], float] = time.monotonic, event_endpoints: Mapping[str, str] | None = None,
+                 metrics: RouterMetrics | None = None) -> None:
+        """event_endpoints: replica URL -> where it publishes KV events, for the replicas that do. metrics: a
+        registry shared with another pool's Router (--pd-disaggregation); by default this Router's own."""
         urls = [url.rstrip("/") for url in urls]
         if not urls:
             raise ValueError("a router needs at least one replica")
@@ -106,7 +108,7 @@ class Router:
             replica.shared_index = self.shared_index
         self.policy = policy or make_policy(config)
         self.clock = clock
-        self.metrics = RouterMetrics(lambda: self.replicas, clock)
+        self.metrics = metrics or RouterMetrics(lambda: self.replicas, clock)
         # Which replica answered each recent /v1/responses call: a continuation (previous_response_id) needs
         # the replica that stored it. Bounded, oldest forgotten first, as the replicas' own stores are.
         self.response_owners: OrderedDict[str, Replica] = OrderedDict()
@@ -117,6 +119,10 @@ class Router:
         """pinned: the one replica that can serve the request (it holds state the others lack)."""
         now = self.clock()
         up = [r for r in self.replicas if r not in exclude and r.routable(now) and pinned in (None, r)]
+        # Adapter affinity: a request naming an adapter goes to a replica that serves it, when one is up (the
+        # policy chooses among them); one that names no adapter any replica lists goes anywhere.
+        holders = [r for r in up if prompt.model is not None and prompt.model in r.adapters]
+        up = holders or up
         if not up:
             self.metrics.rejected.labels("503").inc()
             if pinned is not None:
@@ -132,6 +138,10 @@ class Router:
         replica = self.policy.choose(prompt, candidates, now)
         matched = replica.match(prompt.cacheable(replica.block_size), now)
         return Decision(replica, prompt, matched)
+
+    def adapters(self) -> frozenset[str]:
+        """Every adapter some replica lists."""
+        return frozenset().union(*(r.adapters for r in self.replicas))
 
     def begin(self, decision: Decision) -> Lease:
         """Counts the request on its replica and records its blocks there (the replica will cache them)."""

@@ -5,6 +5,11 @@ them) behind the router on the port the user asked for. Every other serve flag g
 as it was given. With --kv-events-config, engine i publishes on the endpoint's port + i (vLLM's
 convention for data-parallel ranks) and the router follows every engine's events.
 
+With --tenant-config the router is the one front: it holds the tenants' token buckets (the limits hold for the
+whole server, not per engine) and passes each request on with its key and tenant header; every engine gets the
+same file with --no-tenant-rate-limits, so it finds the same tenant for its weight, adapters, cache namespace and
+KV quota without counting its limits again. SIGHUP reloads the file in the router and in every engine.
+
 SIGTERM or SIGINT stops the router (which finishes what it has in flight), then each engine (which drains for
 --shutdown-timeout). An engine that exits on its own is down to the router; when all have, the router stops.
 """
@@ -24,15 +29,20 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pagoda.router.config import RouterConfig
+
+if TYPE_CHECKING:
+    from pagoda.tenant_door import Tenants
 
 logger = logging.getLogger("pagoda.serve")
 
 LOOPBACK = "127.0.0.1"
 PR_SET_PDEATHSIG = 1  # prctl(2)
 # Flags the parent decides for each engine, or that only the parent uses.
-PARENT_ONLY = {"host", "port", "threads", "data_parallel_size", "kv_events_config", "func", "command", "help"}
+PARENT_ONLY = {"host", "port", "threads", "data_parallel_size", "kv_events_config", "tenant_rate_limits", "func",
+               "command", "help"}
 
 
 def given_flags(parser: argparse.ArgumentParser, args: argparse.Namespace, skip: set[str]) -> list[str]:
@@ -104,6 +114,11 @@ class Engines:
             logger.error("every engine process has exited: stopping")
             os.kill(os.getpid(), signal.SIGTERM)
 
+    def signal(self, signum: int) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.send_signal(signum)
+
     def stop(self) -> int:
         """SIGTERM to each (they drain), then wait; the first nonzero exit code, else 0."""
         self.stopping = True
@@ -143,6 +158,8 @@ def plan_engines(serve_parser: argparse.ArgumentParser, args: argparse.Namespace
     for rank, url in enumerate(urls):
         command = [sys.executable, "-m", "pagoda", "serve", *shared, "--host", LOOPBACK,
                    "--port", url.rsplit(":", 1)[1], "--threads", str(threads)]
+        if args.tenant_config:  # the router counts the limits, once
+            command.append("--no-tenant-rate-limits")
         if events is not None:
             endpoint = offset_port(events.endpoint, rank)
             command += ["--kv-events-config", json.dumps({**dataclasses.asdict(events), "endpoint": endpoint})]
@@ -152,21 +169,29 @@ def plan_engines(serve_parser: argparse.ArgumentParser, args: argparse.Namespace
     return EnginePlan(commands, urls, endpoints, events.topic if events is not None else "")
 
 
-def serve_data_parallel(plan: EnginePlan, args: argparse.Namespace) -> int:
-    """The router checks the keys the engines were given (flags, file, environment: the same for each), and
-    sends them the first of those: any other would do as well, and the polls need one under --guard-metrics."""
+def serve_data_parallel(plan: EnginePlan, args: argparse.Namespace, tenants: Tenants | None = None) -> int:
+    """The router checks the keys the engines were given (flags, file, environment: the same for each; with
+    tenants, theirs too), and sends them the first of those: any other would do as well, and the polls need one
+    under --guard-metrics. tenants: the door the router admits requests by (the engines then get each client's
+    own key)."""
     from pagoda.api_keys import ApiKeys
     from pagoda.router.launcher import serve_router
 
     logger.info("data parallel: %d engines behind the router on %s:%d", len(plan.urls), args.host, args.port)
     engines = Engines(plan.commands, args.shutdown_timeout)
     threading.Thread(target=engines.watch, name="pagoda-engines", daemon=True).start()
-    api_keys = ApiKeys.from_args(args)
+    api_keys = tenants.keys if tenants is not None else ApiKeys.from_args(args)
+    if tenants is not None:
+        def reload(_signum: int, _frame: object) -> None:
+            tenants.reload()
+            engines.signal(signal.SIGHUP)
+
+        signal.signal(signal.SIGHUP, reload)
     try:
         serve_router(RouterConfig(), plan.urls, tokenizer_dir=args.model, host=args.host, port=args.port,
                      log_level=args.uvicorn_log_level, event_endpoints=plan.event_endpoints,
                      events_topic=plan.events_topic, api_keys=api_keys,
-                     replica_api_key=api_keys.keys[0].decode() if api_keys.enabled else None)
+                     replica_api_key=api_keys.keys[0].decode() if api_keys.enabled else None, tenants=tenants)
     finally:
         code = engines.stop()
     return code

@@ -20,7 +20,9 @@ class Outcome(enum.Enum):
     """How an attempt ended, as the router acts on it. The values label pagoda_router_retries_total."""
 
     ANSWERED = "answered"  # 2xx-4xx but 429: passed back; the replica is well (its failure count is reset)
-    REQUEST_FAULT = "request"  # a 5xx marked request-scoped: passed back; says nothing about the replica
+    # a 5xx, or a 429 (a tenant over its rate limit), marked request-scoped: passed back; says nothing about the
+    # replica
+    REQUEST_FAULT = "request"
     SATURATED = "429"  # load, not a failure: skipped until its Retry-After, the request tried elsewhere
     REPLICA_ERROR = "5xx"  # any other 5xx (502, 503, 504, an unmarked 500): a failure, tried elsewhere
     CONNECTION = "connection"  # no answer (connect failure, reset): a failure, tried elsewhere
@@ -45,10 +47,9 @@ class Outcome(enum.Enum):
 
 def classify_answer(status: int, headers: Mapping[str, str]) -> Outcome:
     """The outcome of an HTTP answer (headers: case-insensitive, as httpx's are)."""
+    request_scoped = headers.get(ERROR_SCOPE_HEADER, "").strip().lower() == REQUEST_SCOPE
     if status == 429:
-        return Outcome.SATURATED
+        return Outcome.REQUEST_FAULT if request_scoped else Outcome.SATURATED
     if status < 500:
         return Outcome.ANSWERED
-    if headers.get(ERROR_SCOPE_HEADER, "").strip().lower() == REQUEST_SCOPE:
-        return Outcome.REQUEST_FAULT
-    return Outcome.REPLICA_ERROR
+    return Outcome.REQUEST_FAULT if request_scoped else Outcome.REPLICA_ERROR

@@ -68,6 +68,9 @@ def match_any(indexes: Sequence[BlockIndex], block_keys: Sequence[int], now: flo
     from its KV pool, its local offload tier or a store every replica shares alike."""
     for index in indexes:
         index.expire(now)
+    indexes = [index for index in indexes if index]  # most replicas have no offload tier: one index to ask
+    if not indexes:
+        return 0
     matched = 0
     for key in block_keys:
         if not any(key in index for index in indexes):

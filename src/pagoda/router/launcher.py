@@ -15,8 +15,10 @@ from pagoda.api_keys import ApiKeys
 from pagoda.router.app import build_router_app
 from pagoda.router.config import RouterConfig
 from pagoda.router.core import Router
+from pagoda.router.disaggregated import disaggregated_routers
 from pagoda.router.poller import POLL_LOG_FILTER
 from pagoda.router.tokens import CHARS_PER_TOKEN, LoadOnlyReader, PromptReader, TextPrefixReader, TokenizingReader
+from pagoda.tenant_door import Tenants
 from pagoda.text.pool import TokenizerPool
 from pagoda.text.tokenizer import load_tokenizer
 
@@ -64,19 +66,25 @@ class RouterServer(uvicorn.Server):
 def serve_router(config: RouterConfig, replicas: Sequence[str], *, tokenizer_dir: str | None, host: str, port: int,
                  log_level: str = "warning", event_endpoints: Mapping[str, str] | None = None,
                  events_topic: str = "", api_keys: ApiKeys | None = None, replica_api_key: str | None = None,
-                 enable_docs: bool = False, prefill: Sequence[str] = ()) -> int:
-    """replicas: every replica, or with `prefill` (--pd-disaggregation) the decode pool."""
+                 enable_docs: bool = False, prefill: Sequence[str] = (), tenants: Tenants | None = None,
+                 tenant_header: str | None = None) -> int:
+    """replicas: every replica, or with `prefill` (--pd-disaggregation) the decode pool. tenants: the door the
+    router admits requests by (router/tenancy.py); the caller reloads it (SIGHUP)."""
     if replica_api_key is not None and not (api_keys and api_keys.enabled):
         logger.warning("--replica-api-key without --api-key: anyone who reaches the router uses the replicas' key")
     logging.getLogger("httpx").addFilter(POLL_LOG_FILTER)
     def endpoints_of(urls: Sequence[str]) -> dict[str, str]:
         return {url: endpoint for url, endpoint in (event_endpoints or {}).items() if url in urls}
 
-    router = Router(replicas, config, event_endpoints=endpoints_of(replicas))
-    prefill_router = Router(prefill, config, event_endpoints=endpoints_of(prefill)) if prefill else None
+    prefill_router = None
+    if prefill:
+        router, prefill_router = disaggregated_routers(replicas, prefill, config, event_endpoints)
+    else:
+        router = Router(replicas, config, event_endpoints=endpoints_of(replicas))
     app = build_router_app(router, prompt_reader(tokenizer_dir, config.policy), replica_client(config),
                            events_topic=events_topic, api_keys=api_keys, replica_api_key=replica_api_key,
-                           enable_docs=enable_docs, prefill_router=prefill_router)
+                           enable_docs=enable_docs, prefill_router=prefill_router, tenants=tenants,
+                           tenant_header=tenant_header)
     logger.info(matching_line(tokenizer_dir, config.policy, event_endpoints))  # once the tokenizer loaded
     if prefill:
         logger.info("prefill/decode disaggregation: prompts to %d prefill replicas, answers from %d decode replicas, "

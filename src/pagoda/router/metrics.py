@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -36,6 +36,15 @@ class _ReplicaGauges:
             for replica in replicas:
                 gauge.add_metric([replica.url], value_of(replica))
             yield gauge
+        tenant_blocks: dict[str, float] = {}
+        for replica in replicas:
+            for tenant, blocks in replica.stats.tenant_kv_blocks:
+                tenant_blocks[tenant] = tenant_blocks.get(tenant, 0.0) + blocks
+        held = GaugeMetricFamily("pagoda:tenant_kv_blocks", "KV blocks the tenant's running requests hold on all "
+                                 "the replicas together, as last polled.", labels=["tenant"])
+        for tenant, blocks in sorted(tenant_blocks.items()):
+            held.add_metric([tenant], blocks)
+        yield held
         active = [r.active_requests for r in replicas]
         imbalance = GaugeMetricFamily("pagoda_router_imbalance",
                                       "Most requests in flight on one replica over the mean (1: even; 0: idle).")
@@ -44,10 +53,36 @@ class _ReplicaGauges:
         yield imbalance
 
 
+class _PoolGauges:
+    """--pd-disaggregation: each pool's replicas, and how many of them are up, at scrape time."""
+
+    def __init__(self, pools: Mapping[str, Callable[[], Sequence[Replica]]], clock: Callable[[], float]) -> None:
+        self.pools = pools
+        self.clock = clock
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        now = self.clock()
+        replicas = GaugeMetricFamily("pagoda_router_pool_replicas", "Replicas the pool lists.", labels=["pool"])
+        up = GaugeMetricFamily("pagoda_router_pool_replicas_up", "Replicas of the pool that are healthy and not "
+                                                                 "ejected.", labels=["pool"])
+        for pool, members in self.pools.items():
+            listed = members()
+            replicas.add_metric([pool], float(len(listed)))
+            up.add_metric([pool], float(sum(r.routable(now) for r in listed)))
+        yield replicas
+        yield up
+
+
 class RouterMetrics:
-    def __init__(self, replicas: Callable[[], Sequence[Replica]], clock: Callable[[], float]) -> None:
+    """pools: with --pd-disaggregation, each pool's replicas by name ("prefill", "decode"): one registry then serves
+    both pools' Routers (the per-replica series of both, labelled by URL) and the split's own counters."""
+
+    def __init__(self, replicas: Callable[[], Sequence[Replica]], clock: Callable[[], float],
+                 pools: Mapping[str, Callable[[], Sequence[Replica]]] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_ReplicaGauges(replicas, clock))
+        if pools is not None:
+            self.registry.register(_PoolGauges(pools, clock))
 
         def counter(name: str, doc: str, labels: Sequence[str] = ("replica",)) -> Counter:
             return Counter(name, doc, list(labels), registry=self.registry)
@@ -64,6 +99,14 @@ class RouterMetrics:
         self.rejected = counter("pagoda_router_rejected", "Requests the router answered itself, by status.",
                                 ("status",))
         self.event_gaps = counter("pagoda_router_kv_event_gaps", "KV event batches lost (sequence gaps).")
+        self.pool_requests = self.transfers = self.fallbacks = None
+        if pools is not None:
+            self.pool_requests = counter("pagoda_router_pool_requests", "Requests the router sent to the pool: "
+                                         "prefill steps, and every request answered by a decode replica.", ("pool",))
+            self.transfers = counter("pagoda_router_pd_transfers", "Requests sent to a decode replica with a prefill "
+                                     "replica's kv_transfer_params: their prompt's KV is pulled, not computed.", ())
+            self.fallbacks = counter("pagoda_router_pd_fallbacks", "Split requests whose prefill step failed, by "
+                                     "reason: the decode replica computed their prompt.", ("reason",))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,11 +20,14 @@ from pagoda.router.replica import Replica
 @dataclass
 class RoutedPrompt:
     """A request's prompt as routing sees it: token ids (None when the router could not tokenize it: then
-    only load decides) and the cache salt that keys its first block."""
+    only load decides), the cache salt that keys its first block, and the model it names (an adapter's name
+    routes it to the replicas that serve that adapter)."""
 
     token_ids: Sequence[int] | None
     cache_salt: str | None = None
+    model: str | None = None
     _chains: dict[int, list[int]] = field(default_factory=dict, repr=False)
+    _cacheable: dict[int, list[int]] = field(default_factory=dict, repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -41,8 +44,12 @@ class RoutedPrompt:
         return self._chains[block_size]
 
     def cacheable(self, block_size: int) -> list[int]:
-        """The blocks a prefix-cache hit can serve (never the one holding the last prompt token)."""
-        return self.block_hashes(block_size)[: max_cacheable_blocks(self.num_tokens, block_size)]
+        """The blocks a prefix-cache hit can serve (never the one holding the last prompt token). Kept: a policy
+        asks once per replica."""
+        if block_size not in self._cacheable:
+            self._cacheable[block_size] = self.block_hashes(block_size)[
+                : max_cacheable_blocks(self.num_tokens, block_size)]
+        return self._cacheable[block_size]
 
     def prefix_key(self, block_size: int) -> int | None:
         """The first block: requests sharing it share a (system) prompt."""
@@ -109,7 +116,8 @@ class CacheAwarePolicy:
         self._rng = rng
 
     def choose(self, prompt: RoutedPrompt, candidates: Sequence[Replica], now: float) -> Replica:
-        within_share = [r for r in candidates if not self._over_hot_share(prompt, r, candidates)]
+        bounds = {size: self._hot_prefix_bound(prompt, size, candidates) for size in {r.block_size for r in candidates}}
+        within_share = [r for r in candidates if not _over(bounds[r.block_size], r)]
         scored = [(self.cost(prompt, r, now), r.active_requests, r.routed_requests, self._rng.random(), index)
                   for index, r in enumerate(within_share or candidates)]
         return (within_share or list(candidates))[min(scored)[4]]
@@ -119,15 +127,23 @@ class CacheAwarePolicy:
         uncached = prompt.num_tokens - matched * replica.block_size
         return self.config.hit_weight * uncached + replica.load_tokens()
 
-    def _over_hot_share(self, prompt: RoutedPrompt, replica: Replica, candidates: Sequence[Replica]) -> bool:
-        key = prompt.prefix_key(replica.block_size)
+    def _hot_prefix_bound(self, prompt: RoutedPrompt, block_size: int,
+                          candidates: Sequence[Replica]) -> tuple[int, int] | None:
+        """(the prompt's prefix key at this block size, the most of its requests in flight one replica may hold
+        with this one), or None while the prefix is not hot. Counted once per choice, not once per replica: a
+        fleet of N replicas costs N, not N²."""
+        key = prompt.prefix_key(block_size)
         if key is None:
-            return False
+            return None
         in_flight = sum(r.active_by_prefix.get(key, 0) for r in candidates) + 1  # with this request
         if in_flight < self.config.hot_prefix_min_inflight:
-            return False
-        bound = max(1, math.ceil(self.config.hot_prefix_share * in_flight))
-        return replica.active_by_prefix.get(key, 0) + 1 > bound
+            return None
+        return key, max(1, math.ceil(self.config.hot_prefix_share * in_flight))
+
+
+def _over(bound: tuple[int, int] | None, replica: Replica) -> bool:
+    """Is the replica past its share of the hot prefix's requests (this one included)?"""
+    return bound is not None and replica.active_by_prefix.get(bound[0], 0) + 1 > bound[1]
 
 
 def make_policy(config: RouterConfig) -> RoutingPolicy:

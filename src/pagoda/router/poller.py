@@ -1,7 +1,10 @@
-"""Health and load polling: every replica's /health and /metrics, every poll interval.
+"""Health and load polling: every replica's /health, /metrics and /v1/models, every poll interval.
 
 /health 200 means up. /metrics gives the load gauges (vllm:num_requests_waiting, vllm:kv_cache_usage_perc),
 the block size (vllm:cache_config_info, as vLLM labels it) and a counter whose going back means a restart.
+/v1/models lists the LoRA adapters the replica serves (the cards with a `parent`, as vLLM writes them), which
+requests naming an adapter prefer. Replicas that check keys answer both only to the router's own key
+(--replica-api-key).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pagoda.router.replica import PolledStats, Replica
 
 logger = logging.getLogger("pagoda.route")
 
-POLLED_PATHS = ("/health", "/metrics")
+POLLED_PATHS = ("/health", "/metrics", "/v1/models")
 
 
 class PollRequestsAtDebug(logging.Filter):
@@ -37,12 +40,16 @@ POLL_LOG_FILTER = PollRequestsAtDebug()
 
 
 def parse_stats(text: str) -> PolledStats:
-    """The gauges the router uses, summed over a replica's label sets (one per served model)."""
+    """The gauges the router uses, summed over a replica's label sets (one per served model), and the KV blocks
+    each tenant holds there."""
     values: dict[str, float] = {}
     block_size = num_blocks = None
+    tenant_blocks: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "vllm:cache_config_info":
+            if sample.name == "pagoda:tenant_kv_blocks" and "tenant" in sample.labels:
+                tenant_blocks[sample.labels["tenant"]] = sample.value
+            elif sample.name == "vllm:cache_config_info":
                 block_size = _int_label(sample.labels, "block_size") or block_size
                 num_blocks = _int_label(sample.labels, "num_gpu_blocks") or num_blocks
             else:
@@ -52,7 +59,17 @@ def parse_stats(text: str) -> PolledStats:
         kv_usage=values.get("vllm:kv_cache_usage_perc", 0.0),
         block_size=block_size, num_blocks=num_blocks,
         prefix_cache_queries=values.get("vllm:prefix_cache_queries_total", 0.0),
+        tenant_kv_blocks=tuple(sorted(tenant_blocks.items())),
     )
+
+
+def parse_adapters(document: object) -> frozenset[str] | None:
+    """The adapters of a /v1/models answer: its cards with a parent; None for an answer of another shape."""
+    data = document.get("data") if isinstance(document, dict) else None
+    if not isinstance(data, list):
+        return None
+    return frozenset(card["id"] for card in data
+                     if isinstance(card, dict) and isinstance(card.get("id"), str) and card.get("parent"))
 
 
 def _int_label(labels: dict[str, str], name: str) -> int | None:
@@ -72,6 +89,10 @@ async def poll_replica(router: Router, replica: Replica, client: httpx.AsyncClie
             metrics = await client.get(f"{replica.url}/metrics", timeout=timeout)
             if metrics.status_code == 200:
                 router.update_stats(replica, parse_stats(metrics.text))
+            models = await client.get(f"{replica.url}/v1/models", timeout=timeout)
+            adapters = parse_adapters(models.json()) if models.status_code == 200 else None
+            if adapters is not None:
+                replica.adapters = adapters
     except (httpx.HTTPError, ValueError) as error:  # unreachable, or a /metrics that is not Prometheus text
         logger.debug("poll of %s failed: %s", replica.url, error)
         healthy = False

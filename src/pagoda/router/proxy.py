@@ -25,11 +25,13 @@ from pagoda.router.core import Decision, Lease, NoReplicaAvailable, Router
 from pagoda.router.faults import Outcome, classify_answer
 from pagoda.router.policies import RoutedPrompt
 from pagoda.router.replica import Replica
+from pagoda.router.tenancy import TenantMeter
+from pagoda.tenant_door import RATE_LIMIT_HEADERS
 from pagoda.wire import ERROR_SCOPE_HEADER, OpenAIError
 
 logger = logging.getLogger("pagoda.route")
 
-RETURNED_HEADERS = ("content-type", "retry-after", "x-request-id", ERROR_SCOPE_HEADER)
+RETURNED_HEADERS = ("content-type", "retry-after", "x-request-id", ERROR_SCOPE_HEADER, *RATE_LIMIT_HEADERS)
 CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 RESPONSE_ID = re.compile(rb'"id"\s*:\s*"(resp_[0-9a-f]{32})"')  # server/responses.py's ids
 SSE_EVENT = b"data:"
@@ -72,9 +74,10 @@ class Forwarder:
         self.rng = rng
 
     async def dispatch(self, path: str, body: bytes, headers: dict[str, str], prompt: RoutedPrompt,
-                       stream: bool, pinned: Replica | None = None) -> Response:
+                       stream: bool, pinned: Replica | None = None, meter: TenantMeter | None = None) -> Response:
         """Tries replicas until one answers (or none is left): the answer, or the last failure's. pinned: the
-        only replica that may answer (it holds the response the request continues)."""
+        only replica that may answer (it holds the response the request continues). meter: the request's tenant,
+        charged for the tokens the answer shows."""
         tried: list[Replica] = []
         last: Response | None = None
         for attempt in range(self.router.config.max_retries + 1):
@@ -87,7 +90,7 @@ class Forwarder:
             tried.append(decision.replica)
             lease = self.router.begin(decision)
             send = self._stream if stream else self._whole
-            outcome = await send(path, body, headers, decision, lease)
+            outcome = await send(path, body, headers, decision, lease, meter)
             if not outcome.retry:
                 return outcome.response
             last = outcome.response
@@ -99,7 +102,7 @@ class Forwarder:
         return float(self.router.config.retry_backoff_s * 2.0 ** (attempt - 1) * (0.5 + self.rng.random()))
 
     async def _whole(self, path: str, body: bytes, headers: dict[str, str], decision: Decision,
-                     lease: Lease) -> Attempt:
+                     lease: Lease, meter: TenantMeter | None) -> Attempt:
         replica, succeeded = decision.replica, False
         try:
             try:
@@ -112,12 +115,14 @@ class Forwarder:
             succeeded = upstream.status_code < 400
             if upstream.status_code == 200:
                 self._observe_usage(decision, upstream.content)
+                if meter is not None:
+                    meter.observe(upstream.content, streamed=False)
             return Attempt(self._relayed(upstream, upstream.content), retry=False)
         finally:  # also on cancellation: the client went away
             lease.finish(succeeded)
 
     async def _stream(self, path: str, body: bytes, headers: dict[str, str], decision: Decision,
-                      lease: Lease) -> Attempt:
+                      lease: Lease, meter: TenantMeter | None) -> Attempt:
         replica, handed_over = decision.replica, False
         upstream: httpx.Response | None = None
         try:
@@ -139,7 +144,7 @@ class Forwarder:
             # The background task runs even when the client leaves before the body starts, which would
             # leave _relay's own cleanup unrun.
             return Attempt(StreamingResponse(
-                self._relay(first, chunks, upstream, decision, lease), status_code=200,
+                self._relay(first, chunks, upstream, decision, lease, meter), status_code=200,
                 headers=self._returned_headers(upstream), background=BackgroundTask(self._close, upstream, lease),
             ), retry=False)
         finally:  # also on cancellation (the client left while waiting): the replica's stream is closed
@@ -149,7 +154,7 @@ class Forwarder:
                     await upstream.aclose()
 
     async def _relay(self, first: bytes, chunks: AsyncIterator[bytes], upstream: httpx.Response,
-                     decision: Decision, lease: Lease) -> AsyncIterator[bytes]:
+                     decision: Decision, lease: Lease, meter: TenantMeter | None) -> AsyncIterator[bytes]:
         """The replica's stream, as it comes. Closing it (the client went away) closes the replica's stream,
         which aborts the request there."""
         completed = False
@@ -159,6 +164,8 @@ class Forwarder:
             while True:
                 lease.add_output_tokens(chunk.count(SSE_EVENT))
                 self._observe_usage(decision, chunk)
+                if meter is not None:
+                    meter.observe(chunk, streamed=True)
                 yield chunk
                 try:
                     chunk = await chunks.__anext__()

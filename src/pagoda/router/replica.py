@@ -50,6 +50,7 @@ class PolledStats:
     block_size: int | None = None  # vllm:cache_config_info's block_size label
     num_blocks: int | None = None  # its num_gpu_blocks label
     prefix_cache_queries: float = 0.0  # a counter: when it goes down, the replica restarted
+    tenant_kv_blocks: tuple[tuple[str, float], ...] = ()  # pagoda:tenant_kv_blocks, by tenant
 
 
 @dataclass(eq=False)  # a replica is itself: compared (and hashed) by identity
@@ -67,6 +68,8 @@ class Replica:
     active_tokens: int = 0
     active_by_prefix: dict[int, int] = field(default_factory=dict)
     routed_requests: int = 0  # every request the router has sent here: ties go to the least used replica
+    # The LoRA adapters its /v1/models lists (cards with a parent), as last polled: requests naming one prefer it.
+    adapters: frozenset[str] = frozenset()
     index: BlockIndex = field(init=False)  # its KV pool (KV events' "GPU" medium, or the router's guesses)
     offload_index: BlockIndex = field(init=False)  # its local offload tier (KV events' "CPU" medium)
     # The store all replicas share (the router's one index, KV events' shared medium); None: none known.

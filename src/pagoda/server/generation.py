@@ -23,7 +23,7 @@ from pagoda.server.admission import WaitingSlots
 from pagoda.server.chat_output import ChatOutputFormat, ChoiceReader, ChoiceReading, chat_deltas, reasoning_fields
 from pagoda.server.logprobs import TokenTexts, echoed_logprobs, output_logprobs
 from pagoda.server.metrics import ServerMetrics
-from pagoda.server.tenancy import TenantPass
+from pagoda.server.tenancy import TenantPass, tenant_share
 from pagoda.wire import ERROR_SCOPE_HEADER, REQUEST_SCOPE, Kind, OpenAIError, now, usage
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ class Generation:
     async def _outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         queue: asyncio.Queue[Item] = asyncio.Queue()
 
-        tenant = self.tenant.share if self.tenant is not None else None
+        tenant = tenant_share(self.tenant) if self.tenant is not None else None
 
         async def pump(index: int, prompt: list[int]) -> None:
             finished = False

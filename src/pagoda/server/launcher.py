@@ -38,7 +38,7 @@ from pagoda.server.memory import IdleReclaimer, freeze_startup_objects, limit_ma
 from pagoda.server.metrics import ServerMetrics, cache_config_info
 from pagoda.server.read_deadline import read_deadline_protocol
 from pagoda.server.state import LoadedModel, ServerState
-from pagoda.server.tenancy import Tenants
+from pagoda.server.tenancy import Tenants, register_tenant_gauges
 from pagoda.startup import startup_summary
 from pagoda.text.pool import TokenizerPool
 from pagoda.text.tokenizer import load_tokenizer
@@ -95,7 +95,7 @@ def load_engine(state: ServerState, engine_config: EngineConfig, on_error: Calla
         description = async_engine.description
         metrics = ServerMetrics(state.model_name, lambda: async_engine.stats, cache_config_info(description.kv_cache),
                                 max_model_len=description.max_model_len)
-        state.tenants.register(metrics.registry)
+        register_tenant_gauges(metrics.registry, state.tenants, lambda: async_engine.stats)
         state.loaded = LoadedModel(async_engine, tokenizer, metrics, TokenizerPool(tokenizer))
         freeze_startup_objects()  # the model, torch and the app: later collections only walk what requests made
         logger.info("model %s ready in %.1f s\n%s", state.model_name, time.monotonic() - started,

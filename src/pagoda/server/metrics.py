@@ -10,6 +10,7 @@ from prometheus_client.utils import floatToGoString
 
 from pagoda.engine.api import (
     EngineStats,
+    ExpertLoadStats,
     KVCacheDescription,
     KVConnectorStats,
     LoRAStats,
@@ -74,6 +75,8 @@ class _EngineCollector:
             yield from self._spec_decode(stats.spec_decode)
         if stats.lora is not None:
             yield _lora_requests_info(stats.lora)
+        if stats.experts is not None:
+            yield from self._expert_load(stats.experts)
         yield self._iteration_tokens(stats)
 
     def _iteration_tokens(self, stats: EngineStats) -> HistogramMetricFamily:
@@ -109,7 +112,8 @@ class _EngineCollector:
                               ("hit_tokens", "Tokens loaded from the tier."),
                               ("blocks_saved", "Blocks saved to the tier."),
                               ("failures", "Calls to the tier that failed or ran past the bounded wait."),
-                              ("refused_blocks", "Corrupt or mismatched blocks the tier returned, not served."))
+                              ("refused_blocks", "Corrupt or mismatched blocks the tier returned, not served."),
+                              ("evicted_blocks", "Blocks the tier dropped: evicted, expired or lost."))
         }
         for tier in stats.tiers:
             for direction, moved, seconds in ((f"{tier.medium}_to_{DEVICE_MEDIUM}", tier.bytes_loaded,
@@ -123,6 +127,20 @@ class _EngineCollector:
         yield transfer_bytes
         yield transfer_time
         yield from per_medium.values()
+
+    def _expert_load(self, load: ExpertLoadStats) -> Iterator[CounterMetricFamily]:
+        """A mixture of experts' load (docs/moe.md): one series per expert and per expert-parallel rank, each summed
+        over the sparse layers, so that the series stay as few as the experts."""
+        for name, doc, label, values in (
+            ("pagoda:moe_expert_tokens", "(token, expert) pairs routed to the expert, over all sparse layers.",
+             "expert", load.expert_tokens),
+            ("pagoda:moe_rank_tokens", "(token, expert) pairs computed by the expert-parallel rank's experts.",
+             "rank", load.rank_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["model_name", label])
+            for index, value in enumerate(values):
+                family.add_metric([self.model_name, str(index)], value)
+            yield family
 
     def _spec_decode(self, stats: SpecDecodeStats) -> Iterator[CounterMetricFamily]:
         """Speculative decoding's counters, present only when it is configured (as in vLLM)."""

@@ -1,127 +1,46 @@
-"""The server's side of tenants (pagoda/tenants.py): which keys open the door, who a request is for, its rate
-limits (429 with Retry-After and OpenAI's x-ratelimit-* headers), its adapters, its prefix-cache namespace, and
-per-tenant metrics. All on the event loop, but for the file's reload, which swaps one reference.
+"""The server's side of tenants: the door (pagoda/tenant_door.py: keys, who a request is for, its rate limits and
+counters), what the engine learns of a request's tenant (its `TenantShare`), and what it tells back: the KV blocks
+each tenant's requests hold, a gauge.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
 
-from pagoda.api_keys import ApiKeys
-from pagoda.engine.api import TenantShare
-from pagoda.tenants import Tenant, TenantLimits, TenantTable
-from pagoda.wire import OpenAIError
+from pagoda.engine.api import EngineStats, TenantShare
+from pagoda.tenant_door import TenantPass, Tenants
 
-logger = logging.getLogger(__name__)
+__all__ = ["TenantPass", "Tenants", "register_tenant_gauges", "tenant_share"]
 
 
-@dataclass
-class TenantPass:
-    """One admitted request's tenant: what its tokens are charged to and the headers its answer carries."""
-
-    tenant: Tenant
-    door: Tenants
-
-    def start(self, prompts: list[list[int]], salt: str | None) -> str | None:
-        """Charges the prompts' tokens; returns the cache salt its requests run with (the tenant's namespace)."""
-        self.charge(sum(map(len, prompts)), "prompt")
-        return self.tenant.cache_salt(salt)
-
-    @property
-    def share(self) -> TenantShare:
-        """What the engine's fair queue knows of the tenant."""
-        return TenantShare(self.tenant.name, self.tenant.weight, self.tenant.max_kv_blocks)
-
-    def charge(self, num_tokens: int, kind: str) -> None:
-        """Charges prompt ("prompt") or generated ("generation") tokens to the tenant's token bucket."""
-        if num_tokens:
-            self.door.limits.charge(self.tenant, num_tokens, time.monotonic())
-            self.door.count_tokens(self.tenant.name, kind, num_tokens)
-
-    def headers(self) -> dict[str, str]:
-        return self.door.limits.headers(self.tenant, time.monotonic())
+def tenant_share(tenant_pass: TenantPass) -> TenantShare:
+    """What the engine's fair queue knows of the tenant: its name, weight and KV quota."""
+    tenant = tenant_pass.tenant
+    return TenantShare(tenant.name, tenant.weight, tenant.max_kv_blocks)
 
 
-class Tenants:
-    """The tenants file in force (none: every request is untenanted) and its buckets. Also the API key check
-    the server's guard makes: `--api-key` keys and every tenant's keys."""
+class _TenantKVBlocks:
+    """pagoda:tenant_kv_blocks{tenant}, read from the engine's stats at scrape time. One sample for each tenant
+    of the file in force (0 while it holds none), and none for any other name: a tenant dropped by a reload
+    leaves the gauge, so the label's cardinality is the file's."""
 
-    def __init__(self, api_keys: ApiKeys, path: str | Path | None = None) -> None:
-        self.base_keys, self.path = api_keys, Path(path) if path is not None else None
-        self.table = TenantTable.load(self.path) if self.path is not None else TenantTable()
-        self.limits = TenantLimits()
-        # per-tenant counters, in the server's registry once the model is loaded (no request comes before)
-        self._requests: Counter | None = None
-        self._tokens: Counter | None = None
-        self.keys = self._keys()
+    def __init__(self, tenants: Tenants, stats: Callable[[], EngineStats]) -> None:
+        self.tenants, self.stats = tenants, stats
 
-    def _keys(self) -> ApiKeys:
-        if not self.table.keys:
-            return self.base_keys
-        keys = [key.decode() for key in self.base_keys.keys] + list(self.table.keys)
-        return ApiKeys.gather(keys, environ={}, guard_metrics=self.base_keys.guard_metrics)
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        held = dict(self.stats().kv_blocks_by_tenant)
+        gauge = GaugeMetricFamily("pagoda:tenant_kv_blocks", "KV blocks the tenant's running requests hold (a "
+                                  "shared prefix block counts for each of its requests, as max_kv_blocks counts).",
+                                  labels=["tenant"])
+        for name in self.tenants.table.tenants:
+            gauge.add_metric([name], float(held.get(name, 0)))
+        yield gauge
 
-    def reload(self) -> bool:
-        """Reads the file again (SIGHUP). A file that no longer parses leaves the tenants in force as they were."""
-        if self.path is None:
-            return False
-        try:
-            table = TenantTable.load(self.path)
-        except (OSError, ValueError) as error:
-            logger.error("tenants file %s not reloaded, the previous one stays in force: %s", self.path, error)
-            return False
-        self.table = table
-        self.keys = self._keys()
-        logger.info("tenants file %s reloaded: %d tenants", self.path, len(table.tenants))
-        return True
 
-    # the guard's KeyCheck: the keys in force now
-    def guards(self, path: str) -> bool:
-        return self.keys.guards(path)
-
-    def accepts(self, authorization: bytes | str | None) -> bool:
-        return self.keys.accepts(authorization)
-
-    def enter(self, headers: Mapping[str, str], adapter: str | None) -> TenantPass | None:
-        """The request's tenant, admitted: 403 for an unknown tenant or an adapter it may not use, 429 when it is
-        over a limit. None: the request is nobody's (no tenants, or none matched and no "default")."""
-        try:
-            tenant = self.table.identify(headers)
-        except ValueError as error:
-            raise OpenAIError(403, str(error)) from error
-        if tenant is None:
-            return None
-        if adapter is not None and not tenant.may_use(adapter):
-            raise OpenAIError(403, f"tenant {tenant.name!r} may not use the adapter `{adapter}`", "model")
-        now = time.monotonic()
-        refusal = self.limits.admit(tenant, now)
-        if refusal is not None:
-            self.count_request(tenant.name, "rate_limited")
-            headers = {"Retry-After": str(max(1, math.ceil(refusal.retry_after))), **self.limits.headers(tenant, now)}
-            raise OpenAIError(429, f"tenant {tenant.name!r} is over its {refusal.limit} per minute; retry in "
-                                   f"{refusal.retry_after:.1f} s", headers=headers)
-        self.count_request(tenant.name, "admitted")
-        return TenantPass(tenant, self)
-
-    def count_request(self, tenant: str, outcome: str) -> None:
-        if self._requests is not None:
-            self._requests.labels(tenant, outcome).inc()
-
-    def count_tokens(self, tenant: str, kind: str, amount: int) -> None:
-        if self._tokens is not None:
-            self._tokens.labels(tenant, kind).inc(amount)
-
-    def register(self, registry: CollectorRegistry) -> None:
-        """pagoda:tenant_requests{tenant,outcome} and pagoda:tenant_tokens{tenant,kind}: the label takes only the
-        names of the tenants file, so its cardinality is the operator's."""
-        self._requests = Counter("pagoda:tenant_requests", "Requests by tenant: admitted or rate-limited (429).",
-                                 ["tenant", "outcome"], registry=registry)
-        self._tokens = Counter("pagoda:tenant_tokens", "Tokens charged to a tenant: prompt or generation.",
-                               ["tenant", "kind"], registry=registry)
+def register_tenant_gauges(registry: CollectorRegistry, tenants: Tenants, stats: Callable[[], EngineStats]) -> None:
+    """The door's per-tenant counters, and the KV blocks each tenant holds."""
+    tenants.register(registry)
+    registry.register(_TenantKVBlocks(tenants, stats))

@@ -8,6 +8,7 @@ and the stats route (and the model's introduction) is guarded like the API.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -19,6 +20,7 @@ from fastapi.responses import Response
 from pagoda.server.calc_page import mount_calc
 
 if TYPE_CHECKING:
+    from pagoda.engine.api import KVConnectorStats
     from pagoda.server.state import ServerState
 
 WEB_DIR = Path(__file__).resolve().parent / "web"
@@ -101,4 +103,17 @@ def stats_body(state: ServerState) -> dict[str, Any]:
         "prefix_cache_queries": stats.prefix_cache_queries,
         "prefix_cache_hits": stats.prefix_cache_hits,
         "recent": loaded.metrics.recent.snapshot(),
+        "kv_tiers": kv_tiers_body(stats.kv_connector),
+    }
+
+
+def kv_tiers_body(stats: KVConnectorStats | None) -> dict[str, Any] | None:
+    """The offload tiers' counters since start-up (docs/kv-offload.md), or None without a KV connector."""
+    if stats is None:
+        return None
+    return {
+        "queries": stats.external_prefix_cache_queries,
+        "hits": stats.external_prefix_cache_hits,
+        "failed_loads": stats.failed_loads,
+        "tiers": [dataclasses.asdict(tier) for tier in stats.tiers],
     }

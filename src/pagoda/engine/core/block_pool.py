@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pagoda.engine.api import KVEventSink
 from pagoda.engine.core.request import Request
 
-__all__ = ["NULL_BLOCK", "WINDOW_PARENT", "Block", "BlockParent", "BlockPool", "root_of"]
+__all__ = ["NULL_BLOCK", "WINDOW_PARENT", "Block", "BlockParent", "BlockPool", "base_root", "root_of"]
 
 
 def root_of(request: Request) -> str:
@@ -23,7 +23,12 @@ def root_of(request: Request) -> str:
     LoRA adapter (an adapter's blocks are never the base model's or another adapter's)."""
     if request.lora is not None:
         return repr(("lora", request.lora.key, request.cache_salt))
-    return "root" if request.cache_salt is None else f"salt:{request.cache_salt}"
+    return base_root(request.cache_salt)
+
+
+def base_root(cache_salt: str | None) -> str:
+    """The root of a base-model (no adapter) request's first block under its cache salt."""
+    return "root" if cache_salt is None else f"salt:{cache_salt}"
 
 
 # What a cached block hangs from: the identity of the block before it, or for a first block the root

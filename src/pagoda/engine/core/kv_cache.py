@@ -14,9 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagoda.block_hash import hash_block
+from pagoda.block_hash import hash_block, hash_block_chain
 from pagoda.engine.api import KVEventSink
-from pagoda.engine.core.block_pool import NULL_BLOCK, WINDOW_PARENT, Block, BlockParent, BlockPool, root_of
+from pagoda.engine.core.block_pool import (
+    NULL_BLOCK,
+    WINDOW_PARENT,
+    Block,
+    BlockParent,
+    BlockPool,
+    base_root,
+    root_of,
+)
 from pagoda.engine.core.request import Request
 
 __all__ = ["NULL_BLOCK", "Block", "BlockPool", "KVCacheManager", "hash_block"]
@@ -100,6 +108,22 @@ class KVCacheManager:
         if self.window is None:
             return 0
         return max(position - self.window + 1, 0) // self.block_size
+
+    def cached_prefix_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """How many leading full blocks of a base-model prompt (never its last token's) the prefix cache holds now.
+        Safe to ask from another thread while the engine steps, as a hint only: admission looks again, so a block
+        evicted meanwhile is computed then, never read stale."""
+        if not self.enable_prefix_caching:
+            return 0
+        size = self.block_size
+        hashes = hash_block_chain(token_ids, size, cache_salt, (len(token_ids) - 1) // size)
+        parent: BlockParent = base_root(cache_salt)
+        for index, block_hash in enumerate(hashes):
+            block = self.pool.lookup(block_hash, token_ids[index * size : (index + 1) * size], parent, self.group)
+            if block is None:
+                return index
+            parent = block.identity
+        return len(hashes)
 
     # --- allocation --------------------------------------------------------------------------------
 

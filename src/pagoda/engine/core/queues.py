@@ -202,13 +202,10 @@ class FairQueue:
         no tenant is over, the policy's order comes back."""
         if len(self._admission) > 2 * len(running) + 64:  # forget the requests that left, now and then
             self._admission = {r.request_id: self._admission.get(r.request_id, 0) for r in running}
-        held: dict[str, int] = {}
-        quota: dict[str, int] = {}
-        for request in running:
-            if request.tenant is not None and request.tenant.max_kv_blocks is not None:
-                held[request.tenant.name] = held.get(request.tenant.name, 0) + request.num_blocks_held
-                quota[request.tenant.name] = request.tenant.max_kv_blocks
-        over = {name for name, blocks in held.items() if blocks > quota[name]}
+        quota = {r.tenant.name: r.tenant.max_kv_blocks for r in running
+                 if r.tenant is not None and r.tenant.max_kv_blocks is not None}
+        over = {name for name, blocks in blocks_held_by_tenant(running).items()
+                if name in quota and blocks > quota[name]}
         if not over and not self._reordered:
             return
         self._admission = {r.request_id: self._admission.get(r.request_id, 0) for r in running}
@@ -226,6 +223,17 @@ class FairQueue:
             tenant = self._tenant(request)
             weight = request.tenant.weight if request.tenant is not None else 1.0
             self.counters[tenant] = self.counters.get(tenant, 0.0) + num_tokens / weight
+
+
+def blocks_held_by_tenant(running: Iterable[Request]) -> dict[str, int]:
+    """The KV blocks each tenant's running requests hold, as its quota counts them: every KV cache group's pool
+    blocks (not the places a sliding window dropped), and a block shared by two of its requests (a common prefix)
+    counts for each."""
+    held: dict[str, int] = {}
+    for request in running:
+        if request.tenant is not None:
+            held[request.tenant.name] = held.get(request.tenant.name, 0) + request.num_blocks_held
+    return held
 
 
 def make_waiting_queue(config: SchedulerConfig) -> FairQueue:

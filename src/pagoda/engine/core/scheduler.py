@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from pagoda.config import SchedulerConfig
@@ -112,10 +112,12 @@ class Scheduler:
     def __init__(
         self, config: SchedulerConfig, kv_cache: KVCacheManager, drafts: DraftSource | None = None,
         step_cost: StepCostModel | None = None, max_loras: int | None = None,
-        connector: KVConnectorScheduler | None = None,
+        connector: KVConnectorScheduler | None = None, clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """max_loras: the most LoRA adapters the running requests may hold together (None: adapters are off)."""
+        """max_loras: the most LoRA adapters the running requests may hold together (None: adapters are off);
+        clock: the time a request's scheduled and token moments are read from (a simulation's own)."""
         self.config = config
+        self.clock = clock
         self.max_loras = max_loras
         self.connector = connector  # None: no external KV store
         self.kv_cache = kv_cache
@@ -141,7 +143,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
-
     # --- schedule ----------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -253,7 +254,7 @@ class Scheduler:
         self.waiting.pop()
         if request.status == RequestStatus.WAITING:
             request.num_cached_tokens = num_hit_tokens + num_external
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = self.clock()
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
         request.num_computed_tokens = num_hit_tokens + num_external
@@ -292,7 +293,7 @@ class Scheduler:
         Returns what each request that sampled (or failed) this step got, finished ones included.
         """
         outputs = []
-        now = time.monotonic()
+        now = self.clock()
         for item in output.scheduled:
             request = item.request
             num_valid = runner_output.kv_load_failures.get(request.request_id)

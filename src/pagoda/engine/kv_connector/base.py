@@ -34,9 +34,10 @@ class KVConnectorWorker(Protocol):
 
 
 class RemoteKVPull(Protocol):
-    def pull(self, params: KVTransferParams) -> int:
-        """Fetches the blocks a prefill replica holds for a request (`do_remote_prefill` params) to where the
-        scheduler side's lookup finds them; returns how many arrived. Thread-safe; never raises."""
+    def pull(self, params: KVTransferParams, skip_blocks: int = 0) -> int:
+        """Fetches the blocks a prefill replica holds for a request (`do_remote_prefill` params), but the first
+        `skip_blocks` (this engine holds them already), to where the scheduler side's lookup finds them; returns how
+        many arrived. The producer releases them all either way. Thread-safe; never raises."""
         ...
 
 

@@ -22,6 +22,7 @@ class TierCounters:
         with self._lock:
             values = dict(self._values)
         ints = {name: int(values.get(name, 0)) for name in (
-            "hit_blocks", "hit_tokens", "bytes_loaded", "bytes_saved", "blocks_saved", "failures", "refused_blocks")}
+            "hit_blocks", "hit_tokens", "bytes_loaded", "bytes_saved", "blocks_saved", "failures", "refused_blocks",
+            "evicted_blocks")}
         return KVTierStats(self.medium, **ints, load_seconds=values.get("load_seconds", 0.0),
                            save_seconds=values.get("save_seconds", 0.0))

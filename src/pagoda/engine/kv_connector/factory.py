@@ -10,10 +10,11 @@ import torch
 from pagoda.config import EngineConfig
 from pagoda.engine.api import KVEventSink
 from pagoda.engine.kv_connector.base import KVConnector
+from pagoda.engine.kv_connector.counters import TierCounters
 from pagoda.engine.kv_connector.keys import KVIdentity, block_hash_of, model_fingerprint
 from pagoda.engine.kv_connector.multi import MultiConnectorScheduler, MultiConnectorWorker
 from pagoda.engine.kv_connector.offload import BlockHashes, OffloadingScheduler
-from pagoda.engine.kv_connector.offload_worker import OffloadingWorker, block_layout
+from pagoda.engine.kv_connector.offload_worker import Agree, OffloadingWorker, block_layout
 from pagoda.engine.kv_connector.stores import KVStore, LocalStore
 from pagoda.engine.kv_connector.transfer import Endpoint, HeldBlocks, TransferScheduler
 from pagoda.engine.kv_connector.transfer_worker import RECEIVED_MEDIUM, BlockPuller, BlockServer, TransferWorker
@@ -30,25 +31,51 @@ def build_kv_connector(config: EngineConfig, transfer: KVTransferConfig, layers:
                            MultiConnectorWorker([child.worker for child in children]))
     if transfer.kv_connector == "TcpConnector":
         return build_tcp_connector(config, transfer, layers, block_size, block_hashes)
+    worker, namespace = build_offload_worker(config, transfer, layers, block_size, 0, events)
+    scheduler = OffloadingScheduler(worker.tiers, namespace, block_size, block_hashes, transfer.loads, transfer.saves)
+    return KVConnector(scheduler, worker)
+
+
+def build_offload_worker(config: EngineConfig, transfer: KVTransferConfig, layers: Sequence[Sequence[torch.Tensor]],
+                         block_size: int, rank: int, events: KVEventSink | None = None,
+                         agree: Agree = list) -> tuple[OffloadingWorker, bytes]:
+    """One rank's OffloadingConnector worker over its own share of the KV and its own tiers, and the namespace of
+    its keys (which holds the rank: a rank stores and loads only its share of each block). Under a split model the
+    local tier's bytes are shared evenly among the ranks, and only rank 0 reports KV events."""
     options = transfer.offload_options
     assert options is not None
     layout = block_layout(layers, block_size)
-    identity = _identity(config, options.model_id, block_size, layout.describe())
+    world_size = config.parallel.world_size
     tiers: list[KVStore] = []
     if options.cpu_bytes_to_use:
         def evicted(keys: list[bytes]) -> None:
             if events is not None:
                 events.blocks_removed([block_hash_of(key) for key in keys], medium=LOCAL_MEDIUM)
 
-        tiers.append(LocalStore(options.cpu_bytes_to_use, layout.value_bytes, LOCAL_MEDIUM, evicted))
+        tiers.append(LocalStore(options.cpu_bytes_to_use // world_size, layout.value_bytes, LOCAL_MEDIUM, evicted))
     if options.shared_store is not None:
-        from pagoda.engine.kv_connector.redis_store import RedisStore  # the redis client only where a tier needs it
+        tiers.append(_shared_tier(options.shared_store, options.shared_medium, options.store_timeout_ms / 1e3,
+                                  options.reconnect_backoff_s, options.max_reconnect_backoff_s, options.store_ttl_s,
+                                  events, follow_evictions=rank == 0))
+    namespace = _identity(config, options.model_id, block_size, layout.describe(), rank).namespace()
+    return OffloadingWorker(tiers, layers, block_size, events, agree, namespace), namespace
 
-        tiers.append(RedisStore(options.shared_store, options.shared_medium, options.store_timeout_ms / 1e3,
-                                options.reconnect_backoff_s, options.max_reconnect_backoff_s))
-    scheduler = OffloadingScheduler(tiers, identity.namespace(), block_size, block_hashes, transfer.loads,
-                                    transfer.saves)
-    return KVConnector(scheduler, OffloadingWorker(tiers, layers, block_size, events))
+
+def _shared_tier(url: str, medium: str, timeout_s: float, backoff_s: float, max_backoff_s: float,
+                 ttl_s: float | None, events: KVEventSink | None, follow_evictions: bool = True) -> KVStore:
+    # the redis client is imported only where a tier needs it
+    from pagoda.engine.kv_connector.redis_store import KEY_PREFIX, RedisStore
+    from pagoda.engine.kv_connector.shared_evictions import SharedTierEvictions
+
+    counters = TierCounters(medium)
+
+    def removed(block_hashes: list[bytes]) -> None:
+        counters.add(evicted_blocks=len(block_hashes))
+        if events is not None:
+            events.blocks_removed(block_hashes, medium=medium)
+
+    evictions = SharedTierEvictions(url, KEY_PREFIX, removed, timeout_s) if follow_evictions else None
+    return RedisStore(url, medium, timeout_s, backoff_s, max_backoff_s, ttl_s, evictions, counters)
 
 
 def build_tcp_connector(config: EngineConfig, transfer: KVTransferConfig, layers: Sequence[Sequence[torch.Tensor]],
@@ -76,11 +103,11 @@ def build_tcp_connector(config: EngineConfig, transfer: KVTransferConfig, layers
     return KVConnector(scheduler, TransferWorker(loads, server, puller), puller)
 
 
-def _identity(config: EngineConfig, model_id: str | None, block_size: int, layout: str) -> KVIdentity:
+def _identity(config: EngineConfig, model_id: str | None, block_size: int, layout: str, rank: int = 0) -> KVIdentity:
     return KVIdentity(
         model_id=model_id or model_fingerprint(config.model), quantization=config.quantization,
-        kv_dtype=config.dtype, kernels=_kernels(config), tp_rank=0, tp_size=config.parallel.tensor_parallel_size,
-        block_size=block_size, layout=layout,
+        kv_dtype=config.dtype, kernels=_kernels(config), rank=rank, tp_size=config.parallel.tensor_parallel_size,
+        pp_size=config.parallel.pipeline_parallel_size, block_size=block_size, layout=layout,
     )
 
 

@@ -1,7 +1,8 @@
 """What a stored KV block is keyed by: the prefix cache's chained block hash (block_hash.py), under a namespace
 that says whose KV it is. Two engines share a block only if every input of its values is the same: the model
-(its config and weight files), the weights' quantization, the KV's dtype and layout, the tensor-parallel rank and
-size (a rank holds a share of the KV heads), the block size and the value format. Torch-free."""
+(its config and weight files), the weights' quantization, the KV's dtype and layout, the rank and the split's
+sizes (a rank of a split model holds a share of the KV heads of its stage's layers, and stores only that), the
+block size and the value format. Torch-free."""
 
 from __future__ import annotations
 
@@ -20,15 +21,16 @@ class KVIdentity:
     quantization: str | None
     kv_dtype: str
     kernels: str  # what computes the KV (the native target or "torch"): its rounding is part of the values
-    tp_rank: int
+    rank: int  # in the split model's world (tensor x pipeline parallel); 0 unsplit
     tp_size: int
+    pp_size: int
     block_size: int
     layout: str  # block_format.BlockLayout.describe(): every tensor's dtype and shape
 
     def namespace(self) -> bytes:
         text = "|".join(str(part) for part in (
-            "pagoda-kv-v1", self.model_id, self.quantization, self.kv_dtype, self.kernels, self.tp_rank,
-            self.tp_size, self.block_size, self.layout))
+            "pagoda-kv-v1", self.model_id, self.quantization, self.kv_dtype, self.kernels, self.rank,
+            self.tp_size, self.pp_size, self.block_size, self.layout))
         return hashlib.sha256(text.encode()).digest()[:NAMESPACE_BYTES]
 
 

@@ -17,18 +17,20 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import numpy as np
 import torch
 
 from pagoda.engine.api import KVEventSink, KVTierStats
 from pagoda.engine.kv_connector.block_format import BlockLayout, BlockRefused, decode_block, encode_block, layout_of
-from pagoda.engine.kv_connector.keys import block_hash_of
+from pagoda.engine.kv_connector.keys import NAMESPACE_BYTES, block_hash_of
 from pagoda.engine.kv_connector.offload import BlockSave, OffloadMetadata, RequestLoad
 from pagoda.engine.kv_connector.stores import KVStore, LocalStore
 
 logger = logging.getLogger(__name__)
+
+Agree = Callable[[list[int]], list[int]]  # each load's blocks loaded here -> the count every rank loaded
 
 SAVE_QUEUE_BATCHES = 64  # steps' saves waiting for the save thread before new ones are dropped
 
@@ -46,8 +48,11 @@ def block_layout(layers: Sequence[Sequence[torch.Tensor]], block_size: int) -> B
 
 class OffloadingWorker:
     def __init__(self, tiers: Sequence[KVStore], layers: Sequence[Sequence[torch.Tensor]], block_size: int,
-                 events: KVEventSink | None = None) -> None:
+                 events: KVEventSink | None = None, agree: Agree = list, namespace: bytes | None = None) -> None:
+        """namespace: this rank's, under which it stores and loads the keys the scheduler side (rank 0) names."""
         self.tiers = list(tiers)
+        self.agree = agree
+        self.namespace = namespace
         self.tensors = [tensor for tensors in layers for tensor in tensors]
         self.block_size = block_size
         self.layout = block_layout(layers, block_size)
@@ -61,18 +66,26 @@ class OffloadingWorker:
     # --- loads -----------------------------------------------------------------------------------------
 
     def start_load_kv(self, metadata: object) -> dict[str, int]:
-        """Loads the step's blocks; returns, for each request whose load failed, the tokens whose KV is valid."""
+        """Loads the step's blocks; returns, for each request whose load failed, the tokens whose KV is valid.
+        Under tensor parallelism every rank loads its own share and `agree` makes each request's count the
+        smallest any rank loaded: a block one rank could not load is computed by all."""
         assert isinstance(metadata, OffloadMetadata)
+        if not metadata.loads:
+            return {}
+        loaded = [self._load(load) for load in metadata.loads]
+        counts = self.agree([len(hits) for hits in loaded])
         failures = {}
-        for load in metadata.loads:
-            num_loaded = self._load(load)
-            if num_loaded < len(load.blocks):
-                failures[load.request_id] = load.first_token + num_loaded * self.block_size
+        for load, hits, count in zip(metadata.loads, loaded, counts):
+            for source, num_bytes in hits[:count]:
+                self.tiers[source].counters.add(hit_blocks=1, hit_tokens=self.block_size, bytes_loaded=num_bytes)
+            if count < len(load.blocks):
+                failures[load.request_id] = load.first_token + count * self.block_size
         return failures
 
-    def _load(self, load: RequestLoad) -> int:
-        """Loads the request's blocks in order up to the first that cannot be; returns how many did."""
-        keys = [block.key for block in load.blocks]
+    def _load(self, load: RequestLoad) -> list[tuple[int, int]]:
+        """Loads the request's blocks in order up to the first that cannot be; returns, for each that did, its
+        tier's index and its stored bytes."""
+        keys = [self.own_key(block.key) for block in load.blocks]
         values: list[bytes | None] = [None] * len(keys)
         sources: list[int] = [-1] * len(keys)
         for index, tier in enumerate(self.tiers):
@@ -84,23 +97,28 @@ class OffloadingWorker:
                 if value is not None:
                     values[i], sources[i] = value, index
             tier.counters.add(load_seconds=time.perf_counter() - started)
-        for position, (block, value, source) in enumerate(zip(load.blocks, values, sources)):
+        hits: list[tuple[int, int]] = []
+        for key, block, value, source in zip(keys, load.blocks, values, sources):
             if value is None:
-                return position
+                return hits
             tier = self.tiers[source]
             try:
                 payload = decode_block(self.layout, value)
             except BlockRefused as refused:
                 tier.counters.add(refused_blocks=1)
                 logger.warning("KV block refused from %s (%s): computed instead", tier.medium, refused)
-                return position
+                return hits
             started = time.perf_counter()
             self._copy_in(block.block_id, payload)
-            tier.counters.add(hit_blocks=1, hit_tokens=self.block_size, bytes_loaded=len(value),
-                              load_seconds=time.perf_counter() - started)
+            tier.counters.add(load_seconds=time.perf_counter() - started)
+            hits.append((source, len(value)))
             if source > 0 and isinstance(self.tiers[0], LocalStore):
-                self._enqueue((block.key, value))  # a shared hit goes down to the local tier too
-        return len(load.blocks)
+                self._enqueue((key, value))  # a shared hit goes down to the local tier too
+        return hits
+
+    def own_key(self, key: bytes) -> bytes:
+        """The key of this rank's share of the block that `key` (rank 0's) names."""
+        return key if self.namespace is None else self.namespace + key[NAMESPACE_BYTES:]
 
     def _copy_in(self, block_id: int, payload: memoryview) -> None:
         self._staging.numpy()[:] = np.frombuffer(payload, dtype=np.uint8)
@@ -152,7 +170,7 @@ class OffloadingWorker:
                     rows = buffer.numpy()
                     values = [encode_block(self.layout, memoryview(rows[i])) for i in range(len(saves))]
                     for index in range(len(self.tiers)):
-                        self._put(index, [save.key for save in saves], values, saves)
+                        self._put(index, [self.own_key(save.key) for save in saves], values, saves)
             except Exception:  # a save that fails is a block not offloaded, never an engine failure
                 logger.exception("KV offload: a save failed")
             finally:
@@ -160,15 +178,13 @@ class OffloadingWorker:
 
     def _put(self, index: int, keys: list[bytes], values: list[bytes], saves: Sequence[BlockSave | None]) -> None:
         tier = self.tiers[index]
-        stored: list[BlockSave | None] = []
         for key, value, save in zip(keys, values, saves):
-            started = time.perf_counter()
-            if tier.put(key, value):
+            with tier.event_order:
+                started = time.perf_counter()
+                if not tier.put(key, value):
+                    continue
                 tier.counters.add(bytes_saved=len(value), blocks_saved=1, save_seconds=time.perf_counter() - started)
-                stored.append(save)
-        if self.events is not None:
-            for save in stored:
-                if save is not None:
+                if self.events is not None and save is not None:
                     self.events.blocks_stored([block_hash_of(save.key)], save.parent_hash, save.token_ids,
                                               self.block_size, medium=tier.medium)
 

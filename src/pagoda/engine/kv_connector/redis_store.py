@@ -5,15 +5,18 @@ call that fails marks the store down for a backoff that doubles while it keeps f
 down, calls answer "nothing here" at once without touching the network, so a dead store costs a step nothing
 after the first timeout. The first call after the backoff tries again; its success resets the backoff (the
 store is back: hits resume). Keys are `prefix + key` (binary); values are block_format's. Eviction is Redis's
-own (`maxmemory` with an LRU policy: deploy/redis-kv-store.yaml). Torch-free.
+own (`maxmemory` with an LRU policy: deploy/k8s/kv-store.yaml), and `ttl_s` lets each block expire that long after
+it was last stored; shared_evictions.py reports both as KV events. Torch-free.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import TypeVar
 
 import redis
@@ -21,6 +24,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from pagoda.engine.kv_connector.counters import TierCounters
+from pagoda.engine.kv_connector.shared_evictions import SharedTierEvictions
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +33,15 @@ KEY_PREFIX = b"pagoda:kv:"
 
 
 class RedisStore:
-    def __init__(self, url: str, medium: str, timeout_s: float, backoff_s: float, max_backoff_s: float) -> None:
+    def __init__(self, url: str, medium: str, timeout_s: float, backoff_s: float, max_backoff_s: float,
+                 ttl_s: float | None = None, evictions: SharedTierEvictions | None = None,
+                 counters: TierCounters | None = None) -> None:
         self.medium = medium
-        self.counters = TierCounters(medium)
+        self.ttl_s = ttl_s
+        self.evictions = evictions  # told each key stored, so that its loss is reported
+        self.event_order: AbstractContextManager[object] = (
+            contextlib.nullcontext() if evictions is None else evictions.event_order)
+        self.counters = counters or TierCounters(medium)
         self.url = url
         self._client = redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry=Retry(NoBackoff(), 0),
@@ -75,9 +85,15 @@ class RedisStore:
         return [value if isinstance(value, bytes) else None for value in values]
 
     def put(self, key: bytes, value: bytes) -> bool:
-        return self._call(lambda: bool(self._client.set(KEY_PREFIX + key, value)), False)
+        expiry_ms = None if self.ttl_s is None else max(1, int(self.ttl_s * 1000))
+        stored = self._call(lambda: bool(self._client.set(KEY_PREFIX + key, value, px=expiry_ms)), False)
+        if stored and self.evictions is not None:
+            self.evictions.track(key)
+        return stored
 
     def close(self) -> None:
+        if self.evictions is not None:
+            self.evictions.close()
         self._client.close()
 
     def _call(self, operation: Callable[[], T], fallback: T) -> T:
@@ -98,4 +114,6 @@ class RedisStore:
             with self._lock:
                 self._backoff_s = self._initial_backoff_s
             logger.info("KV store %s is back", self.url)
+            if self.evictions is not None:
+                self.evictions.reconcile_soon()  # it may have come back empty
         return result

@@ -11,10 +11,12 @@ outlives a killed process); and sharing across processes and hosts is the shared
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Protocol
 
 from pagoda.engine.kv_connector.counters import TierCounters
@@ -23,6 +25,9 @@ from pagoda.engine.kv_connector.counters import TierCounters
 class KVStore(Protocol):
     medium: str  # what its KV events and metrics call it ("CPU", the shared medium's name)
     counters: TierCounters
+    # Held across a put and the BlockStored event for it, so that a removal the store reports for the key is
+    # published after the event of the store that it undoes.
+    event_order: AbstractContextManager[object]
 
     def contains(self, keys: Sequence[bytes]) -> int:
         """How many of `keys`, from the first, it holds (0 when it cannot tell within its wait)."""
@@ -49,6 +54,7 @@ class LocalStore:
             raise ValueError(f"the local KV tier of {capacity_bytes} bytes holds no block of {slot_bytes} bytes")
         self.medium = medium
         self.counters = TierCounters(medium)
+        self.event_order: AbstractContextManager[object] = contextlib.nullcontext()  # evictions: inside put
         self.slot_bytes = slot_bytes
         self._map = mmap.mmap(-1, self.num_slots * slot_bytes)
         self._entries: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # key -> (slot, length), LRU first
@@ -98,8 +104,10 @@ class LocalStore:
             start = slot * self.slot_bytes
             self._map[start : start + len(value)] = value
             self._entries[key] = (slot, len(value))
-        if evicted and self._on_evict is not None:
-            self._on_evict(evicted)
+        if evicted:
+            self.counters.add(evicted_blocks=len(evicted))
+            if self._on_evict is not None:
+                self._on_evict(evicted)
         return True
 
     def corrupt(self, key: bytes, offset: int) -> None:

@@ -1,10 +1,12 @@
 """The TcpConnector's worker side: the producer's block server and the consumer's pull (docs/disaggregation.md).
 
 The wire, one pull per connection: the consumer sends one JSON line, `{"remote_request_id", "remote_block_ids",
-"namespace"}`; the producer answers one JSON line, `{"ok": true, "num_blocks", "value_bytes"}` (or `{"ok": false,
-"error"}`), then per block its 32-byte prefix-cache hash and its value in the offload tiers' format
-(block_format.py: layout and CRC32 in a header, then every layer's rows). The namespace (keys.py: model, KV
-dtype and layout, kernels, block size) must be the producer's own, so an engine never loads another model's KV.
+"namespace", "first_block"}` (all the ids the producer named; it wants those from `first_block` on, holding the
+ones before in its own prefix cache); the producer releases them all and answers one JSON line, `{"ok": true,
+"num_blocks", "value_bytes"}` (or `{"ok": false, "error"}`), then per block its 32-byte prefix-cache hash and its
+value in the offload tiers' format (block_format.py: layout and CRC32 in a header, then every layer's rows). The
+namespace (keys.py: model, KV dtype and layout, kernels, block size) must be the producer's own, so an engine never
+loads another model's KV.
 
 The server copies the held blocks out of the pool on its own thread (they cannot change while held, see
 transfer.HeldBlocks), releases them, then sends. The pull runs on a thread of the decode replica's event loop's
@@ -72,6 +74,9 @@ class BlockServer:
             line = rfile.readline(MAX_LINE_BYTES)  # type: ignore[attr-defined]
             ask = json.loads(line)
             request_id, block_ids = str(ask["remote_request_id"]), [int(i) for i in ask["remote_block_ids"]]
+            first_block = int(ask.get("first_block", 0))
+            if first_block < 0:
+                raise ValueError(f"first_block {first_block} is negative")
             if bytes.fromhex(str(ask["namespace"])) != self.namespace:
                 return self._refuse(connection, "another model, KV layout or block size: not this engine's blocks")
         except (ValueError, KeyError, TypeError) as error:
@@ -82,7 +87,7 @@ class BlockServer:
         started = time.perf_counter()
         try:
             values = [block_hash + encode_block(self.layout, self._copy_out(block_id))
-                      for block_id, block_hash in blocks]
+                      for block_id, block_hash in blocks[first_block:]]
         finally:
             self.held.finish_serving(request_id)  # copied out: the pool may have them back
         header = {"ok": True, "num_blocks": len(values), "value_bytes": self.layout.value_bytes}
@@ -120,9 +125,10 @@ class BlockPuller:
         self.buffer, self.layout, self.namespace, self.timeout_s = buffer, layout, namespace, timeout_s
         self.counters = TierCounters(TRANSFER_MEDIUM)
 
-    def pull(self, params: KVTransferParams) -> int:
-        """Pulls the blocks `params` name into the receive buffer; returns how many arrived (0 on failure: the
-        request then computes its prompt; never raises)."""
+    def pull(self, params: KVTransferParams, skip_blocks: int = 0) -> int:
+        """Pulls the blocks `params` name, but the first `skip_blocks`, into the receive buffer; returns how many
+        arrived (0 on failure: the request then computes its prompt; never raises). It connects even when it
+        wants none of them: the producer then releases them at once instead of at its hold timeout."""
         if not params.remote_block_ids:
             return 0
         assert params.remote_host is not None and params.remote_port is not None
@@ -130,7 +136,7 @@ class BlockPuller:
         try:
             with socket.create_connection((params.remote_host, params.remote_port), timeout=self.timeout_s) as sock:
                 ask = {"remote_request_id": params.remote_request_id, "remote_block_ids": list(params.remote_block_ids),
-                       "namespace": self.namespace.hex()}
+                       "namespace": self.namespace.hex(), "first_block": skip_blocks}
                 sock.sendall(json.dumps(ask).encode() + b"\n")
                 stream = sock.makefile("rb")
                 answer = json.loads(stream.readline(MAX_LINE_BYTES) or b"{}")
@@ -147,7 +153,7 @@ class BlockPuller:
         except (OSError, ValueError, KeyError, BlockRefused) as error:
             self.counters.add(failures=1)
             logger.warning("KV pull from %s:%s got %d of %d blocks (%s): the rest is computed", params.remote_host,
-                           params.remote_port, received, len(params.remote_block_ids), error)
+                           params.remote_port, received, len(params.remote_block_ids) - skip_blocks, error)
         self.counters.add(hit_blocks=received, bytes_loaded=received * self.layout.payload_bytes,
                           load_seconds=time.perf_counter() - started)
         return received

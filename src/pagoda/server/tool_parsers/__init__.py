@@ -14,6 +14,7 @@ from pagoda.server.tool_parsers.hermes import HermesParser
 from pagoda.server.tool_parsers.llama3_json import Llama3JsonParser
 from pagoda.server.tool_parsers.mistral import MistralParser
 from pagoda.server.tool_parsers.pythonic import PythonicParser
+from pagoda.tool_parser_names import TOOL_CALL_PARSER_NAMES
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesParser,
@@ -21,6 +22,8 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {
     "mistral": MistralParser,
     "pythonic": PythonicParser,
 }
+if tuple(TOOL_CALL_PARSERS) != TOOL_CALL_PARSER_NAMES:
+    raise ImportError("pagoda.tool_parser_names must list the registered tool-call parsers, in order")
 
 __all__ = ["TOOL_CALL_PARSERS", "HermesParser", "Llama3JsonParser", "MistralParser", "ParsedOutput",
            "PythonicParser", "ToolCallParser"]

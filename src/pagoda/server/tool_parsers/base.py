@@ -68,6 +68,19 @@ class CallsRead:
     end: int
 
 
+def after_list_item(text: str, end: int, calls: list[ToolCall]) -> CallsRead | int:
+    """After one call of a `[...]` list ends at `end`: the position past its comma, where the next call starts,
+    or how the list reads when it goes no further (waiting, complete at `]`, malformed)."""
+    position = skip_space(text, end)
+    if position == len(text):
+        return CallsRead(calls, Reading.WAITING, position)
+    if text[position] == "]":
+        return CallsRead(calls, Reading.COMPLETE, position + 1)
+    if text[position] != ",":
+        return CallsRead(calls, Reading.MALFORMED, position)
+    return position + 1
+
+
 def assemble(text: str, content_before: str, read: CallsRead, finished: bool, marker: str | None) -> ParsedOutput:
     """The parse of a text whose calls were read as `read`, after `content_before`: the rule of the module
     docstring. A call still being written when the output ends (cut by max_tokens) is content, as written."""

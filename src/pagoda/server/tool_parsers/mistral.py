@@ -11,7 +11,15 @@ from __future__ import annotations
 import json
 import re
 
-from pagoda.server.tool_parsers.base import CallsRead, ParsedOutput, Reading, assemble, held_back, skip_space
+from pagoda.server.tool_parsers.base import (
+    CallsRead,
+    ParsedOutput,
+    Reading,
+    after_list_item,
+    assemble,
+    held_back,
+    skip_space,
+)
 from pagoda.wire.tool_calls import ToolCall, call_from_json
 
 MARKER = "[TOOL_CALLS]"
@@ -82,14 +90,9 @@ def _read_listed(text: str, body: int, marker: int) -> CallsRead:
         if read.state is not Reading.COMPLETE:
             return CallsRead(calls, read.state, read.end)
         calls += read.calls
-        position = skip_space(text, read.end)
-        if position == len(text):
-            return CallsRead(calls, Reading.WAITING, position)
-        if text[position] == "]":
-            return CallsRead(calls, Reading.COMPLETE, position + 1)
-        if text[position] != ",":
-            return CallsRead(calls, Reading.MALFORMED, position)
-        position += 1
+        if isinstance(after := after_list_item(text, read.end, calls), CallsRead):
+            return after
+        position = after
 
 
 def _read_object(text: str, start: int, resume: int) -> CallsRead:

@@ -10,7 +10,7 @@ import ast
 import json
 import re
 
-from pagoda.server.tool_parsers.base import CallsRead, ParsedOutput, Reading, assemble, skip_space
+from pagoda.server.tool_parsers.base import CallsRead, ParsedOutput, Reading, after_list_item, assemble, skip_space
 from pagoda.wire.tool_calls import ToolCall
 
 _FUNCTION_NAME = re.compile(r"[A-Za-z_]\w*")
@@ -46,14 +46,9 @@ def _read_list(text: str, start: int) -> CallsRead:
         if call is None:
             return CallsRead(calls, Reading.MALFORMED, resume)
         calls.append(call)
-        position = skip_space(text, end)
-        if position == len(text):
-            return CallsRead(calls, Reading.WAITING, position)
-        if text[position] == "]":
-            return CallsRead(calls, Reading.COMPLETE, position + 1)
-        if text[position] != ",":
-            return CallsRead(calls, Reading.MALFORMED, position)
-        position += 1
+        if isinstance(after := after_list_item(text, end, calls), CallsRead):
+            return after
+        position = after
 
 
 def _call_end(text: str, start: int) -> int | None:

@@ -80,6 +80,39 @@
     chart("chart-itl", quantiles("itl"), 1);
   }
 
+  function formatBytes(bytes) {
+    const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let value = bytes, unit = 0;
+    while (value >= 1024 && unit < units.length - 1) { value /= 1024; unit += 1; }
+    return unit ? `${value.toFixed(1)} ${units[unit]}` : `${value} B`;
+  }
+
+  // The offload tiers' counters since start-up, one row per tier (hidden without a KV connector).
+  function renderTiers(kvTiers) {
+    $("kv-tiers").hidden = !kvTiers;
+    if (!kvTiers) return;
+    const share = kvTiers.queries ? ` (${percent(kvTiers.hits / kvTiers.queries)})` : "";
+    $("kv-tiers-summary").textContent = `${kvTiers.hits} of ${kvTiers.queries} looked-up prompt tokens loaded` +
+      `${share} · ${kvTiers.failed_loads} failed loads`;
+    const rows = kvTiers.tiers.map((tier) => {
+      const row = document.createElement("tr");
+      row.dataset.medium = tier.medium;
+      const cells = [["medium", tier.medium], ["hit_tokens", String(tier.hit_tokens)],
+        ["hit_blocks", String(tier.hit_blocks)], ["bytes_loaded", formatBytes(tier.bytes_loaded)],
+        ["bytes_saved", formatBytes(tier.bytes_saved)], ["load_seconds", pagoda.formatSeconds(tier.load_seconds)],
+        ["save_seconds", pagoda.formatSeconds(tier.save_seconds)], ["evicted_blocks", String(tier.evicted_blocks)],
+        ["failures", `${tier.failures} · ${tier.refused_blocks}`]];
+      for (const [key, text] of cells) {
+        const cell = document.createElement("td");
+        cell.dataset.key = key;
+        cell.textContent = text;
+        row.append(cell);
+      }
+      return row;
+    });
+    $("kv-tiers-rows").replaceChildren(...rows);
+  }
+
   function status(text, isError) {
     $("dashboard-status").textContent = text;
     $("dashboard-status").classList.toggle("error", isError);
@@ -96,6 +129,7 @@
       record(stats);
       renderTiles(stats);
       renderCharts(stats);
+      renderTiers(stats.kv_tiers);
       status(`Updated ${new Date(stats.time * 1000).toLocaleTimeString()} · every ${REFRESH_MS / 1000} s · ` +
         `latencies and tokens over the last ${Math.round(windowS / 60)} min, gauges since this page opened`, false);
     } catch (error) {

@@ -1,0 +1,118 @@
+"""`pagoda sim`: a generated multi-turn trace over N simulated replicas, for one or more router policies."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from pagoda.config import SchedulerConfig
+from pagoda.router.config import POLICIES, RouterConfig
+from pagoda.sim.replica import ReplicaConfig
+from pagoda.sim.step_cost import DEFAULT_STEP_COST, StepCost
+from pagoda.sim.trace import TraceConfig, generate_trace
+
+# flag -> (TraceConfig field, type, help)
+TRACE_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--num-sessions": ("num_sessions", int, "conversations in the trace"),
+    "--session-rate": ("session_rate", float, "conversations started per second (Poisson)"),
+    "--min-turns": ("min_turns", int, "fewest turns of a conversation"),
+    "--max-turns": ("max_turns", int, "most turns of a conversation"),
+    "--num-system-prompts": ("num_system_prompts", int, "distinct system prompts (Zipf popularity)"),
+    "--system-prompt-tokens": ("system_prompt_tokens", int, "tokens of each system prompt"),
+    "--think-time": ("mean_think_s", float, "mean seconds between an answer and the next turn (exponential)"),
+    "--vocab-size": ("vocab_size", int, "token ids are drawn below this"),
+}
+# flag -> (RouterConfig field, type, help): the routing knobs `pagoda route` has under the same names
+ROUTER_FLAGS: dict[str, tuple[str, type, str]] = {
+    "--hit-weight": ("hit_weight", float, "cost weight of each uncached prompt token"),
+    "--queue-weight-tokens": ("queue_weight_tokens", float, "cost, in tokens, of each request waiting"),
+    "--kv-weight-tokens": ("kv_weight_tokens", float, "cost, in tokens, of a full KV cache"),
+    "--max-replica-waiting": ("max_waiting_requests", int, "skip a replica with this many requests waiting"),
+    "--hot-prefix-share": ("hot_prefix_share", float, "most share of one prefix's requests on one replica"),
+    "--index-ttl": ("index_ttl_s", float, "seconds a routed block stays in a replica's index"),
+    "--poll-interval": ("poll_interval_s", float, "seconds between the router's polls of each replica"),
+}
+
+
+def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    sim = commands.add_parser(
+        "sim", help="simulate a fleet: the real router and schedulers, a step-cost model for the forward pass",
+        description="Replays a generated multi-turn trace over N simulated replicas behind the router's real "
+                    "policies; each replica runs the engine's own scheduler and KV manager, its steps timed by a "
+                    "step-cost model (docs/sim.md).")
+    sim.add_argument("--replicas", type=int, default=4, help="simulated replicas (default 4)")
+    sim.add_argument("--policy", action="append", choices=POLICIES, default=None,
+                     help="routing policy; repeat to compare several on the same trace (default cache_aware)")
+    sim.add_argument("--step-cost", type=Path, default=DEFAULT_STEP_COST,
+                     help="the step-cost model's JSON (benchmarks/sim_calibrate.py writes one; default: the built-in "
+                          "model's, measured on a 2-vCPU host)")
+    sim.add_argument("--seed", type=int, default=0, help="seed of the trace and of the router's random choices")
+    sim.add_argument("--output", type=Path, default=None, help="write the configuration and figures here as JSON")
+    trace = sim.add_argument_group("trace")
+    defaults = TraceConfig()
+    for flag, (name, kind, text) in TRACE_FLAGS.items():
+        trace.add_argument(flag, dest=name, type=kind, default=getattr(defaults, name),
+                           help=f"{text} (default %(default)s)")
+    for flag, name in (("--user-tokens", "user_tokens"), ("--answer-tokens", "answer_tokens")):
+        trace.add_argument(flag, type=int, nargs=2, metavar=("LOW", "HIGH"), default=list(getattr(defaults, name)),
+                           help=f"length range of each turn's {name.split('_')[0]} message (default %(default)s)")
+    engine = sim.add_argument_group("each replica (pagoda serve's flags)")
+    scheduler = SchedulerConfig()
+    engine.add_argument("--num-kv-blocks", type=int, default=2048, help="KV blocks per replica (default 2048)")
+    engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    for flag, name in (("--max-num-seqs", "max_num_seqs"), ("--max-num-batched-tokens", "max_num_batched_tokens"),
+                       ("--max-model-len", "max_model_len")):
+        engine.add_argument(flag, type=int, default=getattr(scheduler, name), help="(default %(default)s)")
+    engine.add_argument("--max-step-ms", type=float, default=scheduler.max_step_ms, help="(default %(default)s)")
+    engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    router = sim.add_argument_group("the router (pagoda route's flags)")
+    for flag, (name, kind, text) in ROUTER_FLAGS.items():
+        router.add_argument(flag, dest=name, type=kind, default=getattr(RouterConfig(), name),
+                            help=f"{text} (default %(default)s)")
+    sim.set_defaults(func=run)
+
+
+def configs(args: argparse.Namespace) -> tuple[TraceConfig, ReplicaConfig, RouterConfig]:
+    trace = TraceConfig(**{name: getattr(args, name) for name, _, _ in TRACE_FLAGS.values()},
+                        user_tokens=tuple(args.user_tokens), answer_tokens=tuple(args.answer_tokens), seed=args.seed)
+    replica = ReplicaConfig(
+        SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, max_step_ms=args.max_step_ms),
+        num_blocks=args.num_kv_blocks, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+    router = RouterConfig(**{name: getattr(args, name) for name, _, _ in ROUTER_FLAGS.values()},
+                          default_block_size=args.block_size, seed=args.seed)
+    return trace, replica, router
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagoda.sim.fleet import simulate  # here: the router it drives imports the web stack
+    from pagoda.sim.report import format_summary, summarize
+
+    try:
+        trace_config, replica_config, router_config = configs(args)
+        cost = StepCost.load(args.step_cost)
+        if args.replicas < 1:
+            raise ValueError("--replicas must be at least 1")
+    except (ValueError, OSError) as error:
+        print(f"pagoda sim: {error}")
+        return 2
+    trace = generate_trace(trace_config)
+    print(f"trace: {len(trace.sessions)} conversations, {trace.num_requests} requests; step cost: "
+          f"{cost.description or args.step_cost}")
+    results: dict[str, Any] = {}
+    for policy in args.policy or ["cache_aware"]:
+        started = time.perf_counter()
+        run_ = simulate(trace, args.replicas, replica_config, dataclasses.replace(router_config, policy=policy), cost)
+        summary = {**summarize(run_), "wall_s": time.perf_counter() - started}
+        results[policy] = summary
+        print(f"\n{policy} ({summary['wall_s']:.1f} s of wall time)\n{format_summary(summary)}", flush=True)
+    if args.output is not None:
+        args.output.write_text(json.dumps({
+            "trace": dataclasses.asdict(trace_config), "replica": dataclasses.asdict(replica_config),
+            "router": dataclasses.asdict(router_config), "step_cost": dataclasses.asdict(cost),
+            "replicas": args.replicas, "results": results}, indent=2) + "\n")
+    return 0
