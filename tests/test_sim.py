@@ -16,7 +16,9 @@ import pytest
 
 from pagoda import SamplingParams
 from pagoda.config import SchedulerConfig
+from pagoda.engine.core.hybrid_kv_cache import HybridKVCacheManager
 from pagoda.router.config import RouterConfig
+from pagoda.sim.cli import model_kv_groups
 from pagoda.sim.fleet import Fleet, simulate
 from pagoda.sim.replica import OUTPUT_TOKEN_ID, Progress, ReplicaConfig, ReplicaEngine, SimReplica
 from pagoda.sim.report import percentile, summarize
@@ -86,20 +88,27 @@ def small_trace(num_sessions: int = 12, seed: int = 3) -> TraceConfig:
                        vocab_size=500, seed=seed)
 
 
-@pytest.mark.parametrize(("num_replicas", "policy", "num_blocks"), [
-    (1, "cache_aware", 38),  # a small pool: evictions and preemptions
-    (2, "cache_aware", 48),
-    (2, "round_robin", 48),
+@pytest.mark.parametrize(("arch", "num_replicas", "policy", "num_blocks"), [
+    ("llama", 1, "cache_aware", 38),  # a small pool: evictions and preemptions
+    ("llama", 2, "cache_aware", 48),
+    ("llama", 2, "round_robin", 48),
+    # Sliding-window layers: a block table per KV cache group, out-of-window blocks freed, hits checked per group.
+    ("gemma2", 1, "cache_aware", 56),
 ])
-def test_simulated_fleet_counts_what_real_engines_count(checkpoint, make_llm, num_replicas, policy, num_blocks):
+def test_simulated_fleet_counts_what_real_engines_count(checkpoint, make_llm, arch, num_replicas, policy, num_blocks):
     scheduler = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=144, max_step_ms=0)
-    replica_config = ReplicaConfig(scheduler, num_blocks=num_blocks, block_size=4)
+    model = checkpoint(arch)
+    kv_groups = None if arch == "llama" else model_kv_groups(model, scheduler.max_model_len)
+    replica_config = ReplicaConfig(scheduler, num_blocks=num_blocks, block_size=4, kv_groups=kv_groups)
     router_config = RouterConfig(policy=policy, default_block_size=4, poll_interval_s=0.05)
     trace = generate_trace(small_trace())
-    model = checkpoint("llama")
     engines: list[ReplicaEngine] = [EngineReplica(make_llm(
         model, num_kv_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=144,
         max_step_ms=0)) for _ in range(num_replicas)]
+    for engine in engines:
+        assert isinstance(engine, EngineReplica) and engine.engine.max_model_len == scheduler.max_model_len
+        kv_cache = engine.engine.kv_cache
+        assert (kv_cache.groups if isinstance(kv_cache, HybridKVCacheManager) else None) == kv_groups
     real = Fleet(trace, engines, replica_config, router_config).run()
     simulated = simulate(trace, num_replicas, replica_config, router_config, StepCost(fixed_s=STEP_S))
 
@@ -114,7 +123,7 @@ def test_simulated_fleet_counts_what_real_engines_count(checkpoint, make_llm, nu
     served = [r for r in simulated.records if r.replica >= 0]  # the rest: refused while every replica was full
     assert len(served) > len(simulated.records) // 2
     assert all(r.output_tokens == trace.sessions[r.session].turns[r.turn].answer_len for r in served)
-    if num_replicas == 1 and policy == "cache_aware":
+    if num_replicas == 1 and policy == "cache_aware":  # the small pools
         assert sum(r.scheduler.num_preemptions for r in simulated.replicas if isinstance(r, SimReplica)) > 0
     for replica in simulated.replicas:
         assert isinstance(replica, SimReplica)

@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pagoda.calc.shapes import shape_from_path
 from pagoda.config import SchedulerConfig
+from pagoda.kv_groups import KVCacheGroup, kv_cache_groups
 from pagoda.router.config import POLICIES, RouterConfig
 from pagoda.sim.replica import ReplicaConfig
 from pagoda.sim.step_cost import DEFAULT_STEP_COST, StepCost
@@ -69,6 +71,10 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         engine.add_argument(flag, type=int, default=getattr(scheduler, name), help="(default %(default)s)")
     engine.add_argument("--max-step-ms", type=float, default=scheduler.max_step_ms, help="(default %(default)s)")
     engine.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    engine.add_argument("--model", type=Path, default=None,
+                        help="a model directory whose KV layout the replicas take (its config.json's sliding-window "
+                             "layers each get a block table that frees what falls out of the window); default: one "
+                             "table over every layer")
     router = sim.add_argument_group("the router (pagoda route's flags)")
     for flag, (name, kind, text) in ROUTER_FLAGS.items():
         router.add_argument(flag, dest=name, type=kind, default=getattr(RouterConfig(), name),
@@ -82,10 +88,17 @@ def configs(args: argparse.Namespace) -> tuple[TraceConfig, ReplicaConfig, Route
     replica = ReplicaConfig(
         SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, max_step_ms=args.max_step_ms),
-        num_blocks=args.num_kv_blocks, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+        num_blocks=args.num_kv_blocks, block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+        kv_groups=None if args.model is None else model_kv_groups(args.model, args.max_model_len))
     router = RouterConfig(**{name: getattr(args, name) for name, _, _ in ROUTER_FLAGS.values()},
                           default_block_size=args.block_size, seed=args.seed)
     return trace, replica, router
+
+
+def model_kv_groups(model: Path, max_model_len: int) -> tuple[KVCacheGroup, ...]:
+    """The KV cache groups the engine gives the model at this context length (from its config.json alone)."""
+    architecture = shape_from_path(model).architecture
+    return kv_cache_groups(architecture.sliding_windows, architecture.num_layers, max_model_len)
 
 
 def run(args: argparse.Namespace) -> int:
