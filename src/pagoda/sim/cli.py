@@ -98,6 +98,7 @@ def configs(args: argparse.Namespace) -> tuple[TraceConfig, ReplicaConfig, Route
 def model_kv_groups(model: Path, max_model_len: int) -> tuple[KVCacheGroup, ...]:
     """The KV cache groups the engine gives the model at this context length (from its config.json alone)."""
     architecture = shape_from_path(model).architecture
+    assert architecture is not None  # a config.json always names its layers
     return kv_cache_groups(architecture.sliding_windows, architecture.num_layers, max_model_len)
 
 
