@@ -8,8 +8,11 @@ import math
 
 import pytest
 
+from pagoda.config import SchedulerConfig
+from pagoda.engine.api import TenantShare
 from pagoda.engine.core.hybrid_kv_cache import HybridKVCacheManager, make_kv_cache_manager
 from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.engine.core.queues import blocks_held_by_tenant, make_waiting_queue
 from pagoda.engine.core.request import FinishReason, Request, RequestStatus
 from pagoda.kv_groups import KVCacheGroup, blocks_per_sequence, is_hybrid, kv_cache_groups, layer_tensor_index
 from pagoda.sampling import SamplingParams
@@ -189,3 +192,26 @@ def test_a_hit_at_the_free_queues_front_is_revived_before_another_group_takes_ne
     assert manager.pool.blocks[sliding_first_block].block_hash is not None
     finish(manager, again)
     manager.check_invariants()
+
+
+def test_a_tenants_kv_blocks_count_every_groups_pool_blocks():
+    """The quota (`max_kv_blocks`) and the pagoda:tenant_kv_blocks gauge count what a request holds in the pool:
+    both groups' blocks, not group 0's table alone, and not the places a window dropped."""
+    manager = HybridKVCacheManager(64, BLOCK_SIZE, GEMMA2)
+    request = make_request("a", range(1, 42))
+    request.tenant = TenantShare("a", max_kv_blocks=12)
+    other = make_request("b", range(100, 104))
+    other.tenant = TenantShare("b")
+    for each in (request, other):
+        admit(manager, each)
+    decode(manager, request, 200)  # position 41 sees 34..: the sliding group lets blocks 0..7 go
+    assert manager.blocks_held("a") == [11, 3] and request.block_tables[1][:8] == [-1] * 8
+    assert blocks_held_by_tenant([request, other]) == {"a": 14, "b": 2}
+    # Group 0's table alone (11 blocks) is under the quota of 12; the pool blocks (14) are over it.
+    queue = make_waiting_queue(SchedulerConfig())
+    running = [request, other]
+    queue.order_running(running)
+    assert [r.request_id for r in running] == ["b", "a"]
+    for each in (request, other):
+        finish(manager, each)
+    assert manager.num_free_blocks == 64
