@@ -10,6 +10,7 @@ import math
 
 import pytest
 from conftest import compare_with_reference, random_prompts
+from kv_offload_fixtures import run_turns, tier
 from test_correctness import SLIDING_WINDOW
 
 from pagoda import SamplingParams
@@ -111,3 +112,25 @@ def test_the_start_up_summary_counts_sequences_with_the_windows(checkpoint, make
     # same bytes as one table over both layers (100 blocks of 25 a sequence) would hold 4.
     assert ("200 blocks x 4 tokens of one group's layers, 1 full + 1 sliding-window (24) groups of 1 layers: "
             "6 sequences of max_model_len at once") in summary
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_kv_offloading_keeps_one_table_and_loads_a_returning_turn_exactly(tensor_parallel_size, checkpoint,
+                                                                          hf_reference, make_llm):
+    """The offloading connector saves and loads a block of every layer through one table (and under tensor
+    parallelism each rank its share of it): a sliding-window model runs it on one table over every layer, its
+    output transformers' and a returning turn's prefix loaded from the CPU tier after eviction."""
+    model_dir = checkpoint("gemma2")
+    first, *others = random_prompts([40, 40, 40], seed=11)
+    turns = [first, *others, first + [7, 8, 9, 10, 11]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with make_llm(model_dir, num_kv_blocks=24, block_size=BLOCK_SIZE, max_model_len=96, kv_offloading_size=0.01,
+                  tensor_parallel_size=tensor_parallel_size) as llm:
+        assert type(llm.engine.kv_cache) is KVCacheManager
+        outputs = run_turns(llm, turns, params)
+        loaded = tier(llm, "CPU").hit_tokens
+    for index, (prompt, tokens) in enumerate(zip(turns, outputs)):
+        compare_with_reference(tokens, hf_reference(model_dir, prompt, 6), f"gemma2/offloaded/tp{tensor_parallel_size}"
+                               f"/turn{index}")
+    assert loaded >= 36  # the returning turn's first 9 blocks came back from the tier, not the (evicted) pool
