@@ -11,7 +11,7 @@ import math
 import pytest
 from conftest import compare_with_reference, random_prompts
 from kv_offload_fixtures import run_turns, tier
-from test_correctness import SLIDING_WINDOW
+from test_correctness import SLIDING_WINDOW, observe_schedules
 
 from pagoda import SamplingParams
 from pagoda.calc.deployment import CalcInputs, derive
@@ -134,3 +134,26 @@ def test_kv_offloading_keeps_one_table_and_loads_a_returning_turn_exactly(tensor
         compare_with_reference(tokens, hf_reference(model_dir, prompt, 6), f"gemma2/offloaded/tp{tensor_parallel_size}"
                                f"/turn{index}")
     assert loaded >= 36  # the returning turn's first 9 blocks came back from the tier, not the (evicted) pool
+
+
+def test_static_batching_on_per_group_tables_waits_for_the_batch_and_stays_exact(checkpoint, hf_reference,
+                                                                                 make_llm, monkeypatch):
+    """The static-batching gate over a hybrid pool: the second batch starts only once the whole first one has
+    finished (its short answer's slot idles), and every answer is transformers'."""
+    model_dir = checkpoint("gemma2")
+    prompts = random_prompts([30, 12, 26, 9], seed=5)
+    lengths = [40, 4, 40, 4]
+    llm = make_llm(model_dir, block_size=BLOCK_SIZE, num_kv_blocks=96, max_num_seqs=2, batching="static")
+    assert isinstance(llm.engine.kv_cache, HybridKVCacheManager)
+    steps = observe_schedules(monkeypatch, llm.engine.scheduler)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for index, (prompt, output, length) in enumerate(zip(prompts, outputs, lengths)):
+        compare_with_reference(output.outputs[0].token_ids, hf_reference(model_dir, prompt, length),
+                               f"gemma2/static/{index}")
+    # Each step's requests, by prompt length: the batches never mix, and the first ends with prompt 0 alone.
+    batches = [{num_prompt for _, _, num_prompt in step} for step in steps]
+    first, second = {30, 12}, {26, 9}
+    assert all(batch <= first or batch <= second for batch in batches)
+    last_of_first = max(i for i, batch in enumerate(batches) if batch <= first)
+    assert batches[last_of_first - 1] == {30} and all(batch <= second for batch in batches[last_of_first + 1:])
