@@ -11,7 +11,8 @@ import math
 import pytest
 from conftest import compare_with_reference, random_prompts
 from kv_offload_fixtures import run_turns, tier
-from test_correctness import SLIDING_WINDOW, observe_schedules
+from test_correctness import MAX_NEW_TOKENS, PROMPTS, SLIDING_WINDOW, observe_schedules, run_greedy
+from test_tensor_parallel import MODES
 
 from pagoda import SamplingParams
 from pagoda.calc.deployment import CalcInputs, derive
@@ -157,3 +158,30 @@ def test_static_batching_on_per_group_tables_waits_for_the_batch_and_stays_exact
     assert all(batch <= first or batch <= second for batch in batches)
     last_of_first = max(i for i, batch in enumerate(batches) if batch <= first)
     assert batches[last_of_first - 1] == {30} and all(batch <= second for batch in batches[last_of_first + 1:])
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_ranks_run_a_sliding_mixture_of_experts_on_its_groups_tables(checkpoint, hf_reference,
+                                                                                     make_llm, monkeypatch):
+    """Mixtral with a sliding window on every layer, experts split over two ranks: each rank's KV cache takes the
+    engine's groups (one sliding group), blocks out of the window return to the pool under chunked prefill and
+    preemption, and the output is transformers'."""
+    model_dir = checkpoint("mixtral", sliding_window=SLIDING_WINDOW)
+    references = [hf_reference(model_dir, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
+    with make_llm(model_dir, tensor_parallel_size=2, enable_expert_parallel=True, **MODES["chunked+preemption"]
+                  ) as llm:
+        kv_cache = llm.engine.kv_cache
+        assert isinstance(kv_cache, HybridKVCacheManager) and [g.window for g in kv_cache.groups] == [SLIDING_WINDOW]
+        original_free = kv_cache.free
+        dropped: list[int] = []  # the window's dropped places in each request's table as it leaves
+
+        def free(request, *args):
+            dropped.append(sum(1 for block_id in request.block_tables[0] if block_id < 0))
+            return original_free(request, *args)
+
+        monkeypatch.setattr(kv_cache, "free", free)
+        outputs = run_greedy(llm, PROMPTS)
+        assert llm.engine.scheduler.num_preemptions > 0
+    for index, (tokens, reference) in enumerate(zip(outputs, references)):
+        compare_with_reference(tokens, reference, f"mixtral-swa/ep2/prompt {index}")
+    assert max(dropped) > 0  # some request outgrew its window and gave those blocks back
