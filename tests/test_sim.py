@@ -213,6 +213,24 @@ def test_cli_writes_its_figures(tmp_path):
     assert refused.returncode == 2 and "--replicas" in refused.stdout
 
 
+def test_cli_takes_a_models_kv_cache_groups(tmp_path, checkpoint):
+    """--model: the replicas' KV manager on the model's groups (Gemma 2: a full and a sliding layer), as the engine
+    chooses them; a directory without a config.json is refused by its path."""
+    out = tmp_path / "sim.json"
+    model = checkpoint("gemma2")
+    command = [sys.executable, "-m", "pagoda", "sim", "--replicas", "1", "--num-sessions", "8", "--vocab-size", "500",
+               "--block-size", "4"]
+    result = subprocess.run([*command, "--model", str(model), "--output", str(out)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert data["replica"]["kv_groups"] == [{"window": None, "layers": [1]}, {"window": 24, "layers": [0]}]
+    assert data["results"]["cache_aware"]["served"] > 0
+    refused = subprocess.run([*command, "--model", str(tmp_path / "nowhere")], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and str(tmp_path / "nowhere") in refused.stdout
+
+
 def test_request_overhead_delays_each_request_by_exactly_its_length():
     trace = generate_trace(small_trace(num_sessions=1))
     config = ReplicaConfig(SchedulerConfig(max_model_len=256), num_blocks=64, block_size=4)
