@@ -13,6 +13,8 @@ from test_native_decode import CountingStack
 from pagoda import SamplingParams
 from pagoda.engine.core.scheduler import Scheduler
 from pagoda.kernels import TARGET_ENV, available_targets, cpu_kernels
+from pagoda.kv_groups import kv_cache_groups
+from pagoda.model.loader import load_model_config
 from pagoda.testing import ARCHITECTURES
 
 MAX_NEW_TOKENS = 20
@@ -34,6 +36,14 @@ MODES = {
     # The same batch twice: the second time, every prompt's full blocks come from the prefix cache.
     "prefix-cached": dict(block_size=4, num_kv_blocks=256),
 }
+
+
+def same_bytes_pool(model_dir, options: dict) -> dict:
+    """A mode's options with its pool in the bytes it has without KV cache groups: a hybrid model's block holds
+    one group's layers (pagoda/kv_groups.py), so it gets as many more blocks as the layers are to a group's."""
+    config = load_model_config(model_dir)
+    groups = kv_cache_groups(config.sliding_windows, config.num_layers, config.max_position_embeddings)
+    return {**options, "num_kv_blocks": options["num_kv_blocks"] * config.num_layers // len(groups[0].layers)}
 
 
 def observe_schedules(monkeypatch, scheduler: Scheduler) -> list[list[tuple[int, int, int]]]:
@@ -74,7 +84,7 @@ def run_greedy(llm, prompts) -> list[list[int]]:
 def test_greedy_matches_transformers(arch, mode, checkpoint, hf_reference, make_llm, monkeypatch):
     model_dir = checkpoint(arch)
     references = [hf_reference(model_dir, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
-    llm = make_llm(model_dir, **MODES[mode])
+    llm = make_llm(model_dir, **same_bytes_pool(model_dir, MODES[mode]))
     steps = observe_schedules(monkeypatch, llm.engine.scheduler)
 
     if mode == "prefix-cached":

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import compare_with_reference
 from safetensors import safe_open
-from test_correctness import MAX_NEW_TOKENS, PROMPTS, observe_schedules, run_greedy
+from test_correctness import MAX_NEW_TOKENS, PROMPTS, observe_schedules, run_greedy, same_bytes_pool
 from test_tensor_parallel import ARCHITECTURES as TP_ARCHITECTURES
 from test_tensor_parallel import MODES, process_gone
 
@@ -42,7 +42,7 @@ def test_pipeline_greedy_matches_unsplit_and_transformers(arch, layout, mode, ch
                                                           monkeypatch):
     model_dir = checkpoint(arch)
     references = [hf_reference(model_dir, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
-    unsplit = run_greedy(make_llm(model_dir, **MODES[mode]), PROMPTS)
+    unsplit = run_greedy(make_llm(model_dir, **same_bytes_pool(model_dir, MODES[mode])), PROMPTS)
     with make_llm(model_dir, **LAYOUTS[layout], **MODES[mode]) as llm:
         executor = llm.engine.executor
         assert executor.pipeline_parallel_size == 2

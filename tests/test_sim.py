@@ -8,6 +8,7 @@ hit tokens, preemptions, and every request's cached tokens and token times.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -16,7 +17,10 @@ import pytest
 
 from pagoda import SamplingParams
 from pagoda.config import SchedulerConfig
+from pagoda.engine.core.hybrid_kv_cache import HybridKVCacheManager
 from pagoda.router.config import RouterConfig
+from pagoda.sim.autoscale import AutoscaleConfig, Autoscaler
+from pagoda.sim.cli import model_kv_groups
 from pagoda.sim.fleet import Fleet, simulate
 from pagoda.sim.replica import OUTPUT_TOKEN_ID, Progress, ReplicaConfig, ReplicaEngine, SimReplica
 from pagoda.sim.report import percentile, summarize
@@ -86,20 +90,27 @@ def small_trace(num_sessions: int = 12, seed: int = 3) -> TraceConfig:
                        vocab_size=500, seed=seed)
 
 
-@pytest.mark.parametrize(("num_replicas", "policy", "num_blocks"), [
-    (1, "cache_aware", 38),  # a small pool: evictions and preemptions
-    (2, "cache_aware", 48),
-    (2, "round_robin", 48),
+@pytest.mark.parametrize(("arch", "num_replicas", "policy", "num_blocks"), [
+    ("llama", 1, "cache_aware", 38),  # a small pool: evictions and preemptions
+    ("llama", 2, "cache_aware", 48),
+    ("llama", 2, "round_robin", 48),
+    # Sliding-window layers: a block table per KV cache group, out-of-window blocks freed, hits checked per group.
+    ("gemma2", 1, "cache_aware", 56),
 ])
-def test_simulated_fleet_counts_what_real_engines_count(checkpoint, make_llm, num_replicas, policy, num_blocks):
+def test_simulated_fleet_counts_what_real_engines_count(checkpoint, make_llm, arch, num_replicas, policy, num_blocks):
     scheduler = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=144, max_step_ms=0)
-    replica_config = ReplicaConfig(scheduler, num_blocks=num_blocks, block_size=4)
+    model = checkpoint(arch)
+    kv_groups = None if arch == "llama" else model_kv_groups(model, scheduler.max_model_len)
+    replica_config = ReplicaConfig(scheduler, num_blocks=num_blocks, block_size=4, kv_groups=kv_groups)
     router_config = RouterConfig(policy=policy, default_block_size=4, poll_interval_s=0.05)
     trace = generate_trace(small_trace())
-    model = checkpoint("llama")
     engines: list[ReplicaEngine] = [EngineReplica(make_llm(
         model, num_kv_blocks=num_blocks, block_size=4, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=144,
         max_step_ms=0)) for _ in range(num_replicas)]
+    for engine in engines:
+        assert isinstance(engine, EngineReplica) and engine.engine.max_model_len == scheduler.max_model_len
+        kv_cache = engine.engine.kv_cache
+        assert (kv_cache.groups if isinstance(kv_cache, HybridKVCacheManager) else None) == kv_groups
     real = Fleet(trace, engines, replica_config, router_config).run()
     simulated = simulate(trace, num_replicas, replica_config, router_config, StepCost(fixed_s=STEP_S))
 
@@ -114,7 +125,7 @@ def test_simulated_fleet_counts_what_real_engines_count(checkpoint, make_llm, nu
     served = [r for r in simulated.records if r.replica >= 0]  # the rest: refused while every replica was full
     assert len(served) > len(simulated.records) // 2
     assert all(r.output_tokens == trace.sessions[r.session].turns[r.turn].answer_len for r in served)
-    if num_replicas == 1 and policy == "cache_aware":
+    if num_replicas == 1 and policy == "cache_aware":  # the small pools
         assert sum(r.scheduler.num_preemptions for r in simulated.replicas if isinstance(r, SimReplica)) > 0
     for replica in simulated.replicas:
         assert isinstance(replica, SimReplica)
@@ -199,9 +210,32 @@ def test_cli_writes_its_figures(tmp_path):
     data = json.loads(out.read_text())
     assert set(data["results"]) == {"cache_aware", "round_robin"}
     assert data["results"]["cache_aware"]["served"] == data["results"]["round_robin"]["served"] > 0
+    for summary in data["results"].values():  # every routed request counted on exactly one replica
+        assert len(summary["replica_requests"]) == 3
+        assert sum(summary["replica_requests"]) == summary["requests"] - summary["refused"]
+        assert max(summary["replica_requests"]) / sum(summary["replica_requests"]) == summary["busiest_share"]
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the plot, beside the JSON
     refused = subprocess.run([sys.executable, "-m", "pagoda", "sim", "--replicas", "0"], capture_output=True,
                              text=True, timeout=60)
     assert refused.returncode == 2 and "--replicas" in refused.stdout
+
+
+def test_cli_takes_a_models_kv_cache_groups(tmp_path, checkpoint):
+    """--model: the replicas' KV manager on the model's groups (Gemma 2: a full and a sliding layer), as the engine
+    chooses them; a directory without a config.json is refused by its path."""
+    out = tmp_path / "sim.json"
+    model = checkpoint("gemma2")
+    command = [sys.executable, "-m", "pagoda", "sim", "--replicas", "1", "--num-sessions", "8", "--vocab-size", "500",
+               "--block-size", "4"]
+    result = subprocess.run([*command, "--model", str(model), "--output", str(out)], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert data["replica"]["kv_groups"] == [{"window": None, "layers": [1]}, {"window": 24, "layers": [0]}]
+    assert data["results"]["cache_aware"]["served"] > 0
+    refused = subprocess.run([*command, "--model", str(tmp_path / "nowhere")], capture_output=True, text=True,
+                             timeout=60)
+    assert refused.returncode == 2 and str(tmp_path / "nowhere") in refused.stdout
 
 
 def test_request_overhead_delays_each_request_by_exactly_its_length():
@@ -212,3 +246,146 @@ def test_request_overhead_delays_each_request_by_exactly_its_length():
     delayed = simulate(trace, 1, config, router, StepCost(fixed_s=0.01, prefill_token_s=1e-4, request_overhead_s=0.25))
     assert [r.ttft_s + 0.25 for r in direct.records] == pytest.approx([r.ttft_s for r in delayed.records])
     assert [r.cached_tokens for r in direct.records] == [r.cached_tokens for r in delayed.records]
+
+
+# --- autoscaling -------------------------------------------------------------------------------------------------
+
+def burst_trace(seed: int = 1) -> TraceConfig:
+    """A steady trickle, a burst of eight times the rate from 20 s to 35 s, then the trickle again for a while."""
+    return TraceConfig(num_sessions=190, session_rate=1.0, burst_start_s=20.0, burst_duration_s=15.0, burst_rate=8.0,
+                       mean_think_s=1.0, vocab_size=1000, seed=seed)
+
+
+def autoscaled(metric: str, target: float, trace_config: TraceConfig | None = None):
+    trace = generate_trace(trace_config or burst_trace())
+    config = ReplicaConfig(SchedulerConfig(max_model_len=2048, max_num_seqs=16), num_blocks=512)
+    autoscale = AutoscaleConfig(min_replicas=1, max_replicas=5, metric=metric, target=target, window_s=5.0,
+                                cooldown_s=15.0, startup_delay_s=5.0)
+    return trace, simulate(trace, 1, config, RouterConfig(policy="round_robin"), StepCost.load(DEFAULT_STEP_COST),
+                           autoscale)
+
+
+def routable_spans(run) -> dict[int, list[tuple[float, float]]]:
+    """slot -> [(from, until)]: when the router could send it requests (its health check answering)."""
+    spans: dict[int, list[tuple[float, float]]] = {0: []}
+    opened = {0: 0.0}
+    for event in run.scaling.events:
+        if event.kind == "ready":
+            opened[event.slot] = event.t_s
+        elif event.kind == "drain":
+            spans.setdefault(event.slot, []).append((opened.pop(event.slot), event.t_s))
+    for slot, start in opened.items():
+        spans.setdefault(slot, []).append((start, float("inf")))
+    return spans
+
+
+@pytest.mark.parametrize(("metric", "target"), [("num_requests_waiting", 2.0), ("kv_cache_usage_perc", 0.3)])
+def test_autoscaling_rises_under_a_burst_and_falls_after(metric, target):
+    trace, run = autoscaled(metric, target)
+    timeline = run.scaling.timeline
+    assert all(1 <= sample["provisioned"] <= 5 for sample in timeline)
+    assert all(sample["ready"] + sample["starting"] + sample["draining"] <= 5 for sample in timeline)  # slots
+    starts = [e.t_s for e in run.scaling.events if e.kind == "start"]
+    drains = [e.t_s for e in run.scaling.events if e.kind == "drain"]
+    assert starts and min(starts) >= 20.0  # nothing before the burst asked for more than one replica
+    assert max(sample["provisioned"] for sample in timeline) >= 3
+    assert drains and max(drains) > 35.0 and timeline[-1]["provisioned"] == 1  # back to the minimum after it
+    ready = [(e.slot, e.t_s) for e in run.scaling.events if e.kind == "ready"]
+    started = [(e.slot, e.t_s + 5.0) for e in run.scaling.events if e.kind == "start"]
+    assert ready and all(item in started for item in ready)  # each up its start-up delay after it was asked for
+    # no lost request: every turn served in full, every block back in its pool
+    assert len(run.records) == trace.num_requests
+    assert all(r.finish_s is not None and r.output_tokens == trace.sessions[r.session].turns[r.turn].answer_len
+               for r in run.records)
+    for replica in run.replicas:
+        replica.kv_cache.check_invariants()
+        assert replica.kv_cache.num_free_blocks == replica.kv_cache.num_blocks
+    assert len(run.replicas) == 1 + sum(e.kind == "ready" for e in run.scaling.events)
+
+
+def test_a_draining_replica_gets_nothing_new_and_finishes_what_it_holds():
+    # a busier trickle after the burst: the replicas drained then still hold requests
+    _, run = autoscaled("num_requests_waiting", 2.0, dataclasses.replace(burst_trace(), session_rate=3.0,
+                                                                          num_sessions=250))
+    spans = routable_spans(run)
+    for record in run.records:  # chosen only while its replica's health check answered
+        assert any(start <= record.arrival_s < end for start, end in spans[record.replica]), record
+    retired = {}
+    for event in run.scaling.events:
+        if event.kind == "retire":
+            retired.setdefault(event.slot, []).append(event.t_s)
+    drained_busy = [e for e in run.scaling.events if e.kind == "drain" and e.in_flight > 0]
+    assert drained_busy  # the trace drains replicas that still hold requests: the case that could lose one
+    for drain in drained_busy:
+        held = [r for r in run.records if r.replica == drain.slot and r.arrival_s < drain.t_s
+                and r.finish_s is not None and r.finish_s >= drain.t_s]
+        assert len(held) == drain.in_flight  # each finished after the drain began
+        retire = min(t for t in retired[drain.slot] if t >= drain.t_s)
+        assert max(r.finish_s for r in held) == retire  # and the replica retired with the last of them
+
+
+def test_new_replicas_start_cold():
+    trace, run = autoscaled("num_requests_waiting", 2.0)
+    block = 16
+    for event in [e for e in run.scaling.events if e.kind == "ready"]:
+        later = [r for r in run.records if r.replica == event.slot and r.arrival_s >= event.t_s]
+        first = min(later, key=lambda r: r.arrival_s)
+        assert first.cached_tokens == 0
+        # though its system prompt was already cached on a replica that was up before it
+        system = trace.sessions[first.session].system_prompt
+        assert any(r.cached_tokens >= block for r in run.records if r.arrival_s < event.t_s
+                   and trace.sessions[r.session].system_prompt == system)
+    engines = run.replicas
+    assert len({id(engine) for engine in engines}) == len(engines)  # a restarted slot gets a new replica
+    assert len(engines) == 1 + sum(e.kind == "ready" for e in run.scaling.events)
+
+
+def test_autoscaler_holds_its_bounds_and_cools_down():
+    scaler = Autoscaler(AutoscaleConfig(min_replicas=2, max_replicas=4, target=2.0, window_s=10.0, cooldown_s=30.0))
+    assert scaler.decide(0.0, 2) == 2  # no poll yet: no opinion
+    scaler.observe(0.0, [50.0, 50.0])
+    assert scaler.decide(0.0, 2) == 4  # 100 waiting wants 50 replicas: held at max
+    scaler.observe(5.0, [0.0] * 4)
+    assert scaler.windowed == pytest.approx(50.0)  # both polls within the window
+    assert scaler.decide(5.0, 4) == 4
+    scaler.observe(11.0, [0.0] * 4)
+    assert scaler.windowed == 0.0  # the first poll has left the window
+    assert scaler.decide(11.0, 4) == 4  # cooling down: 11 s since it scaled up
+    assert scaler.decide(30.0, 4) == 2  # cooled down: the minimum, never below
+    scaler.observe(31.0, [5.0, 1.0])
+    assert scaler.decide(31.0, 2) == 3  # scaling up needs no cool-down: ceil(6 / 2)
+    with pytest.raises(ValueError, match="min_replicas"):
+        AutoscaleConfig(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="metric"):
+        AutoscaleConfig(metric="gpu_util")
+
+
+def test_a_burst_raises_the_arrival_rate_for_its_duration():
+    config = burst_trace()
+    starts = [s.start_s for s in generate_trace(config).sessions]
+    inside = sum(1 for t in starts if 20.0 <= t < 35.0)
+    before = sum(1 for t in starts if t < 20.0)
+    assert 80 <= inside <= 160 and 4 <= before <= 36  # 8/s for 15 s; 1/s for 20 s
+    plain = dataclasses.replace(config, burst_duration_s=0.0, burst_rate=0.0)
+    assert [s.start_s for s in generate_trace(plain).sessions][:before] == starts[:before]  # same draws before it
+
+
+def test_cli_autoscales_and_refuses_its_flags_alone(tmp_path):
+    out = tmp_path / "auto.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pagoda", "sim", "--replicas", "1", "--autoscale", "--max-replicas", "3",
+         "--autoscale-window", "5", "--autoscale-cooldown", "10", "--replica-startup-delay", "2",
+         "--autoscale-target", "1", "--num-sessions", "80", "--session-rate", "1", "--burst-start", "5",
+         "--burst-duration", "8", "--burst-rate", "20", "--max-num-seqs", "4", "--vocab-size", "500",
+         "--output", str(out)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "autoscaling: peak" in result.stdout
+    scaling = json.loads(out.read_text())["results"]["cache_aware"]["autoscale"]
+    assert scaling["config"]["max_replicas"] == 3 and scaling["scale_ups"] >= 1
+    assert 1 <= scaling["peak_replicas"] <= 3 and len(scaling["buckets"]) == 30
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    for flags, said in ((["--min-replicas", "2"], "--min-replicas needs --autoscale"),
+                        (["--autoscale", "--replicas", "9", "--max-replicas", "4"], "--replicas 9")):
+        refused = subprocess.run([sys.executable, "-m", "pagoda", "sim", *flags], capture_output=True, text=True,
+                                 timeout=60)
+        assert refused.returncode == 2 and said in refused.stdout

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from conftest import compare_with_reference
 from safetensors import safe_open
-from test_correctness import MAX_NEW_TOKENS, PROMPTS, observe_schedules, run_greedy
+from test_correctness import MAX_NEW_TOKENS, PROMPTS, observe_schedules, run_greedy, same_bytes_pool
 
 from pagoda.config import ParallelConfig
 from pagoda.model.loader import load_model_config, safetensors_files
@@ -63,8 +63,9 @@ def wait_gone(pids: list[int], timeout: float = 15.0) -> list[int]:
 def test_tp2_greedy_matches_tp1_and_transformers(arch, mode, checkpoint, hf_reference, make_llm, monkeypatch):
     model_dir = checkpoint(arch)
     references = [hf_reference(model_dir, prompt, MAX_NEW_TOKENS) for prompt in PROMPTS]
-    unsplit = run_greedy(make_llm(model_dir, **MODES[mode]), PROMPTS)
-    with make_llm(model_dir, tensor_parallel_size=2, **MODES[mode]) as llm:
+    options = same_bytes_pool(model_dir, MODES[mode])  # a hybrid model's blocks: tests/test_correctness.py
+    unsplit = run_greedy(make_llm(model_dir, **options), PROMPTS)
+    with make_llm(model_dir, tensor_parallel_size=2, **options) as llm:
         assert llm.engine.executor.tensor_parallel_size == 2
         steps = observe_schedules(monkeypatch, llm.engine.scheduler)
         if mode == "prefix-cached":

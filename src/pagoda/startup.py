@@ -9,7 +9,7 @@ import torch
 
 if TYPE_CHECKING:
     from pagoda.config import EngineConfig
-    from pagoda.engine.api import EngineDescription
+    from pagoda.engine.api import EngineDescription, KVCacheDescription
 
 
 def native_kernels_status(config: EngineConfig) -> str:
@@ -75,8 +75,8 @@ def startup_summary(engine: EngineDescription, config: EngineConfig, model_name:
         ("parameters", human_count(engine.num_parameters)),
         ("dtype", engine.dtype),
         ("quantization", quantization_summary(config, engine.quantized_matmul)),
-        ("KV cache", f"{kv.num_blocks} blocks x {kv.block_size} tokens = {kv.num_blocks * kv.block_size} tokens, "
-                     f"{kv.dtype}, {kv.num_bytes / 2**20:.1f} MiB ({kv.sizing_reason}); pages touched as they fill"),
+        ("KV cache", f"{kv_capacity(kv)}, {kv.dtype}, {kv.num_bytes / 2**20:.1f} MiB ({kv.sizing_reason}); "
+                     "pages touched as they fill"),
         ("max_model_len", str(engine.max_model_len)),
         ("max_num_seqs", str(engine.max_num_seqs)),
         ("threads", threads_summary(engine)),
@@ -86,6 +86,15 @@ def startup_summary(engine: EngineDescription, config: EngineConfig, model_name:
         rows.append(("URL", f"{url}  (OpenAI API under {url}/v1)"))
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def kv_capacity(kv: KVCacheDescription) -> str:
+    """The pool's blocks and what they hold: tokens, or with KV cache groups (sliding windows), a group's layers
+    each, and how many max_model_len sequences fit, the sliding groups holding only their windows."""
+    if not kv.groups:
+        return f"{kv.num_blocks} blocks x {kv.block_size} tokens = {kv.num_blocks * kv.block_size} tokens"
+    return (f"{kv.num_blocks} blocks x {kv.block_size} tokens of one group's layers, {kv.groups}: "
+            f"{kv.max_len_sequences} sequences of max_model_len at once")
 
 
 def threads_summary(engine: EngineDescription) -> str:

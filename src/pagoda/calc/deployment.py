@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pagoda.calc import formulas as f
 from pagoda.calc.shapes import GpuSpec, ModelShape
+from pagoda.kv_groups import kv_tokens_per_layer
 
 # Batches the decode table always shows; --batch and the largest batch that fits are added to them.
 STANDARD_BATCHES = (1, 8, 32, 64, 128, 256, 512)
@@ -112,8 +113,18 @@ class Deployment:
         return self.free_per_gpu > 0
 
     @property
+    def kv_tokens_per_sequence(self) -> float:
+        """Tokens of KV one --seq-len sequence keeps per layer: sliding-window layers keep only their window."""
+        arch = self.inputs.model.architecture
+        return kv_tokens_per_layer(() if arch is None else arch.sliding_windows, self.inputs.seq_len)
+
+    @property
+    def kv_bytes_per_sequence(self) -> float:
+        return (self.kv_bytes_per_token or 0.0) * self.kv_tokens_per_sequence
+
+    @property
     def kv_bytes_per_sequence_per_gpu(self) -> float:
-        return (self.kv_bytes_per_token_per_gpu or 0.0) * self.inputs.seq_len
+        return (self.kv_bytes_per_token_per_gpu or 0.0) * self.kv_tokens_per_sequence
 
     def weights_read_at(self, batch: int) -> float:
         """Bytes of weights a step of `batch` tokens reads on each GPU: a mixture of experts' grow with the

@@ -73,11 +73,13 @@ def _memory(d: Deployment) -> Section:
         "2 (K,V) x layers x kv heads x head dim x dtype",
     )
     s.add("kv_bytes_per_token_per_gpu", "KV per token per GPU", d.kv_bytes_per_token_per_gpu, "bytes")
+    windows = () if inputs.model.architecture is None else inputs.model.architecture.sliding_windows
     s.add(
         "kv_bytes_per_sequence",
         f"KV per sequence ({inputs.seq_len:,} tok)",
-        d.kv_bytes_per_token * inputs.seq_len,
+        d.kv_bytes_per_sequence,
         "bytes",
+        f"sliding-window layers keep their window: {d.kv_tokens_per_sequence:,.0f} tok a layer" if windows else "",
     )
     s.add("max_sequences", f"sequences of {inputs.seq_len:,} tok that fit", d.max_sequences)
     s.add("batch_fits", f"batch {inputs.batch} fits", decode_point(d, inputs.batch).fits)

@@ -53,6 +53,8 @@ class Architecture:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    # Each layer's sliding window (None: full attention), as the engine reads the config; () when none slides.
+    sliding_windows: tuple[int | None, ...] = ()
 
     @property
     def q_dim(self) -> int:
@@ -168,9 +170,31 @@ def shape_from_hf_config(config: dict[str, Any], name: str) -> ModelShape:
         num_params=float(total),
         matmul_params=float(matmul),
         architecture=Architecture(num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-                                  head_dim=head_dim),
+                                  head_dim=head_dim, sliding_windows=sliding_windows(config, layers)),
         experts=experts,
     )
+
+
+def sliding_windows(config: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window as pagoda's loader reads it (model/loader.py, model/families.py; a test holds
+    them equal): `layer_types` where given, else Gemma's pattern (every 2nd layer global in Gemma 2, every 6th in
+    Gemma 3), Qwen's `use_sliding_window` from `max_window_layers` up, every layer otherwise (Mistral, Phi-3)."""
+    window = config.get("sliding_window")
+    model_type = str(config.get("model_type"))
+    if window is None or (model_type.startswith("qwen") and not config.get("use_sliding_window", False)):
+        return ()
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        if model_type.startswith("gemma"):
+            pattern = config.get("sliding_window_pattern") or (2 if model_type == "gemma2" else 6)
+            layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        elif model_type.startswith("qwen"):
+            first = config.get("max_window_layers", num_layers)
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        else:
+            layer_types = ["sliding_attention"] * num_layers
+    windows = tuple(int(window) if kind == "sliding_attention" else None for kind in layer_types)
+    return windows if any(w is not None for w in windows) else ()
 
 
 # Qwen2 (and Qwen2-MoE) put biases on q/k/v without an attention_bias field.

@@ -223,6 +223,10 @@ class KVCacheDescription:
     enable_prefix_caching: bool
     dtype: str  # the KV's storage format: the model's dtype in vLLM's spelling ("float32", "bfloat16"), or "int8",
     # "fp8_e4m3" (--kv-cache-dtype; pagoda/kv_format.py)
+    # With KV cache groups (a model with sliding windows; pagoda/kv_groups.py): what they are, e.g. "1 full + 1
+    # sliding-window (4096) groups of 2 layers", and how many max_model_len sequences the pool holds at once.
+    groups: str = ""
+    max_len_sequences: int | None = None
 
 
 @dataclass(frozen=True)

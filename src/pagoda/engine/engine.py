@@ -10,6 +10,7 @@ never sees.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from pagoda.engine.api import (
     SpecDecodeStats,
     TenantShare,
 )
+from pagoda.engine.core.hybrid_kv_cache import HybridKVCacheManager
 from pagoda.engine.core.lora import AdapterId, distinct_adapters
 from pagoda.engine.core.queues import blocks_held_by_tenant
 from pagoda.engine.core.request import FinishReason
@@ -39,6 +41,7 @@ from pagoda.engine.model_step import weight_bytes_read_per_step
 from pagoda.engine.output_processor import OutputProcessor, SequenceText
 from pagoda.engine.parallel_sampling import RequestGroup
 from pagoda.engine.pooling_requests import NOT_A_GENERATE_ENGINE, PoolingRequests
+from pagoda.kv_groups import blocks_per_sequence
 from pagoda.lora_request import LoRARequest
 from pagoda.model.loader import checkpoint_num_parameters
 from pagoda.model.lora_checkpoint import LoRALoadError
@@ -301,10 +304,25 @@ class LLMEngine:
                 num_blocks=self.kv_cache.num_blocks, block_size=self.kv_cache.block_size,
                 num_bytes=self.kv_pool_bytes, sizing_reason=self.kv_pool.reason,
                 enable_prefix_caching=self.kv_cache.enable_prefix_caching, dtype=config.cache.kv_dtype(config.dtype),
+                **self._kv_groups_description(),
             ),
             tensor_parallel_size=self.executor.tensor_parallel_size,
             pipeline_parallel_size=self.executor.pipeline_parallel_size, runner=config.runner,
         )
+
+    def _kv_groups_description(self) -> dict[str, Any]:
+        """The KV cache groups for the description, when there are several or a sliding one."""
+        kv_cache = self.kv_cache
+        if not isinstance(kv_cache, HybridKVCacheManager):
+            return {}
+        groups = kv_cache.groups
+        windows = sorted({group.window for group in groups if group.window is not None})
+        num_full = sum(1 for group in groups if group.window is None)
+        num_sliding = len(groups) - num_full
+        layout = (f"{num_full} full + {num_sliding} sliding-window ({', '.join(map(str, windows))}) groups "
+                  f"of {len(groups[0].layers)} layers")
+        per_sequence = blocks_per_sequence(groups, self.max_model_len, kv_cache.block_size)
+        return {"groups": layout, "max_len_sequences": kv_cache.num_blocks // per_sequence}
 
     def check_health(self) -> None:
         """Raises EngineDeadError when no step can run any more (a rank of a split model has gone)."""

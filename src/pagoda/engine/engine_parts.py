@@ -9,12 +9,14 @@ started, so that every part (every rank included) is built with the same, final 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
 
 from pagoda.config import EngineConfig, ModelConfig
 from pagoda.engine.api import KVEventSink
+from pagoda.engine.core.hybrid_kv_cache import make_kv_cache_manager
 from pagoda.engine.core.kv_cache import KVCacheManager
 from pagoda.engine.core.scheduler import Scheduler
 from pagoda.engine.core.speculative import Speculator
@@ -29,6 +31,7 @@ from pagoda.engine.lora_manager import LoRAManager
 from pagoda.engine.model_step import ModelExecution, kv_layer_tensors, load_engine_model
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
+from pagoda.kv_groups import KVCacheGroup, blocks_per_sequence, is_hybrid, kv_cache_groups
 from pagoda.model.expert_parallel import check_experts_divisible
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model_config
@@ -90,10 +93,16 @@ def build_engine_parts(
         + (0 if draft is None else draft.config.kv_bytes_per_token(draft.dtype, cache_dtype))
     )
     wanted_len = min(config.scheduler.max_model_len, model_config.max_position_embeddings)
-    kv_pool = kv_pool_size(config.cache, config.scheduler.max_num_seqs, wanted_len, bytes_per_token)
-    num_blocks, block_size = kv_pool.num_blocks, config.cache.block_size
+    groups = choose_kv_cache_groups(config, model_config, wanted_len)
+    block_size, chunk = config.cache.block_size, min(config.scheduler.max_num_batched_tokens, wanted_len)
+    # A block holds one group's layers: with several groups, a block-token is that share of a token's KV.
+    bytes_per_token = bytes_per_token * len(groups[0].layers) // model_config.num_layers
+    kv_pool = kv_pool_size(config.cache, config.scheduler.max_num_seqs, wanted_len, bytes_per_token,
+                           blocks_per_sequence(groups, wanted_len, block_size, chunk))
+    num_blocks = kv_pool.num_blocks
     kv_pool_bytes = num_blocks * block_size * bytes_per_token
-    max_model_len = _fit_max_model_len(wanted_len, num_blocks * block_size)
+    max_model_len = _fit_max_model_len(wanted_len, num_blocks,
+                                       lambda length: blocks_per_sequence(groups, length, block_size, chunk))
     config = replace(config, scheduler=replace(config.scheduler, max_model_len=max_model_len))
     pooling = load_pooling_config(config.model) if config.runner == "pooling" else None
     if config.kv_transfer_config is not None and config.cache.calculate_kv_scales:
@@ -104,7 +113,7 @@ def build_engine_parts(
                              "KV, and mean or CLS pooling needs every prompt position computed")
     # Mean and CLS pooling need every prompt position's hidden state, which a prefix hit does not have.
     prefix_caching = config.cache.enable_prefix_caching and (pooling is None or pooling.uses_prefix_hits)
-    kv_cache = KVCacheManager(num_blocks, block_size, prefix_caching, kv_events)
+    kv_cache = make_kv_cache_manager(num_blocks, block_size, groups, prefix_caching, kv_events)
     eos_token_ids = _eos_token_ids(model_config, tokenizer)
     structured = StructuredOutputs(tokenizer, model_config.vocab_size, eos_token_ids, config.grammar)
     draft_proposer = None if draft is None or speculative is None else DraftModelProposer(
@@ -114,7 +123,7 @@ def build_engine_parts(
     speculator = None if speculative is None else Speculator(speculative, draft_proposer)
     trace = StepTrace()
     executor, kv_connector = build_executor(config, num_blocks, block_size, structured, draft_proposer, kv_cache,
-                                            kv_events, trace)
+                                            kv_events, trace, groups if is_hybrid(groups) else ())
     logger.info(
         "KV cache: %d blocks of %d tokens, %s (%.1f MiB; %s), max_model_len %d",
         num_blocks, block_size, config.cache.kv_dtype(config.dtype), kv_pool_bytes / 2**20, kv_pool.reason,
@@ -134,15 +143,17 @@ def build_engine_parts(
 
 def build_executor(config: EngineConfig, num_blocks: int, block_size: int, structured: StructuredOutputs,
                    draft: DraftModel | None, kv_cache: KVCacheManager, kv_events: KVEventSink | None = None,
-                   trace: StepTrace | None = None) -> tuple[Executor, KVConnector | None]:
+                   trace: StepTrace | None = None, groups: Sequence[KVCacheGroup] = ()
+                   ) -> tuple[Executor, KVConnector | None]:
     """The executor config.parallel asks for, its model loaded (every rank's, under tensor parallelism), and the
-    KV connector config.kv_transfer_config names, over the KV pool's tensors (None: none)."""
+    KV connector config.kv_transfer_config names, over the KV pool's tensors (None: none). groups: the KV cache
+    groups when there are several or a sliding one (none: one block table over every layer)."""
     if config.parallel.executor_backend == "uni":
         model = load_engine_model(config)
         lora = None if config.lora is None else LoRAManager(
             config.lora, attach_lora(model, config.lora.max_loras, config.lora.max_lora_rank), model.config)
         execution = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
-                                   config.cache.calculate_kv_scales)
+                                   config.cache.calculate_kv_scales, groups=groups)
         connector = None if config.kv_transfer_config is None else build_kv_connector(
             config, config.kv_transfer_config, kv_layer_tensors(execution.kv_caches), block_size,
             kv_cache.block_hashes, kv_events)
@@ -152,8 +163,32 @@ def build_executor(config: EngineConfig, num_blocks: int, block_size: int, struc
     from pagoda.engine.multiproc_executor import MultiprocExecutor
 
     executor = MultiprocExecutor(config, num_blocks, block_size, structured, draft, trace, kv_cache.block_hashes,
-                                 kv_events)
+                                 kv_events, tuple(groups))
     return executor, executor.kv_connector
+
+
+def choose_kv_cache_groups(config: EngineConfig, model_config: ModelConfig, max_model_len: int
+                           ) -> tuple[KVCacheGroup, ...]:
+    """The model's KV cache groups (pagoda/kv_groups.py): a block table per group where the model has sliding
+    windows shorter than the context, so that their out-of-window blocks return to the pool; one table over every
+    layer otherwise, or where a part of the engine copies or mirrors blocks layer by layer through one table."""
+    groups = kv_cache_groups(model_config.sliding_windows, model_config.num_layers, max_model_len)
+    one_table = (KVCacheGroup(None, tuple(range(model_config.num_layers))),)
+    if not is_hybrid(groups):
+        return one_table
+    speculative = config.speculative_config
+    needs_one_table = [reason for reason, applies in (
+        ("a draft model (its KV mirrors the target's slots)",
+         speculative is not None and speculative.method == "draft_model"),
+        ("speculative branches over several groups", speculative is not None and len(groups) > 1),
+        ("a KV connector (it moves blocks of every layer)", config.kv_transfer_config is not None),
+        ("pipeline stages", config.parallel.pipeline_parallel_size > 1),
+    ) if applies]
+    if needs_one_table:
+        logger.info("sliding-window layers keep every block (one block table over all layers) with %s",
+                    "; ".join(needs_one_table))
+        return one_table
+    return groups
 
 
 def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
@@ -189,15 +224,20 @@ def _connector_name(config: EngineConfig) -> str:
     return "KV connector" if config.kv_transfer_config is None else config.kv_transfer_config.kv_connector
 
 
-def _fit_max_model_len(wanted: int, pool_tokens: int) -> int:
-    """One full-length sequence must fit in the pool, or preemption could livelock."""
-    if pool_tokens >= wanted:
+def _fit_max_model_len(wanted: int, num_blocks: int, blocks_of: Callable[[int], int]) -> int:
+    """One full-length sequence must fit in the pool, or preemption could livelock. blocks_of: the blocks a
+    sequence of a length holds at most (every group's), which grows with the length."""
+    if blocks_of(wanted) <= num_blocks:
         return wanted
-    if pool_tokens < 16:
-        raise ValueError(f"KV cache holds only {pool_tokens} tokens; give it more memory or blocks")
-    logger.warning("max_model_len clamped from %d to %d: the KV pool holds %d tokens", wanted, pool_tokens,
-                   pool_tokens)
-    return pool_tokens
+    low, high = 0, wanted  # the longest length that fits lies in [low, high)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if blocks_of(middle) <= num_blocks else (low, middle)
+    if low < 16:
+        raise ValueError(f"KV cache holds only {low} tokens of a sequence; give it more memory or blocks")
+    logger.warning("max_model_len clamped from %d to %d: the KV pool of %d blocks holds a sequence of %d tokens",
+                   wanted, low, num_blocks, low)
+    return low
 
 
 def _eos_token_ids(model_config: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:

@@ -28,6 +28,7 @@ from multiprocessing.connection import Client, Connection, Listener
 import torch.distributed as dist
 
 from pagoda.config import EngineConfig
+from pagoda.kv_groups import KVCacheGroup
 
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -50,6 +51,7 @@ class WorkerOffer:
     config: EngineConfig
     num_blocks: int
     block_size: int
+    kv_groups: tuple[KVCacheGroup, ...]
 
 
 def launched_rank(world_size: int) -> LaunchedRank:
@@ -88,7 +90,7 @@ def run_if_worker_rank(config: EngineConfig) -> None:
     connection.send(place.rank)
     try:
         execution, connector, loaded_bytes = load_share(offer.config, place.rank, offer.num_blocks,
-                                                        offer.block_size)
+                                                        offer.block_size, offer.kv_groups)
         connection.send(("ok", loaded_bytes))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
@@ -98,14 +100,15 @@ def run_if_worker_rank(config: EngineConfig) -> None:
     raise SystemExit(0)
 
 
-def connect_workers(config: EngineConfig, num_blocks: int, block_size: int) -> dict[int, Connection]:
+def connect_workers(config: EngineConfig, num_blocks: int, block_size: int,
+                    kv_groups: tuple[KVCacheGroup, ...]) -> dict[int, Connection]:
     """Rank 0's side: joins the process group the launcher set up, hands the workers the offer, and returns each
     worker's connection by rank once every one has connected."""
     place = launched_rank(config.parallel.world_size)
     dist.init_process_group("gloo", init_method="env://", rank=0, world_size=place.world_size)
     authkey = secrets.token_bytes(32)
     with Listener(("0.0.0.0", 0), authkey=authkey) as listener:
-        offer = WorkerOffer(listener.address[1], authkey, config, num_blocks, block_size)
+        offer = WorkerOffer(listener.address[1], authkey, config, num_blocks, block_size, kv_groups)
         dist.broadcast_object_list([offer], src=0)
         connections: dict[int, Connection] = {}
         while len(connections) < place.world_size - 1:

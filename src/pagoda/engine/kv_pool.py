@@ -15,13 +15,19 @@ class KVPoolSize:
     reason: str
 
 
-def kv_pool_size(cache: CacheConfig, max_num_seqs: int, max_model_len: int, bytes_per_token: int) -> KVPoolSize:
+def kv_pool_size(cache: CacheConfig, max_num_seqs: int, max_model_len: int, bytes_per_token: int,
+                 blocks_per_sequence: int | None = None) -> KVPoolSize:
     """An explicit block count is taken as given. Otherwise the pool is what the engine can use at once,
     max_num_seqs sequences of max_model_len tokens (each in whole blocks), at most kv_cache_memory_bytes:
-    a 3M-parameter model with a 512-token context gets its 128 MiB, not the whole 2 GiB budget."""
+    a 3M-parameter model with a 512-token context gets its 128 MiB, not the whole 2 GiB budget.
+
+    bytes_per_token: what one token of a block takes. blocks_per_sequence: the blocks a max_model_len sequence
+    holds at most (with KV cache groups, every group's: kv_groups.blocks_per_sequence); default, its tokens'."""
     if cache.num_blocks is not None:
         return KVPoolSize(cache.num_blocks, "num_kv_blocks given")
-    needed = max_num_seqs * -(-max_model_len // cache.block_size)
+    if blocks_per_sequence is None:
+        blocks_per_sequence = -(-max_model_len // cache.block_size)
+    needed = max_num_seqs * blocks_per_sequence
     affordable = cache.kv_cache_memory_bytes // (bytes_per_token * cache.block_size)
     if needed <= affordable:
         return KVPoolSize(needed, f"max_num_seqs {max_num_seqs} x max_model_len {max_model_len} tokens")

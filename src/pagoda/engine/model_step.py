@@ -9,6 +9,7 @@ step (engine/multiproc_executor.py); requests, sampling and grammars stay with t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -17,6 +18,7 @@ from torch import nn
 
 from pagoda.config import EngineConfig
 from pagoda.engine.rank_placement import StageLinks
+from pagoda.kv_groups import KVCacheGroup, layer_tensor_index
 from pagoda.model.attention import QueryLayout
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.llama import LlamaModel
@@ -54,29 +56,40 @@ class StepExecution(Protocol):
 class ModelExecution:
     """One rank's model and its paged KV cache, the one owner of it: per layer a `LayerKV`, K and V
     `[num_blocks * block_size, kv_heads, head_dim]` in `cache_dtype`'s format (with int8's per-token scales),
-    kv_heads being this rank's share."""
+    kv_heads being this rank's share. With several KV cache groups (pagoda/kv_groups.py) a group's size of such
+    tensors is allocated, and layer i of every group shares tensor i: a block id is held by one group at a time,
+    and names its slice of the tensors of that group's layers."""
 
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, device: str = "cpu",
-                 cache_dtype: str = "auto", calculate_kv_scales: bool = False, links: StageLinks | None = None) -> None:
+                 cache_dtype: str = "auto", calculate_kv_scales: bool = False, links: StageLinks | None = None,
+                 groups: Sequence[KVCacheGroup] = ()) -> None:
         """links: with pipeline stages, this rank's links to the stages before and after it (its model is its
-        stage's, its KV cache its stage's layers')."""
+        stage's, its KV cache its stage's layers'). groups: the KV manager's KV cache groups (none: one table
+        over every layer)."""
         self.model = model
         self.links = links
         self.block_size = block_size
         self.device = device
         config = model.config
+        # Each layer's group, where a step's block tables differ by group.
+        self.layer_groups = [0] * config.num_layers
+        for index, group in enumerate(groups):
+            for layer in group.layers:
+                self.layer_groups[layer] = index
+        tensor_of_layer = layer_tensor_index(groups, config.num_layers) if groups else list(range(config.num_layers))
         # Not zero-filled: a page of the pool becomes resident when a token's K/V is first written there, so an
         # idle engine's memory is its model's. Attention reads only slots it has written (build_metadata).
-        self.kv_caches: list[LayerKV] = [
+        tensors = [
             LayerKV.allocate(num_blocks * block_size, config.num_kv_heads, config.head_dim, model.dtype, cache_dtype,
                              device, calculate_kv_scales)
-            for _ in range(config.num_layers)
+            for _ in range(max(tensor_of_layer) + 1)
         ]
+        self.kv_caches: list[LayerKV] = [tensors[index] for index in tensor_of_layer]
         self.windows = set(config.sliding_windows) or {None}
 
     @torch.inference_mode()
     def run(self, step: ModelStep) -> list[torch.Tensor]:
-        meta = step.layout.metadata(self.block_size, self.windows)
+        meta = step.layout.metadata(self.block_size, self.windows, self.layer_groups)
         input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
         positions = meta.positions.to(self.device)
         links = self.links
@@ -141,5 +154,7 @@ def weight_bytes_read_per_step(model: nn.Module) -> int:
 
 
 def kv_bytes(kv_caches: list[LayerKV]) -> int:
-    """The bytes of a KV cache's tensors (scales included), allocated whether or not their pages are touched yet."""
-    return sum(tensor.numel() * tensor.element_size() for cache in kv_caches for tensor in cache.tensors())
+    """The bytes of a KV cache's tensors (scales included), allocated whether or not their pages are touched yet; a
+    tensor that layers of several KV cache groups share counted once."""
+    distinct = {id(cache): cache for cache in kv_caches}.values()
+    return sum(tensor.numel() * tensor.element_size() for cache in distinct for tensor in cache.tensors())

@@ -56,6 +56,7 @@ from pagoda.engine.rank_watchdog import RankWatchdog
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
 from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_worker
+from pagoda.kv_groups import KVCacheGroup
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.loader import TORCH_DTYPES
 
@@ -79,8 +80,9 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, num_blocks: int, block_size: int,
                  structured: StructuredOutputs | None = None, draft: DraftModel | None = None,
                  trace: StepTrace | None = None, block_hashes: BlockHashes | None = None,
-                 kv_events: KVEventSink | None = None) -> None:
-        """block_hashes, kv_events: the KV manager's, for the KV connector config.kv_transfer_config names."""
+                 kv_events: KVEventSink | None = None, kv_groups: tuple[KVCacheGroup, ...] = ()) -> None:
+        """block_hashes, kv_events: the KV manager's, for the KV connector config.kv_transfer_config names.
+        kv_groups: the KV cache groups when there are several or a sliding one (model_step.ModelExecution)."""
         world_size = config.parallel.world_size
         if dist.is_initialized():
             raise RuntimeError("this process already holds a torch.distributed process group (one split engine per "
@@ -95,10 +97,10 @@ class MultiprocExecutor(Executor):
         try:
             if config.parallel.executor_backend == "external_launcher":
                 threads = threads_before  # each launched process was given its own threads
-                connections = connect_workers(config, num_blocks, block_size)
+                connections = connect_workers(config, num_blocks, block_size, kv_groups)
                 self._workers += [Worker(rank, None, connections[rank]) for rank in sorted(connections)]
             else:
-                self._spawn_workers(config, num_blocks, block_size, threads, heartbeats)
+                self._spawn_workers(config, num_blocks, block_size, kv_groups, threads, heartbeats)
             placement = place_rank(config, 0, TORCH_DTYPES[config.dtype])
             model = load_engine_model(config, placement.parallel, placement.stage)
             # (weight bytes, KV bytes) of each worker, in rank order.
@@ -109,7 +111,7 @@ class MultiprocExecutor(Executor):
         logger.info("%d ranks (tensor parallel %d x pipeline parallel %d; rank 0 in this process), %d thread(s) each",
                     world_size, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size, threads)
         local = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
-                               config.cache.calculate_kv_scales, placement.links)
+                               config.cache.calculate_kv_scales, placement.links, kv_groups)
         execution = BroadcastExecution(local, [worker.connection for worker in self._workers])
         self.kv_connector: KVConnector | None = None
         if config.kv_transfer_config is not None:
@@ -122,8 +124,8 @@ class MultiprocExecutor(Executor):
                                     if worker.process is not None}
         self._watchdog.start()
 
-    def _spawn_workers(self, config: EngineConfig, num_blocks: int, block_size: int, threads: int,
-                       heartbeats: dict[int, Any]) -> None:
+    def _spawn_workers(self, config: EngineConfig, num_blocks: int, block_size: int,
+                       kv_groups: tuple[KVCacheGroup, ...], threads: int, heartbeats: dict[int, Any]) -> None:
         """Starts ranks 1..N-1 as processes of this machine, and joins the group with them as rank 0."""
         world_size = config.parallel.world_size
         store = TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
@@ -131,7 +133,8 @@ class MultiprocExecutor(Executor):
         context = torch.multiprocessing.get_context("spawn")
         for rank in range(1, world_size):
             ours, theirs = context.Pipe()
-            spec = WorkerSpec(config, rank, world_size, LOOPBACK, store.port, threads, num_blocks, block_size)
+            spec = WorkerSpec(config, rank, world_size, LOOPBACK, store.port, threads, num_blocks, block_size,
+                              kv_groups)
             heartbeats[rank] = context.Value("d", 0.0, lock=False)
             process = context.Process(target=run_worker, args=(spec, theirs, heartbeats[rank]),
                                       name=f"pagoda-rank{rank}", daemon=True)

@@ -270,7 +270,8 @@ def _attention_layout(scheduled: list[ScheduledRequest], block_size: int) -> Que
     for item in scheduled:
         start, block_ids = item.request.num_computed_tokens, item.request.block_ids
         num_chain = item.num_tokens - len(item.alternative_token_ids)
-        end = layout.add(start, [1] * num_chain if item.draft_token_ids else [num_chain], block_ids)
+        end = layout.add(start, [1] * num_chain if item.draft_token_ids else [num_chain], block_ids,
+                         item.request.block_tables[1:])
         for index in range(len(item.alternative_token_ids)):
             layout.add_branch(start + 1, slot_of(block_ids, end + index, block_size), block_ids)
     return layout

@@ -35,6 +35,7 @@ from pagoda.engine.model_step import (
 )
 from pagoda.engine.rank_placement import place_rank
 from pagoda.engine.rank_watchdog import start_heartbeat
+from pagoda.kv_groups import KVCacheGroup
 from pagoda.model.loader import TORCH_DTYPES
 
 STOP = pickle.dumps(None)  # the engine's last message to a worker
@@ -53,6 +54,7 @@ class WorkerSpec:
     num_threads: int
     num_blocks: int
     block_size: int
+    kv_groups: tuple[KVCacheGroup, ...] = ()  # several, or a sliding one: a block table each
 
 
 def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None:
@@ -69,7 +71,8 @@ def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None
         store = TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
-        execution, connector, loaded_bytes = load_share(spec.config, spec.rank, spec.num_blocks, spec.block_size)
+        execution, connector, loaded_bytes = load_share(spec.config, spec.rank, spec.num_blocks, spec.block_size,
+                                                        spec.kv_groups)
         connection.send(("ok", loaded_bytes))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
@@ -78,15 +81,16 @@ def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None
     dist.destroy_process_group()
 
 
-def load_share(config: EngineConfig, rank: int, num_blocks: int,
-               block_size: int) -> tuple[ModelExecution, OffloadingWorker | None, tuple[int, int]]:
+def load_share(config: EngineConfig, rank: int, num_blocks: int, block_size: int,
+               kv_groups: tuple[KVCacheGroup, ...] = ()) -> tuple[ModelExecution, OffloadingWorker | None,
+                                                                   tuple[int, int]]:
     """A worker rank's share of the model and of the KV pool (and of the KV connector), in a process that has
     joined the group; with (its weight bytes, its KV cache's bytes) for the engine's report."""
     placement = place_rank(config, rank, TORCH_DTYPES[config.dtype])
     model = load_engine_model(config, placement.parallel, placement.stage)
     cache = config.cache
     execution = ModelExecution(model, num_blocks, block_size, config.device, cache.cache_dtype,
-                               cache.calculate_kv_scales, placement.links)
+                               cache.calculate_kv_scales, placement.links, kv_groups)
     connector = None if config.kv_transfer_config is None else build_rank_worker(
         config, kv_layer_tensors(execution.kv_caches), block_size, rank)
     return execution, connector, (weight_bytes(model), kv_bytes(execution.kv_caches))

@@ -12,6 +12,7 @@ layer that needs one): no hidden global context.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -58,6 +59,12 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes]
     decode_masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_seq_len]
     prefills: list[PrefillSeq] = field(default_factory=list)
+    # With several KV cache groups (pagoda/kv_groups.py): each layer's own metadata, whose slots go through its
+    # group's block tables (positions are the same in all). None: every layer takes this one.
+    layer_metas: list[AttentionMetadata] | None = None
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self if self.layer_metas is None else self.layer_metas[layer]
 
     @property
     def num_decodes(self) -> int:
@@ -79,31 +86,47 @@ def slot_of(block_ids: list[int], position: int, block_size: int) -> int:
 @dataclass
 class QueryLayout:
     """A step's attention queries in flat-batch order, as `build_metadata` takes them: each query's length,
-    its sequence length (its tokens included), its sequence's block table, and the branch slots."""
+    its sequence length (its tokens included), its sequence's block table (KV cache group 0's; the other
+    groups' in `group_tables`), and the branch slots."""
 
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)
     branch_slots: dict[int, int] = field(default_factory=dict)
+    group_tables: list[list[list[int]]] = field(default_factory=list)  # [group - 1][query]: groups 1.. tables
 
-    def add(self, start: int, lengths: list[int], block_ids: list[int]) -> int:
+    def add(self, start: int, lengths: list[int], block_ids: list[int],
+            other_groups: Sequence[list[int]] = ()) -> int:
         """A sequence's consecutive queries of these lengths, the first at position `start`; returns the
-        position after the last."""
+        position after the last. other_groups: the sequence's tables in KV cache groups 1.. (if several)."""
+        self.group_tables.extend([] for _ in range(len(other_groups) - len(self.group_tables)))
         for length in lengths:
             start += length
             self.query_lens.append(length)
             self.seq_lens.append(start)
             self.block_tables.append(block_ids)
+            for tables, table in zip(self.group_tables, other_groups):
+                tables.append(table)
         return start
 
     def add_branch(self, position: int, slot: int, block_ids: list[int]) -> None:
         """A one-token query at `position` whose token's K/V is at `slot` (build_metadata's branch_slots)."""
+        assert not self.group_tables, "speculative branches are not laid out over several KV cache groups"
         self.branch_slots[len(self.query_lens)] = slot
         self.add(position, [1], block_ids)
 
-    def metadata(self, block_size: int, windows: set[int | None]) -> AttentionMetadata:
-        return build_metadata(self.query_lens, self.seq_lens, self.block_tables, block_size, windows,
+    def metadata(self, block_size: int, windows: set[int | None], layer_groups: Sequence[int] = ()
+                 ) -> AttentionMetadata:
+        """layer_groups: each layer's KV cache group, where there are several (the metadata then holds each
+        layer's)."""
+        meta = build_metadata(self.query_lens, self.seq_lens, self.block_tables, block_size, windows,
                               self.branch_slots)
+        if not self.group_tables:
+            return meta
+        groups = [meta] + [build_metadata(self.query_lens, self.seq_lens, tables, block_size, windows,
+                                          self.branch_slots) for tables in self.group_tables]
+        meta.layer_metas = [groups[group] for group in layer_groups]
+        return meta
 
 
 def build_metadata(
@@ -127,6 +150,11 @@ def build_metadata(
     for query, slot in (branch_slots or {}).items():
         assert query_lens[query] == 1, "a branch is a one-token query"
         all_slots[query, seq_lens[query] - 1] = slot
+    if bool((table < 0).any()):
+        # A block a sliding window dropped (-1): its positions are out of every query's window, so masked; they
+        # point at the sequence's newest slot, written this step, whose finite K/V a zero weight cancels.
+        newest = all_slots[torch.arange(num_seqs), seq_lens_t - 1]
+        all_slots = torch.where(all_slots < 0, newest[:, None], all_slots)
 
     query_starts = torch.cumsum(query_lens_t, 0) - query_lens_t
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs), query_lens_t)

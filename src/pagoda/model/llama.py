@@ -223,9 +223,9 @@ class LlamaModel(nn.Module):
 
     def _run_layers(self, x: torch.Tensor, delta: torch.Tensor | None, rope: RopeTables, sliding: RopeTables | None,
                     kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             cos, sin = sliding if sliding is not None and layer.sliding_rope else rope
-            delta = layer(x, delta, cos, sin, kv_cache, meta, self.backend)
+            delta = layer(x, delta, cos, sin, kv_cache, meta.for_layer(index), self.backend)
         assert delta is not None, "a model or stage has at least one layer"
         return delta
 

@@ -80,7 +80,8 @@ class NativeDecode:
         self.max_rows = min((linear.max_rows for linear in dense), default=KERNEL_MAX_ROWS)
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return not meta.prefills and num_tokens <= self.max_rows
+        # One slot mapping for every layer: a step over several KV cache groups runs the modules.
+        return not meta.prefills and meta.layer_metas is None and num_tokens <= self.max_rows
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:

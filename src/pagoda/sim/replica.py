@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pagoda.config import SchedulerConfig
-from pagoda.engine.core.kv_cache import KVCacheManager
+from pagoda.engine.core.hybrid_kv_cache import make_kv_cache_manager
 from pagoda.engine.core.request import Request
 from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import Scheduler, SchedulerOutput
+from pagoda.kv_groups import KVCacheGroup
 from pagoda.sampling import SamplingParams
 from pagoda.sim.step_cost import StepCost, step_shape
 from pagoda.sim.trace import FIRST_TOKEN_ID
@@ -37,6 +38,9 @@ class ReplicaConfig:
     num_blocks: int
     block_size: int = 16
     enable_prefix_caching: bool = True
+    # The model's KV cache groups (pagoda/kv_groups.py), as the engine chooses them: a block table per group for
+    # sliding-window layers. None: one table over every layer (a model without windows).
+    kv_groups: tuple[KVCacheGroup, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,9 @@ class SimReplica:
         self.config = config
         self.cost = cost
         self.now = 0.0
-        self.kv_cache = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        groups = config.kv_groups or (KVCacheGroup(None, (0,)),)
+        self.kv_cache = make_kv_cache_manager(config.num_blocks, config.block_size, groups,
+                                              config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_cache, clock=lambda: self.now)
         self.executor = ScriptedExecutor()
         self.inbox: list[Request] = []

@@ -1,6 +1,7 @@
 """A multi-turn chat trace, generated from a seed: the workload a simulated fleet and a real one both replay.
 
-Sessions arrive as a Poisson process. Each opens with one of a few system prompts (Zipf popularity, so that
+Sessions arrive as a Poisson process, at `session_rate`, or at `burst_rate` for `burst_duration_s` from
+`burst_start_s` (a burst, or a lull). Each opens with one of a few system prompts (Zipf popularity, so that
 some prefixes are hot) and runs several turns; turn k's prompt is the system prompt, then every earlier
 turn's user message and recorded answer, then its own user message: a conversation replayed from a log, as
 a chat client resends it. Each turn asks for its recorded answer's length (ignore_eos), and the next turn is
@@ -30,6 +31,9 @@ class TraceConfig:
     mean_think_s: float = 3.0  # exponential
     vocab_size: int = 32000
     seed: int = 0
+    burst_start_s: float = 0.0
+    burst_duration_s: float = 0.0  # 0: no burst
+    burst_rate: float = 0.0  # sessions started per second during the burst
 
     def __post_init__(self) -> None:
         if self.num_sessions < 1 or self.num_system_prompts < 1 or self.system_prompt_tokens < 1:
@@ -42,8 +46,23 @@ class TraceConfig:
             low, high = getattr(self, name)
             if not 1 <= low <= high:
                 raise ValueError(f"{name} must be a range (low, high) with 1 <= low <= high")
+        burst = self.burst_rate > 0 and self.burst_start_s >= 0 and self.burst_duration_s > 0
+        if self.burst_duration_s and not burst:
+            raise ValueError("a burst needs burst_rate > 0, burst_start_s >= 0 and burst_duration_s > 0")
         if self.vocab_size <= FIRST_TOKEN_ID:
             raise ValueError(f"vocab_size must be above {FIRST_TOKEN_ID}")
+
+    def next_arrival(self, rng: random.Random, now: float) -> float:
+        """The next session's start after `now`: exponential gaps at the rate in force; a gap that crosses the
+        burst's start or end is drawn again from there (the process is memoryless, so this is exact)."""
+        end = self.burst_start_s + self.burst_duration_s
+        while True:
+            in_burst = self.burst_start_s <= now < end
+            arrival = now + rng.expovariate(self.burst_rate if in_burst else self.session_rate)
+            edge = end if in_burst else self.burst_start_s
+            if not self.burst_duration_s or not now < edge <= arrival:
+                return arrival
+            now = edge
 
     @property
     def longest_prompt(self) -> int:
@@ -109,7 +128,7 @@ def generate_trace(config: TraceConfig) -> Trace:
     weights = [1.0 / (i + 1) ** config.system_prompt_zipf for i in range(config.num_system_prompts)]
     sessions, now = [], 0.0
     for session_id in range(config.num_sessions):
-        now += rng.expovariate(config.session_rate)
+        now = config.next_arrival(rng, now)
         turns = tuple(
             Turn(rng.randint(*config.user_tokens), rng.randint(*config.answer_tokens),
                  rng.expovariate(1.0 / config.mean_think_s) if config.mean_think_s > 0 else 0.0)

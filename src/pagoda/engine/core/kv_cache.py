@@ -1,149 +1,52 @@
-"""Paged KV-cache bookkeeping: a pool of fixed-size blocks, ref counts, and a prefix-hash map.
+"""Paged KV-cache bookkeeping: each request's blocks from the pool (block_pool.py), and prefix hits.
 
-Pure Python over integers; the tensors live in the model runner. A block is in exactly one of three
-states: in use (ref_count > 0), cached (free, but still holding a hash and its KV), or empty (free,
-no hash). Free blocks, cached or empty, sit in one LRU queue; allocation takes from its front.
+Pure Python over integers; the tensors live in the model runner.
+
+A manager serves one KV cache group (pagoda/kv_groups.py): full attention, or a sliding window, whose blocks
+that fell wholly out of the window of every position still to be computed go back to the pool (a request's
+table keeps `NULL_BLOCK` in their place). Several groups share one pool (hybrid_kv_cache.py), each caching its
+blocks under its own index.
 
 NOTE invariant: num_in_use + num_free == num_blocks, always (free counts cached and empty blocks).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from pagoda.block_hash import hash_block, hash_block_chain
 from pagoda.engine.api import KVEventSink
+from pagoda.engine.core.block_pool import (
+    NULL_BLOCK,
+    WINDOW_PARENT,
+    Block,
+    BlockParent,
+    BlockPool,
+    base_root,
+    root_of,
+)
 from pagoda.engine.core.request import Request
 
-__all__ = ["Block", "BlockPool", "KVCacheManager", "hash_block"]
-
-
-def _root(request: Request) -> str:
-    """What a request's first block hangs from: its cache salt (tenants never share a first block) and its
-    LoRA adapter (an adapter's blocks are never the base model's or another adapter's)."""
-    if request.lora is not None:
-        return repr(("lora", request.lora.key, request.cache_salt))
-    return _base_root(request.cache_salt)
-
-
-def _base_root(cache_salt: str | None) -> str:
-    return "root" if cache_salt is None else f"salt:{cache_salt}"
-
-
-# What a cached block hangs from: the identity of the block before it, or for a first block the root
-# that `_root` names; None while the block is not cached.
-BlockParent = tuple[int, int] | str | None
-
-
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: bytes | None = None
-    # What a hit is verified against (never trusted on the hash alone): the block's own tokens, and the
-    # physical block that preceded it (id and reuse generation; the root for a first block).
-    token_ids: tuple[int, ...] = ()
-    parent: BlockParent = None
-    generation: int = 0  # bumped each time the block is handed out afresh
-
-    @property
-    def identity(self) -> tuple[int, int]:
-        return self.block_id, self.generation
-
-
-class BlockPool:
-    def __init__(self, num_blocks: int, events: KVEventSink | None = None) -> None:
-        self.events = events
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[bytes, Block] = {}
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
-
-    def take_new(self, count: int) -> list[Block]:
-        """Pops `count` blocks from the LRU front, evicting their cached content."""
-        taken, evicted = [], []
-        for _ in range(count):
-            block_id, _ = self.free_queue.popitem(last=False)
-            block = self.blocks[block_id]
-            if block.block_hash is not None:
-                evicted.append(block.block_hash)
-                del self.cached[block.block_hash]
-                block.block_hash, block.token_ids, block.parent = None, (), None
-            block.generation += 1
-            block.ref_count = 1
-            taken.append(block)
-        if evicted and self.events is not None:
-            self.events.blocks_removed(evicted)
-        return taken
-
-    def share(self, blocks: Sequence[Block]) -> None:
-        for block in blocks:
-            if block.ref_count == 0:
-                del self.free_queue[block.block_id]
-            block.ref_count += 1
-
-    def release(self, blocks: Sequence[Block], front: bool = False) -> None:
-        """Drops one reference from each block; blocks reaching zero join the LRU tail in this order (with
-        `front`, the head, to be taken first: for blocks holding nothing worth keeping)."""
-        for block in blocks:
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block.block_id} released twice"
-            if block.ref_count == 0:
-                self.free_queue[block.block_id] = None
-                if front:
-                    self.free_queue.move_to_end(block.block_id, last=False)
-
-    def lookup(self, block_hash: bytes, token_ids: Sequence[int], parent: BlockParent) -> Block | None:
-        block = self.cached.get(block_hash)
-        if block is None or block.token_ids != tuple(token_ids) or block.parent != parent:
-            return None
-        return block
-
-    def register(self, block: Block, block_hash: bytes, token_ids: Sequence[int], parent: BlockParent) -> Block:
-        """Caches `block` under its hash and returns the block that now stands for this content: `block`
-        itself, or an equal block cached earlier (the same tokens after the same chain), which later
-        blocks then name as their parent so that one chain serves every lookup."""
-        existing = self.lookup(block_hash, token_ids, parent)
-        if existing is not None:
-            return existing
-        if block.block_hash is None and block_hash not in self.cached:
-            block.block_hash, block.token_ids, block.parent = block_hash, tuple(token_ids), parent
-            self.cached[block_hash] = block
-        return block
-
-    def reset_cache(self) -> int:
-        """Forgets every cached hash of free blocks (blocks in use keep theirs). Returns how many."""
-        forgotten = []
-        for block_hash, block in list(self.cached.items()):
-            if block.ref_count == 0:
-                del self.cached[block_hash]
-                block.block_hash, block.token_ids, block.parent = None, (), None
-                forgotten.append(block_hash)
-        if self.events is not None and forgotten:
-            if self.cached:  # blocks in use keep their hashes: only the forgotten ones are gone
-                self.events.blocks_removed(forgotten)
-            else:
-                self.events.all_blocks_cleared()
-        return len(forgotten)
+__all__ = ["NULL_BLOCK", "Block", "BlockPool", "KVCacheManager", "hash_block"]
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 events: KVEventSink | None = None) -> None:
+                 events: KVEventSink | None = None, *, window: int | None = None, pool: BlockPool | None = None,
+                 group: int = 0) -> None:
+        """window: the group's sliding window (None: full attention). pool, group: the pool this group shares
+        with the model's other groups, and its number (group 0's blocks set `Request.block_ids`)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.events = events
-        self.pool = BlockPool(num_blocks, events)
+        self.window = window
+        self.group = group
+        self.pool = BlockPool(num_blocks, events) if pool is None else pool
         self._blocks: dict[str, list[Block]] = {}
         self._block_hashes: dict[str, list[bytes]] = {}  # per request: hashes of its full blocks
-        # per request: for each registered full block, the cached block standing for its content
-        self._chains: dict[str, list[Block]] = {}
+        # per request: for each registered full block, the identity of the cached block standing for its content
+        self._chains: dict[str, list[tuple[int, int]]] = {}
         # per finished request: the leading blocks a KV connector holds for another engine to read (still
         # cached: a hit may share them, and once released they are ordinary cached free blocks)
         self._held: dict[str, list[Block]] = {}
@@ -155,18 +58,56 @@ class KVCacheManager:
 
         The last token is never served from the cache: its logits are needed to sample.
         """
+        valid = self.hit_lengths(request)
+        num_blocks = max(n for n, ok in enumerate(valid) if ok)
+        return self.hit_blocks(request, num_blocks), num_blocks * self.block_size
+
+    def hit_lengths(self, request: Request) -> list[bool]:
+        """valid[n]: whether a hit of the request's first n blocks is served by this group. A full group needs
+        all n cached (a chain); a sliding group the blocks that the position after them still sees (vLLM's
+        rule), so a longer hit may be valid where a shorter one is not."""
         if not self.enable_prefix_caching or request.needs_prompt_logprobs:
-            return [], 0
+            return [True]
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._hashes_for(request, max_blocks)
-        hits: list[Block] = []
-        for index, block_hash in enumerate(hashes[:max_blocks]):
-            parent = hits[-1].identity if hits else _root(request)
-            block = self.pool.lookup(block_hash, self._block_tokens(request, index), parent)
-            if block is None:
-                break
-            hits.append(block)
-        return hits, len(hits) * self.block_size
+        found = self._cached_blocks(request, max_blocks)
+        valid, run = [True], 0
+        for n in range(1, max_blocks + 1):
+            run = run + 1 if found[n - 1] is not None else 0
+            valid.append(run >= n - self._first_kept(n * self.block_size))
+        return valid
+
+    def hit_blocks(self, request: Request, num_blocks: int) -> list[Block]:
+        """The request's first `num_blocks` cached blocks (a valid hit length), NULL_BLOCK where a window
+        dropped them."""
+        found = self._cached_blocks(request, num_blocks)
+        first = self._first_kept(num_blocks * self.block_size)
+        hits = [NULL_BLOCK if index < first else found[index] for index in range(num_blocks)]
+        assert all(block is not None for block in hits), "not a valid hit length"
+        return [block for block in hits if block is not None]
+
+    def _cached_blocks(self, request: Request, num_blocks: int) -> list[Block | None]:
+        """The cached block standing for each of the request's first `num_blocks` blocks (None: not cached). A
+        full group's are a chain from the root: none after the first miss."""
+        hashes = self._hashes_for(request, num_blocks)
+        found: list[Block | None] = []
+        for index in range(num_blocks):
+            tokens = self._block_tokens(request, index)
+            if self.window is not None:
+                found.append(self.pool.lookup(hashes[index], tokens, WINDOW_PARENT, self.group))
+                continue
+            parent = found[-1] if found else None
+            if index and parent is None:
+                found.append(None)
+                continue
+            found.append(self.pool.lookup(hashes[index], tokens, root_of(request) if parent is None
+                                          else parent.identity, self.group))
+        return found
+
+    def _first_kept(self, position: int) -> int:
+        """The first block that queries at `position` and after still see (0 without a window)."""
+        if self.window is None:
+            return 0
+        return max(position - self.window + 1, 0) // self.block_size
 
     def cached_prefix_blocks(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
         """How many leading full blocks of a base-model prompt (never its last token's) the prefix cache holds now.
@@ -176,9 +117,9 @@ class KVCacheManager:
             return 0
         size = self.block_size
         hashes = hash_block_chain(token_ids, size, cache_salt, (len(token_ids) - 1) // size)
-        parent: BlockParent = _base_root(cache_salt)
+        parent: BlockParent = base_root(cache_salt)
         for index, block_hash in enumerate(hashes):
-            block = self.pool.lookup(block_hash, token_ids[index * size : (index + 1) * size], parent)
+            block = self.pool.lookup(block_hash, token_ids[index * size : (index + 1) * size], parent, self.group)
             if block is None:
                 return index
             parent = block.identity
@@ -193,22 +134,65 @@ class KVCacheManager:
         `computed_blocks` (whose tokens the caller then counts as computed).
 
         Returns the request's block ids, or None when the pool cannot supply enough free blocks:
-        the caller then preempts or waits. Nothing changes on None.
+        the caller then preempts or waits. Nothing changes on None but that a sliding group's blocks out of
+        the window of the next position are released (no query will read them again).
         """
-        blocks = self._blocks.setdefault(request.request_id, [])
-        num_hit_tokens = len(computed_blocks) * self.block_size
-        num_total_tokens = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        self.release_out_of_window(request, request.num_computed_tokens + len(computed_blocks) * self.block_size)
+        if self.num_blocks_wanted(request, num_new_tokens, computed_blocks) > self.pool.num_free:
+            return None
+        self.take_slots(request, num_new_tokens, computed_blocks)
+        return request.block_ids
+
+    def num_blocks_wanted(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block]) -> int:
+        """Free blocks `take_slots` would take: new ones, and cached ones the hits revive."""
+        blocks = self._blocks.get(request.request_id, [])
+        num_total_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         num_needed = -(-num_total_tokens // self.block_size) - len(blocks) - len(computed_blocks)
         # Reviving a cached (free) block takes it out of the free queue just as a new block would.
-        num_revived = sum(1 for block in computed_blocks if block.ref_count == 0)
-        if max(num_needed, 0) + num_revived > self.pool.num_free:
-            return None
-        self.pool.share(computed_blocks)
-        blocks.extend(computed_blocks)
+        num_revived = sum(1 for block in computed_blocks if block is not NULL_BLOCK and block.ref_count == 0)
+        return max(num_needed, 0) + num_revived
+
+    def take_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Block]) -> None:
+        """allocate_slots' taking, once `num_blocks_wanted` is known to be free."""
+        self.share_hits(request, computed_blocks)
+        self.take_new_slots(request, num_new_tokens, len(computed_blocks))
+
+    def share_hits(self, request: Request, computed_blocks: Sequence[Block]) -> None:
+        """The first half of take_slots. NOTE: every group over the same pool shares its hits before any takes new
+        blocks, which would otherwise evict a cached hit at the free queue's front before it is revived."""
+        self.pool.share([block for block in computed_blocks if block is not NULL_BLOCK])
+        self._blocks.setdefault(request.request_id, []).extend(computed_blocks)
+
+    def take_new_slots(self, request: Request, num_new_tokens: int, num_hit_blocks: int) -> None:
+        """The second half of take_slots: blocks for the new tokens past the computed ones and the hits (already
+        in the request's blocks)."""
+        blocks = self._blocks.setdefault(request.request_id, [])
+        num_total_tokens = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
+        num_needed = -(-num_total_tokens // self.block_size) - len(blocks)
         if num_needed > 0:
             blocks.extend(self.pool.take_new(num_needed))
-        request.block_ids = [block.block_id for block in blocks]
-        return request.block_ids
+        self._publish(request, blocks)
+
+    def release_out_of_window(self, request: Request, position: int) -> None:
+        """Returns the blocks that queries at `position` and after no longer see (a sliding group's) to the
+        pool; the table keeps NULL_BLOCK in their place, so positions still map to blocks by index."""
+        blocks = self._blocks.get(request.request_id)
+        first = self._first_kept(position)
+        if not blocks or first == 0:
+            return
+        dropped = [block for block in blocks[:first] if block is not NULL_BLOCK]
+        if dropped:
+            blocks[: min(first, len(blocks))] = [NULL_BLOCK] * min(first, len(blocks))
+            self.pool.release(dropped)
+            self._publish(request, blocks)
+
+    def _publish(self, request: Request, blocks: Sequence[Block]) -> None:
+        ids = [block.block_id for block in blocks]
+        tables = request.block_tables
+        tables.extend([] for _ in range(self.group + 1 - len(tables)))
+        tables[self.group] = ids
+        if self.group == 0:
+            request.block_ids = ids
 
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the hashes of blocks that became full of computed tokens."""
@@ -218,11 +202,20 @@ class KVCacheManager:
         num_full = min(request.num_computed_tokens // self.block_size, len(blocks))
         hashes = self._hashes_for(request, num_full)
         chain = self._chains.setdefault(request.request_id, [])
+        index_of_group = self.pool.index(self.group)
         stored: list[int] = []  # blocks whose content entered the cache now (not equal to a cached one)
         for index in range(len(chain), num_full):
-            parent = chain[-1].identity if chain else _root(request)
-            is_new = blocks[index].block_hash is None and hashes[index] not in self.pool.cached
-            chain.append(self.pool.register(blocks[index], hashes[index], self._block_tokens(request, index), parent))
+            block = blocks[index]
+            if block is NULL_BLOCK:  # a hit the window dropped at once: cached already
+                chain.append(NULL_BLOCK.identity)
+                continue
+            if self.window is not None:
+                parent: BlockParent = WINDOW_PARENT
+            else:
+                parent = chain[-1] if chain else root_of(request)
+            is_new = block.block_hash is None and hashes[index] not in index_of_group
+            tokens = self._block_tokens(request, index)
+            chain.append(self.pool.register(block, hashes[index], tokens, parent, self.group).identity)
             if is_new:
                 stored.append(index)
         if stored and self.events is not None:
@@ -243,7 +236,7 @@ class KVCacheManager:
         surplus = blocks[num_kept:]
         del blocks[num_kept:]
         self.pool.release(surplus, front=True)
-        request.block_ids = [block.block_id for block in blocks]
+        self._publish(request, blocks)
 
     def free(self, request: Request, num_held: int = 0) -> None:
         """Returns a finished, aborted or preempted request's blocks to the pool, but its first `num_held`,
@@ -252,7 +245,7 @@ class KVCacheManager:
         Last blocks are released first, so they are evicted before the request's first blocks (which
         a later request is more likely to share).
         """
-        blocks = self._blocks.pop(request.request_id, [])
+        blocks = [block for block in self._blocks.pop(request.request_id, []) if block is not NULL_BLOCK]
         self._chains.pop(request.request_id, None)
         if num_held:
             assert request.is_finished, "only a finished request's blocks are held"
@@ -260,6 +253,7 @@ class KVCacheManager:
             blocks = blocks[num_held:]
         self.pool.release(list(reversed(blocks)))
         request.block_ids = []
+        request.block_tables = []
         if request.is_finished:
             self._block_hashes.pop(request.request_id, None)
 
@@ -274,6 +268,15 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> int:
         return self.pool.reset_cache()
+
+    def blocks_of(self, request_id: str) -> list[Block]:
+        """The pool blocks a request holds in this group (NULL_BLOCKs left out)."""
+        return [block for block in self._blocks.get(request_id, []) if block is not NULL_BLOCK]
+
+    def references(self) -> list[Block]:
+        """Every reference this manager holds on pool blocks (requests' and held ones), one per reference."""
+        return [block for blocks in [*self._blocks.values(), *self._held.values()] for block in blocks
+                if block is not NULL_BLOCK]
 
     # --- accounting --------------------------------------------------------------------------------
 
@@ -294,13 +297,13 @@ class KVCacheManager:
         assert in_use + self.pool.num_free == self.num_blocks, "block accounting broken"
         assert all(self.pool.blocks[i].ref_count == 0 for i in self.pool.free_queue)
         held: dict[int, int] = {}
-        for blocks in [*self._blocks.values(), *self._held.values()]:
-            for block in blocks:
-                held[block.block_id] = held.get(block.block_id, 0) + 1
+        for block in self.references():
+            held[block.block_id] = held.get(block.block_id, 0) + 1
         for block in self.pool.blocks:
             assert block.ref_count == held.get(block.block_id, 0), f"ref count of {block.block_id}"
-        for block_hash, block in self.pool.cached.items():
-            assert block.block_hash == block_hash
+        for group, index in self.pool.group_cached.items():
+            for block_hash, block in index.items():
+                assert block.block_hash == block_hash and block.group == group
 
     # --- helpers -----------------------------------------------------------------------------------
 

@@ -226,12 +226,13 @@ class FairQueue:
 
 
 def blocks_held_by_tenant(running: Iterable[Request]) -> dict[str, int]:
-    """The KV blocks each tenant's running requests hold, as its quota counts them: a block shared by two of its
-    requests (a common prefix) counts for each."""
+    """The KV blocks each tenant's running requests hold, as its quota counts them: every KV cache group's pool
+    blocks (not the places a sliding window dropped), and a block shared by two of its requests (a common prefix)
+    counts for each."""
     held: dict[str, int] = {}
     for request in running:
         if request.tenant is not None:
-            held[request.tenant.name] = held.get(request.tenant.name, 0) + len(request.block_ids)
+            held[request.tenant.name] = held.get(request.tenant.name, 0) + request.num_blocks_held
     return held
 
 

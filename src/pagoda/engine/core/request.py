@@ -64,7 +64,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache (first admission)
     num_preemptions: int = 0
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)  # its KV cache group 0's table
+    # Every KV cache group's table (kv_groups.py), group 0's first; -1 where a sliding window dropped a block.
+    block_tables: list[list[int]] = field(default_factory=list)
     # The request's timeline on time.monotonic()'s clock, recorded once, where each moment happens.
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -82,6 +84,11 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Such requests compute their whole prompt: cached prompt tokens have no logits."""
         return self.params.prompt_logprobs is not None
+
+    @property
+    def num_blocks_held(self) -> int:
+        """Pool blocks it holds over every KV cache group (not the -1 a window left in a table)."""
+        return sum(1 for table in self.block_tables for block_id in table if block_id >= 0)
 
     @property
     def num_prompt_tokens(self) -> int:
