@@ -180,6 +180,34 @@ def print_rows(rows: list[dict]) -> None:
                   f"prompt), {measured_ms:.2f} ms/request (calc {calc_ms:.2f} ms at {h['kv_link_gbps']:g} GB/s)")
 
 
+def save_plot(rows: list[dict], path: Path) -> None:
+    """TTFT p50/p99 and ITL p99 per set-up, one panel per workload, log scale (the split's long-prompt TTFT is
+    seconds where its ITL is tens of milliseconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = list(dict.fromkeys(r["workload"] for r in rows))
+    figures = (("ttft_p50_s", "TTFT p50"), ("ttft_p99_s", "TTFT p99"), ("itl_p99_s", "ITL p99"))
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5.5 * len(workloads), 4.2), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        mine = [r for r in rows if r["workload"] == workload]
+        width = 0.8 / len(figures)
+        for index, (key, label) in enumerate(figures):
+            ax.bar([i + index * width for i in range(len(mine))], [r[key] for r in mine], width, label=label)
+        ax.set_xticks([i + width for i in range(len(mine))],
+                      [f"{r['setup']}\ngoodput {r['goodput_fraction']:.0%}" for r in mine])
+        ax.set_yscale("log")
+        ax.set_ylabel("seconds")
+        ax.set_title(workload)
+        ax.legend(fontsize=8)
+    fig.suptitle("prefill/decode split vs colocated, 2 threads in all")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -217,7 +245,8 @@ def main() -> int:
                          "loadavg_1_5_15": os.getloadavg()},
                 "results": rows}
     write_result(args.out, document, indent=1)
-    print(f"wrote {args.out}")
+    save_plot(rows, args.out.with_suffix(".png"))
+    print(f"wrote {args.out} and its plot")
     return 0
 
 
