@@ -37,8 +37,11 @@ def run(model: str, quick: bool) -> LabResult:
 
     budgets, num_streams, prompt_len = ((UNCHUNKED_BUDGET, 128, 32), 4, 384) if quick else \
         ((UNCHUNKED_BUDGET, 512, 256, 128, 64, 32, 16), 8, 384)
-    # Streams long enough to decode through the slowest prefill of the sweep, and a little past it.
-    stream_len = DECODE_STEPS_BEFORE + max(_predicted_steps(prompt_len, b, num_streams) for b in budgets) + 4
+    # Streams long enough to decode through their own prefill steps at the smallest budget, then the slowest
+    # prefill of the sweep, and a little past it.
+    own_prefill_steps = -(-num_streams * STREAM_PROMPT_TOKENS // min(budgets))
+    stream_len = (own_prefill_steps + DECODE_STEPS_BEFORE
+                  + max(_predicted_steps(prompt_len, b, num_streams) for b in budgets) + 4)
     rows: list[dict[str, Cell]] = []
     for budget in budgets:
         llm = LLM(model, max_num_batched_tokens=budget, max_step_ms=0, enable_prefix_caching=False,
@@ -89,9 +92,13 @@ def _measure(llm: LLM, num_streams: int, stream_len: int, prompt_len: int) -> di
     sampled_at: dict[str, list[int]] = {}  # request id -> the steps it got a token in
     step_tokens: list[int] = []
     step_seconds: list[float] = []
-    arrival = 1 + DECODE_STEPS_BEFORE  # the streams' prefill step, then decodes alone
+    arrival = None  # the step the long prompt arrives at: once every stream has decoded alone for a few steps,
+    # so that no stream's own prefill shares the budget with it (at a small budget the streams prefill over
+    # several steps)
     while engine.has_unfinished_requests():
-        if len(step_tokens) == arrival:
+        if arrival is None and len(sampled_at) == num_streams \
+                and min(map(len, sampled_at.values())) > DECODE_STEPS_BEFORE:
+            arrival = len(step_tokens)
             engine.add_request("long", long_prompt, SamplingParams(max_tokens=1, ignore_eos=True))
         before, started = engine.stats().iteration_tokens_sum, time.perf_counter()
         outputs = engine.step()
@@ -99,6 +106,7 @@ def _measure(llm: LLM, num_streams: int, stream_len: int, prompt_len: int) -> di
         step_tokens.append(engine.stats().iteration_tokens_sum - before)
         for output in outputs:
             sampled_at.setdefault(output.request_id, []).append(len(step_tokens) - 1)
+    assert arrival is not None, "the streams finished before the long prompt arrived"
     streams = [steps for request_id, steps in sampled_at.items() if request_id != "long"]
     decode_steps = sorted({step for steps in streams for step in steps[1:]})  # steps in which a stream decoded
     stall = max(decode_steps, key=lambda step: step_tokens[step])
