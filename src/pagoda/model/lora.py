@@ -1,14 +1,17 @@
 """Batched LoRA: the rows of several adapters and of the base model in one step, on the base's fused projections.
 
 Adapters live in stacked tensors, one slot each (`LoRAStack`: per projection, A `[layers, slots, max_rank, in]` and
-B `[layers, slots, out, max_rank]`); the caller loads an adapter into a slot (`load`) and, before each forward,
-says which slot each token's row uses (`begin_step`: -1 for the base). Each of a layer's four linears is wrapped
-(`LoRALinear`): the base output first, then for each slot in the step, its rows' `(x A^T) B^T * scaling` added
-to the columns of the projection it targets inside the fused output (q/k/v in qkv_proj, gate/up in
-gate_up_proj; a Phi-3 adapter's qkv_proj or gate_up_proj: all of them, the checkpoint's fused order being
-ours), the SGMV shape: one pair of matmuls per slot and projection, over all of that slot's rows. A
-projection an adapter does not target costs nothing, and an adapter's rank is its own (A and B are sliced to
-it): each row computes what PEFT computes for it, `W x + B(A x) * scaling`, in the same order.
+B `[layers, out, slots, max_rank]`, a slot's entries beyond its adapter's rank and in the projections it does not
+target being zero); the caller loads an adapter into a slot (`load`) and, before each forward, says which slot
+each token's row uses (`begin_step`: -1 for the base). Each of a layer's four linears is wrapped (`LoRALinear`):
+the base output first, then for each projection an adapter of the step targets, every row's
+`(x A^T) B^T * scaling` added to that projection's columns inside the fused output (q/k/v in qkv_proj, gate/up
+in gate_up_proj; a Phi-3 adapter's qkv_proj or gate_up_proj: all of them, the checkpoint's fused order being
+ours). All slots go in one pair of matmuls per projection, whatever the mix of adapters: x against every
+slot's A at once, each row's products outside its own slot's block masked to zero, then against every slot's B,
+and the row scaled by its adapter's scaling. A masked product is an exact zero, so each row gets what PEFT
+computes for it, `W x + B(A x) * scaling`, in the same order of operations; the price is the other slots' rank in flops,
+small beside the base projection, against a pair of matmuls per adapter in Python.
 
 The native decode stack takes no adapters: a step with any adapter row runs through the modules, and base-only
 steps keep the stack (`attach_lora` gates the backend's decode runner on the step's rows).
@@ -34,7 +37,6 @@ if TYPE_CHECKING:
 
 # (PEFT module, first column, end column) inside one of our linears' output.
 Parts = tuple[tuple[str, int, int], ...]
-Rows = slice | torch.Tensor  # a contiguous run of the step's rows, or their indices
 
 
 class LoRAStack:
@@ -44,68 +46,60 @@ class LoRAStack:
                  device: torch.device) -> None:
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
         self.dtype, self.device = dtype, device
-        # Per PEFT module, allocated when an adapter first targets it (zeros: a slot reads only its rank's part).
+        # Per PEFT module, allocated when an adapter first targets it (zeros: what no adapter holds adds nothing).
         self.a: dict[str, torch.Tensor] = {}
         self.b: dict[str, torch.Tensor] = {}
-        self.ranks: list[dict[tuple[int, str], int]] = [{} for _ in range(max_loras)]  # 0 / absent: not targeted
+        self.modules_of: list[set[str]] = [set() for _ in range(max_loras)]  # the modules each slot's adapter targets
         self.scaling = [0.0] * max_loras
-        self.groups: list[tuple[int, Rows]] = []  # the current step's (slot, rows); empty: a base-only step
+        self.targeted: set[str] = set()  # the current step's adapters' modules; empty: a base-only step
+        self.mask = torch.zeros(0)  # [rows, slots * max_rank]: 1 in each row's own slot's block
+        self.row_scaling = torch.zeros(0)  # [rows, 1]: each row's adapter's scaling (0 for a base row)
 
     @property
     def active(self) -> bool:
         """Whether the current step has adapter rows."""
-        return bool(self.groups)
+        return bool(self.targeted)
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Puts `adapter` in `slot`, replacing what the slot held."""
-        ranks: dict[tuple[int, str], int] = {}
+        """Puts `adapter` in `slot`, replacing what the slot held (all of it: the masked matmuls read every entry)."""
+        for module in self.a:
+            self.a[module][:, slot].zero_()
+            self.b[module][:, :, slot].zero_()
         for (layer, module), (a, b) in adapter.weights.items():
             if module not in self.a:
                 fan_in, fan_out = module_shape(self.config, module)
-                shape = (self.config.num_layers, self.max_loras)
-                self.a[module] = torch.zeros(*shape, self.max_rank, fan_in, dtype=self.dtype, device=self.device)
-                self.b[module] = torch.zeros(*shape, fan_out, self.max_rank, dtype=self.dtype, device=self.device)
+                layers, slots, rank = self.config.num_layers, self.max_loras, self.max_rank
+                self.a[module] = torch.zeros(layers, slots, rank, fan_in, dtype=self.dtype, device=self.device)
+                self.b[module] = torch.zeros(layers, fan_out, slots, rank, dtype=self.dtype, device=self.device)
             rank = a.shape[0]
             self.a[module][layer, slot, :rank].copy_(a)
-            self.b[module][layer, slot, :, :rank].copy_(b)
-            ranks[layer, module] = rank
-        self.ranks[slot] = ranks
+            self.b[module][layer, :, slot, :rank].copy_(b)
+        self.modules_of[slot] = {module for _, module in adapter.weights}
         self.scaling[slot] = adapter.scaling
 
     def begin_step(self, token_slots: Sequence[int] | None) -> None:
         """The slot of each row of the next forward (-1: the base model); None: no adapter row at all."""
-        self.groups = []
-        if token_slots is None:
+        self.targeted = set()
+        slots = {slot for slot in token_slots or () if slot >= 0}
+        if not slots:
             return
-        rows_of: dict[int, list[int]] = {}
-        for row, slot in enumerate(token_slots):
-            if slot >= 0:
-                rows_of.setdefault(slot, []).append(row)
-        for slot, rows in rows_of.items():
-            if rows[-1] - rows[0] + 1 == len(rows):
-                self.groups.append((slot, slice(rows[0], rows[-1] + 1)))
-            else:
-                self.groups.append((slot, torch.tensor(rows, dtype=torch.long, device=self.device)))
+        self.targeted = set().union(*(self.modules_of[slot] for slot in slots))
+        rows = torch.tensor(token_slots, dtype=torch.long)
+        adapter_rows = rows >= 0
+        mask = torch.zeros(len(rows), self.max_loras, self.max_rank, dtype=self.dtype)
+        mask[adapter_rows, rows[adapter_rows]] = 1
+        scaling = torch.tensor(self.scaling + [0.0], dtype=self.dtype)  # index -1: a base row's 0
+        self.mask = mask.view(len(rows), -1).to(self.device)
+        self.row_scaling = scaling[rows].unsqueeze(1).to(self.device)
 
     def add_deltas(self, layer: int, parts: Parts, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out[rows, columns of each part] += (x[rows] A^T) B^T * scaling, for each slot of the step."""
-        for slot, rows in self.groups:
-            ranks = self.ranks[slot]
-            if not any(ranks.get((layer, module)) for module, _, _ in parts):
+        """out[:, columns of each part] += (x A^T) B^T * scaling, each row with its own slot's A, B and scaling."""
+        for module, start, end in parts:
+            if module not in self.targeted:
                 continue
-            xs = x[rows] if isinstance(rows, slice) else x.index_select(0, rows)
-            for module, start, end in parts:
-                rank = ranks.get((layer, module))
-                if not rank:
-                    continue
-                a = self.a[module][layer, slot, :rank]
-                b = self.b[module][layer, slot, :, :rank]
-                delta = F.linear(F.linear(xs, a), b) * self.scaling[slot]
-                columns = out[:, start:end]
-                if isinstance(rows, slice):
-                    columns[rows].add_(delta)
-                else:
-                    columns.index_add_(0, rows, delta)
+            a = self.a[module][layer].view(-1, x.shape[-1])  # [slots * max_rank, in]
+            b = self.b[module][layer].view(end - start, -1)  # [out, slots * max_rank]
+            out[:, start:end].add_(F.linear(F.linear(x, a) * self.mask, b) * self.row_scaling)
 
 
 class LoRALinear(nn.Module):
@@ -119,7 +113,7 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = self.base(x)
-        if self.stack.groups:
+        if self.stack.targeted:
             self.stack.add_deltas(self.layer, self.parts, x, out)
         return out
 
