@@ -229,6 +229,18 @@ def test_tp2_splits_a_prequantized_checkpoint(method, checkpoint, make_llm, tmp_
     same_as_unsplit(split, top2, f"{method} TP=2")
 
 
+def test_pipeline_stages_split_a_gptq_checkpoint(checkpoint, make_llm, tmp_path):
+    quantized_dir, _ = _quantized_pair(checkpoint("llama", intermediate_size=128), tmp_path, "gptq")
+    with make_llm(quantized_dir) as unsplit_llm:
+        _, top2 = greedy_with_top2(unsplit_llm, PROMPT_SET)
+        [unsplit_bytes] = unsplit_llm.engine.executor.weight_bytes_per_rank()
+    with make_llm(quantized_dir, pipeline_parallel_size=2) as llm:
+        split, _ = greedy_with_top2(llm, PROMPT_SET)
+        assert isinstance(llm.engine.model.layers[0].self_attn.o_proj, Int4Linear)
+        assert sum(llm.engine.executor.weight_bytes_per_rank()) == unsplit_bytes
+    same_as_unsplit(split, top2, "gptq PP=2")
+
+
 def test_expert_parallel_quantizes_each_ranks_experts(checkpoint, make_llm):
     model_dir = checkpoint("mixtral")
     with make_llm(model_dir, quantization="int8") as unsplit_llm:
