@@ -143,8 +143,6 @@ def test_stage_layer_split():
 def test_a_model_with_fewer_layers_than_stages_is_refused_before_anything_starts(checkpoint, make_llm):
     with pytest.raises(ModelLoadError, match="pipeline_parallel_size 3 cannot split this model"):
         make_llm(checkpoint("llama"), pipeline_parallel_size=3)
-    with pytest.raises(ModelLoadError, match="--quantization"):
-        make_llm(checkpoint("llama"), pipeline_parallel_size=2, quantization="int8")
 
 
 def test_pipeline_options():

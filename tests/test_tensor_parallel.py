@@ -194,8 +194,9 @@ def test_olmo2_is_refused_with_the_reason(checkpoint, make_llm):
 def test_a_model_that_does_not_divide_is_refused_before_anything_starts(checkpoint, make_llm):
     with pytest.raises(ModelLoadError, match="num_attention_heads 4 is not a multiple of 3"):
         make_llm(checkpoint("llama"), tensor_parallel_size=3)
-    with pytest.raises(ModelLoadError, match="--quantization"):
-        make_llm(checkpoint("llama"), tensor_parallel_size=2, quantization="int8")
+    with pytest.raises(ModelLoadError, match="cannot split int4 weights of group size 64"):
+        make_llm(checkpoint("llama"), tensor_parallel_size=2, quantization="int4",
+                 quantization_config={"group_size": 64})
 
 
 @pytest.mark.parametrize(("options", "message"), [

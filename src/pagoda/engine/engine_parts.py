@@ -38,6 +38,7 @@ from pagoda.model.loader import load_model_config
 from pagoda.model.lora import attach_lora
 from pagoda.model.parallel import check_divisible, kv_heads_per_rank
 from pagoda.model.pipeline import stage_layer_counts
+from pagoda.model.quantized_shards import check_quantized_split
 from pagoda.model_dir import ModelLoadError
 from pagoda.pooling import PoolingConfig, load_pooling_config
 from pagoda.text.tokenizer import Tokenizer, load_tokenizer
@@ -203,9 +204,9 @@ def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
                                  f"{model_config.moe.num_experts} / {size} of the experts, whole)")
         check_experts_divisible(model_config.moe.num_experts, size)
     stage_layer_counts(model_config.num_layers, config.parallel.pipeline_parallel_size)
+    check_quantized_split(config.model, model_config, size, config.quantization, config.quantization_config)
     unsupported = [
         reason for reason, applies in (
-            ("--quantization (int8 and int4 weights are not split across ranks yet)", config.quantization is not None),
             ("a draft model (speculative decoding with method draft_model)",
              config.speculative_config is not None and config.speculative_config.method == "draft_model"),
             (f"--device {config.device} (the ranks run on the CPU, over gloo)", config.device != "cpu"),

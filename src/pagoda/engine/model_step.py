@@ -129,8 +129,11 @@ def load_engine_model(config: EngineConfig, parallel: TensorParallel | None = No
 
 
 def weight_bytes(model: LlamaModel) -> int:
-    """The bytes of the model's parameters (a tied embedding and LM head counted once)."""
-    return sum(param.numel() * param.element_size() for param in model.parameters())
+    """The bytes of the model's weights as held: its parameters (a tied embedding and LM head counted once) and
+    persistent buffers (quantized layers' codes and scales; not rotary's cos/sin tables, which are computed)."""
+    buffers = [buffer for module in model.modules() for name, buffer in module.named_buffers(recurse=False)
+               if name not in module._non_persistent_buffers_set]
+    return sum(tensor.numel() * tensor.element_size() for tensor in [*model.parameters(), *buffers])
 
 
 def weight_bytes_read_per_step(model: nn.Module) -> int:

@@ -17,6 +17,7 @@ from torch import nn
 
 from pagoda.model.int4 import Int4Linear
 from pagoda.model.int4_weights import Int4Weights, stack_outputs
+from pagoda.model.parallel import QuantizedRowParallel, RowParallelLinear, TensorParallel
 from pagoda.model_dir import ModelLoadError
 
 if TYPE_CHECKING:
@@ -44,9 +45,12 @@ def load_prequantized(model: LlamaModel, weights: Iterable[tuple[str, torch.Tens
     from pagoda.model.quantization import DenseLinear
 
     targets = _quantized_modules(model, fmt.lm_head)
+    row_parallel: dict[str, TensorParallel] = {}  # the layers whose shards' partial sums are all-reduced
     for path in targets:
         linear = model.get_submodule(path)
         assert isinstance(linear, nn.Linear)
+        if isinstance(linear, RowParallelLinear):
+            row_parallel[path] = linear.parallel
         _set_module(model, path, PendingInt4(linear.bias))
     parts: dict[str, dict[str, Int4Weights]] = {path: {} for path in targets}
     model.load_weights(_set_aside(iter_prequantized(weights, fmt), model, parts), dtype=dtype, device=device)
@@ -54,9 +58,14 @@ def load_prequantized(model: LlamaModel, weights: Iterable[tuple[str, torch.Tens
         pending = model.get_submodule(path)
         assert isinstance(pending, PendingInt4)
         try:
-            _set_module(model, path, Int4Linear(_fuse(model, path, pieces), pending.bias, quantized_kernels))
+            if path in row_parallel:  # the bias is added once, after the all-reduce
+                layer: nn.Module = QuantizedRowParallel(Int4Linear(_fuse(model, path, pieces), None, quantized_kernels),
+                                                        pending.bias, row_parallel[path])
+            else:
+                layer = Int4Linear(_fuse(model, path, pieces), pending.bias, quantized_kernels)
         except ValueError as error:  # a layout pagoda's int4 layer cannot take: name the layer
             raise ModelLoadError(f"{path}: {error}") from error
+        _set_module(model, path, layer)
     if not fmt.lm_head and kernels is not None and dtype in DenseLinear.DTYPES and model.lm_head is not None:
         _set_module(model, "lm_head", DenseLinear(model.lm_head, kernels))
 

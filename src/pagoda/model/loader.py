@@ -251,9 +251,10 @@ def load_model(
     use_kernels: pagoda's native CPU kernels where they apply (`backends.create_runtime` says where),
     for a model on the CPU; without them, or elsewhere, the torch reference throughout.
     parallel: this process's rank when the model is split across ranks (model/parallel.py): it builds and reads
-    only its shard, and runs the torch reference (the native decode stack is one process's whole stack).
+    only its shard (quantized: its shard quantized, model/quantized_shards.py), and runs the torch reference but
+    for the quantized linears' kernels (the native decode stack is one process's whole stack).
     pipeline: this process's pipeline stage (model/pipeline.py): it builds and reads only its layers (and the
-    embedding on the first stage, the final norm and LM head on the last), and runs the torch reference."""
+    embedding on the first stage, the final norm and LM head on the last), and runs as a split model does."""
     from pagoda.kernels import avx2_kernels, cpu_kernels
     from pagoda.model.backends import create_runtime
     from pagoda.model.checkpoint_adapters import adapt_checkpoint, needs_adapting
@@ -278,6 +279,10 @@ def load_model(
 
         model_config = shard_config(config, parallel)
         slicer = partial(shard_rows, config=config, parallel=parallel)
+        if quantization is not None or prequantized is not None:
+            from pagoda.model.quantized_shards import quantized_slicer
+
+            slicer = quantized_slicer(config, parallel, quantization, quantization_config, prequantized) or slicer
         if (placement := expert_placement(config, parallel)) is not None:
             reads = partial(expert_reads, placement=placement)
     if pipeline is not None:
@@ -287,15 +292,17 @@ def load_model(
         in_stage = partial(stage_reads, config=config, stage=pipeline)
         reads = in_stage if reads is None else _both(reads, in_stage)
     split = parallel is not None or pipeline is not None
-    if split and quantization is not None:
-        raise ModelLoadError(f"{model_dir}: quantized weights are not split across ranks yet (a split model runs "
-                             "float32/bfloat16)")
-    native = use_kernels and torch.device(device).type == "cpu" and not split
+    # A split model runs the torch reference, but for its quantized linears, whose kernels take a shard as they
+    # take a whole layer (the native decode stack and the fused norms are one process's whole stack).
+    native = use_kernels and torch.device(device).type == "cpu" and (not split or quantization is not None)
     kernels = cpu_kernels() if native else None
     # `create_runtime` decides which quantized layers take these; an unquantized model needs no AVX2 module.
     quantized_kernels = (kernels if kernels is not None else avx2_kernels()) if native and quantization else None
-    runtime = replace(create_runtime(model_config, dtype, kernels, quantization, quantized_kernels),
-                      parallel=parallel, pipeline=pipeline)
+    runtime = create_runtime(model_config, dtype, kernels, quantization, quantized_kernels)
+    if split:
+        runtime = replace(create_runtime(model_config, dtype, None, quantization, None),
+                          gemv_kernels=runtime.gemv_kernels, quantized_kernels=runtime.quantized_kernels)
+    runtime = replace(runtime, parallel=parallel, pipeline=pipeline)
     with torch.device("meta"):
         model = LlamaModel(model_config, runtime)
     weights = _with_progress(iter_weights(model_dir, slicer, reads), model_dir)
@@ -308,6 +315,10 @@ def load_model(
             raise ModelLoadError(f"{model_dir}: {prequantized.method} weights of {config.architecture} are not "
                                  "supported (its fused or partially rotated projections are reshaped on loading)")
         weights = adapt_checkpoint(weights, config, slicer)
+    if prequantized is not None and parallel is not None:
+        from pagoda.model.quantized_shards import rebase_g_idx
+
+        weights = rebase_g_idx(weights, config, parallel, prequantized)
     if prequantized is None:
         model.load_weights(weights, dtype=dtype, device=device)
         prepare_linears(model, quantization, runtime.gemv_kernels, quantization_config, runtime.quantized_kernels)

@@ -43,6 +43,11 @@ class TensorParallel:
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    def max_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The elementwise maximum over ranks, in place."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
+        return tensor
+
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """Each rank's [rows, columns] side by side, in rank order: [rows, world_size * columns]."""
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
@@ -133,6 +138,29 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.parallel.all_reduce(F.linear(x, self.weight))
         return out if self.bias is None else out.add_(self.bias)
+
+
+class QuantizedRowParallel(nn.Module):
+    """A row-parallel linear whose shard runs a quantized layer (`quantization.prepare_linears`, or a GPTQ/AWQ
+    checkpoint's codes): the shard's partial sums in the activations' dtype, one all-reduce, then the bias once.
+    `local` holds no bias; the bias is the whole one, as `RowParallelLinear`'s."""
+
+    def __init__(self, local: nn.Module, bias: torch.Tensor | None, parallel: TensorParallel) -> None:
+        super().__init__()
+        self.local = local
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.parallel = parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.parallel.all_reduce(self.local(x))
+        return out if self.bias is None else out.add_(self.bias.to(out.dtype))
+
+
+def local_share(linear: RowParallelLinear) -> nn.Linear:
+    """The shard's weight as a plain linear without bias (a view: no copy), for a quantizer to replace."""
+    local = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+    local.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+    return local
 
 
 class VocabParallelEmbedding(nn.Embedding):

@@ -23,12 +23,15 @@ from torch import nn
 
 from pagoda.int4_format import Int4Options
 from pagoda.model.int4 import Int4Linear, quantize_int4
+from pagoda.model.parallel import QuantizedRowParallel, RowParallelLinear, local_share
 from pagoda.model.tiled_matmul import tiled_matmul
 
 if TYPE_CHECKING:
     from pagoda.model.kernel_protocols import CpuKernels, QuantizedKernels
 
 QUANTIZATIONS = (None, "int8", "int4")
+# (linear, is the LM head, int8's row maxima or None: its own) -> the layer that replaces it.
+LayerFactory = Callable[[nn.Linear, bool, "torch.Tensor | None"], nn.Module]
 # Up to this many rows the GEMV kernels beat torch, weights streamed from memory: fp32 1.6-1.8x at 32-64
 # rows of the bench models' shapes; bf16 1.1-1.3x at 32 rows, at 64 1.16x on bench-125m's and 0.96x on
 # bench-1b's (AMX-less Zen 4; oneDNN's bf16 GEMM catches up there). Beyond, oneDNN's GEMM takes over for
@@ -94,10 +97,12 @@ class Int8Linear(nn.Module):
     scale: torch.Tensor
 
     def __init__(self, linear: nn.Linear, kernels: CpuKernels | None,
-                 quantized_kernels: QuantizedKernels | None = None) -> None:
+                 quantized_kernels: QuantizedKernels | None = None, absmax: torch.Tensor | None = None) -> None:
+        """absmax: each output row's largest |weight| to scale by (default: this weight's own); a row-parallel
+        shard is given its whole row's (`prepare_linears`), so that its scales and codes are the unsplit layer's."""
         super().__init__()
         weight = linear.weight.detach().float()
-        scale = (weight.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        scale = ((weight.abs().amax(dim=1) if absmax is None else absmax) / 127.0).clamp(min=1e-12)
         self.register_buffer("qweight", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
         self.register_buffer("scale", scale)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
@@ -143,8 +148,21 @@ def prepare_linears(model: nn.Module, quantization: str | None, kernels: CpuKern
     fast = _layer_factory(quantization, kernels, int4, quantized_kernels)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, fast(child, parent is model and name == "lm_head"))
+            if isinstance(child, RowParallelLinear):
+                setattr(parent, name, _row_parallel(child, quantization, fast))
+            elif isinstance(child, nn.Linear):
+                setattr(parent, name, fast(child, parent is model and name == "lm_head", None))
+
+
+def _row_parallel(linear: RowParallelLinear, quantization: str | None, fast: LayerFactory) -> QuantizedRowParallel:
+    """A row-parallel shard quantized on its own, all-reduced as before. int8 scales each output row by the
+    whole row's largest |weight| (the ranks' maxima, all-reduced: every rank calls this for the same layers in
+    the same order), so the shard's codes are the unsplit layer's, sliced. int4's groups lie within the shard
+    (the loader refuses a split off the group boundaries), so its codes and scales are the unsplit ones too."""
+    absmax = None
+    if quantization == "int8":
+        absmax = linear.parallel.max_over_ranks(linear.weight.detach().float().abs().amax(dim=1))
+    return QuantizedRowParallel(fast(local_share(linear), False, absmax), linear.bias, linear.parallel)
 
 
 def quantized_matmul_name(model: nn.Module) -> str | None:
@@ -154,17 +172,17 @@ def quantized_matmul_name(model: nn.Module) -> str | None:
 
 
 def _layer_factory(quantization: str | None, kernels: CpuKernels | None, int4: Int4Options | None,
-                   quantized_kernels: QuantizedKernels | None) -> Callable[[nn.Linear, bool], nn.Module]:
-    """(linear, is the LM head) -> the layer that replaces it."""
+                   quantized_kernels: QuantizedKernels | None) -> LayerFactory:
+    """(linear, is the LM head, int8's row maxima or None) -> the layer that replaces it."""
     if quantization == "int8":
-        return lambda linear, _: Int8Linear(linear, kernels, quantized_kernels)
+        return lambda linear, _, absmax: Int8Linear(linear, kernels, quantized_kernels, absmax)
     if quantization == "int4":
         options = int4 or Int4Options()
 
-        def int4_layer(linear: nn.Linear, lm_head: bool) -> nn.Module:
+        def int4_layer(linear: nn.Linear, lm_head: bool, _: torch.Tensor | None) -> nn.Module:
             if lm_head and not options.lm_head:
                 return DenseLinear(linear, kernels)
             return Int4Linear(quantize_int4(linear.weight, options), linear.bias, quantized_kernels)
 
         return int4_layer
-    return lambda linear, _: DenseLinear(linear, kernels)
+    return lambda linear, _, __: DenseLinear(linear, kernels)
