@@ -93,14 +93,14 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=9000)
+    parser.add_argument("--steps", type=int, default=12000)
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--mlp", type=int, default=704)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--vocab-size", type=int, default=1536)
     parser.add_argument("--prompt-loss-weight", type=float, default=0.25,
                         help="loss weight of prompt tokens, relative to answer tokens")
     parser.add_argument("--threads", type=int, default=2)
@@ -117,7 +117,7 @@ def corpus_text(item: Item) -> str:
     parts = [m["content"] or "" for m in item.messages()]
     parts += [json.dumps(tool["function"]) for tool in item.tools] + ([TOOL_INSTRUCTION] if item.tools else [])
     parts += [json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])})
-              for m in item.turns for c in m.get("tool_calls") or ()]
+              for m in item.messages() for c in m.get("tool_calls") or ()]
     text = "\n".join([*parts, item.answer])
     for token in TOOL_TOKENS:
         text = text.replace(token, "\n")
