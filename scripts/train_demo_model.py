@@ -1,6 +1,6 @@
 """Train pagoda-demo: a few-million-parameter Llama that solves small, checkable tasks, on CPU, from scratch.
 
-    .venv/bin/python scripts/train_demo_model.py    # ~19 min on 2 idle cores with native bf16 (see below)
+    .venv/bin/python scripts/train_demo_model.py    # ~70 min on 2 shared cores with native bf16 (see below)
     .venv/bin/python scripts/train_demo_model.py --steps 300 --out /tmp/demo  # a quick trial
 
 Everything follows from --seed: the corpus (pagoda.demo.tasks), the tokenizer, the init, the batch order.
@@ -93,20 +93,20 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=DEMO_MODEL_DIR)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=9000)
+    parser.add_argument("--steps", type=int, default=12000)
     parser.add_argument("--batch-size", type=int, default=32, help="sequences per step")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--mlp", type=int, default=704)
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--vocab-size", type=int, default=1536)
     parser.add_argument("--prompt-loss-weight", type=float, default=0.25,
                         help="loss weight of prompt tokens, relative to answer tokens")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision", choices=["bf16", "fp32"], default="bf16",
                         help="matmul precision while training (bf16: autocast over fp32 master weights)")
-    parser.add_argument("--max-minutes", type=float, default=60.0, help="guard on the training loop")
+    parser.add_argument("--max-minutes", type=float, default=150.0, help="guard on the training loop")
     parser.add_argument("--eval-items", type=int, default=200, help="held-out items per task (0: skip)")
     return parser.parse_args()
 
@@ -117,7 +117,7 @@ def corpus_text(item: Item) -> str:
     parts = [m["content"] or "" for m in item.messages()]
     parts += [json.dumps(tool["function"]) for tool in item.tools] + ([TOOL_INSTRUCTION] if item.tools else [])
     parts += [json.dumps({"name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])})
-              for m in item.turns for c in m.get("tool_calls") or ()]
+              for m in item.messages() for c in m.get("tool_calls") or ()]
     text = "\n".join([*parts, item.answer])
     for token in TOOL_TOKENS:
         text = text.replace(token, "\n")

@@ -8,8 +8,9 @@ from dataclasses import replace
 
 import pytest
 
+from pagoda.demo.conversations import USER_FACTS
 from pagoda.demo.tasks import (
-    CITIES,
+    SCOPE_ANSWER,
     TASKS,
     TOOLS,
     Item,
@@ -20,6 +21,7 @@ from pagoda.demo.tasks import (
     tool_call_text,
     training_stream,
 )
+from pagoda.demo.vocabulary import CITIES
 
 
 @pytest.mark.parametrize("task", sorted(TASKS))
@@ -42,6 +44,28 @@ def test_held_out_problems_never_reach_training() -> None:
     assert held_out and trained
     assert not held_out & trained
     assert all(in_test_split(key) for key in held_out)
+
+
+def test_held_out_questions_never_reach_training_histories() -> None:
+    # An earlier exchange in a training conversation is a question and its answer too: it must come from the
+    # training split, or the model would see a held-out answer in the history. (A held-out acknowledgement is
+    # held out as the whole conversation it ends: telling a fact is acknowledged in training histories too.)
+    held_out = {(item.prompt, item.answer) for items in held_out_set(300).values() for item in items
+                if not item.key.startswith("recall-ack:")}
+    exchanges = 0
+    for item in itertools.islice(training_stream(), 20_000):
+        for question, answer in zip(item.history, item.history[1:]):
+            if question["role"] == "user" and answer["role"] == "assistant" and answer["content"]:
+                exchanges += 1
+                assert (question["content"], answer["content"]) not in held_out
+    assert exchanges > 5000
+
+
+def test_some_single_questions_are_trained_after_earlier_exchanges() -> None:
+    items = [item for item in itertools.islice(training_stream(), 5000) if item.task == "addition"]
+    with_history = [item for item in items if item.history]
+    assert 0.15 < len(with_history) / len(items) < 0.35
+    assert all(item.messages()[-1] == {"role": "user", "content": item.prompt} for item in with_history)
 
 
 def test_test_set_is_large_and_distinct_per_task() -> None:
@@ -87,6 +111,45 @@ def test_answers_are_right() -> None:
         facts, target = item.key.removeprefix("facts:").split("|")
         assert target in item.prompt.split("?")[0].split(".")[-1]
         assert any(s.startswith(target) and s.endswith(item.answer) for s in facts.rstrip(".").split(". "))
+
+
+def _user_turns(item: Item) -> list[str]:
+    return [m["content"] for m in item.history if m["role"] == "user"]
+
+
+def test_multiturn_asks_its_own_question_after_two_to_four_exchanges() -> None:
+    own_answers = {(i.prompt, i.answer) for task in TASKS if task not in ("multiturn", "recall")
+                   for i in generate(task, "test", 1000)}
+    found = 0
+    for item in generate("multiturn", "test", 300):
+        assert 2 <= len(_user_turns(item)) <= 4 and not item.tools
+        roles = [m["role"] for m in item.history]
+        assert roles == ["user", "assistant"] * (len(roles) // 2)
+        found += (item.prompt, item.answer) in own_answers  # the same question asked alone has this answer
+    assert found > 20
+
+
+def test_recall_answers_from_an_earlier_turn() -> None:
+    acknowledged = 0
+    for item in generate("recall", "test", 300):
+        told = dict(fact.split("=") for fact in item.key.split(":", 1)[1].split("|") if "=" in fact)
+        said = _user_turns(item) + [item.prompt]
+        for relation, value in told.items():
+            assert USER_FACTS[relation][1].format(v=value) in said
+        if item.key.startswith("recall-ack:"):
+            acknowledged += 1
+            assert item.answer in {USER_FACTS[r][2].format(v=v) for r, v in told.items()}
+        else:
+            asked = item.key.rsplit("|", 1)[1]
+            assert item.answer == told[asked] and item.prompt in USER_FACTS[asked][3]
+            assert item.prompt not in _user_turns(item)
+    assert 20 < acknowledged < 120
+
+
+def test_scope_questions_get_the_capabilities_answer() -> None:
+    items = generate("scope", "test", 300)
+    assert all(item.answer == SCOPE_ANSWER for item in items)
+    assert not any(" + " in item.prompt or " - " in item.prompt for item in items)
 
 
 def _call(text: str) -> dict:

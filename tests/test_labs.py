@@ -75,10 +75,13 @@ def test_each_accepted_draft_token_saves_one_step_and_the_conditional_rate_predi
     for row in drafted:
         assert row["same_output"] and row["accepted"] > 0  # an engine that never accepts cannot pass
         assert row["steps"] == plain["steps"] - row["accepted"]
-        # The truncated geometric's estimate reproduces the measured tokens per step; the raw ratio does not.
-        assert abs(row["calc_from_conditional"] - row["tokens_per_step"]) < 0.1
+        # The truncated geometric's estimate reproduces the measured tokens per step to a few percent (it takes
+        # each draft token as accepted independently, while a copied span tends to be accepted whole); the raw
+        # ratio falls short by more than that.
+        error = abs(row["calc_from_conditional"] - row["tokens_per_step"])
+        assert error < 0.05 * row["tokens_per_step"]
         if row["k"] >= 2:  # with one draft token the two rates are the same count
-            assert row["calc_from_rate"] < row["tokens_per_step"] - 0.1
+            assert row["calc_from_rate"] < row["tokens_per_step"] - error
 
 
 def test_continuous_batching_takes_the_steps_calc_predicts_and_fewer_than_static(tmp_path, capsys):

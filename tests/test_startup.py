@@ -4,8 +4,10 @@ model's served name; `generate` through the chat template; the summary; and a --
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,11 +63,21 @@ def test_the_built_in_model_gets_the_pool_it_can_use_not_the_whole_budget(demo_l
         engine.config.dtype) < engine.config.cache.kv_cache_memory_bytes
 
 
+def llama_parameters(config_path: Path) -> int:
+    """A Llama's weight count from its config alone: tied embeddings, per layer q/k/v/o, SwiGLU and two norms."""
+    c = json.loads(config_path.read_text())
+    assert c["tie_word_embeddings"] and not c["attention_bias"] and not c["mlp_bias"]
+    hidden, q, kv = c["hidden_size"], c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    layer = 2 * hidden * q + 2 * hidden * kv + 3 * hidden * c["intermediate_size"] + 2 * hidden
+    return c["vocab_size"] * hidden + c["num_hidden_layers"] * layer + hidden
+
+
 def test_the_engine_describes_itself_as_built(demo_llm):
     engine = demo_llm.engine
     description = engine.describe()
     assert (description.model, description.dtype) == (str(DEMO_MODEL_DIR), "float32")
-    assert description.quantized_matmul is None and 3.0e6 < description.num_parameters < 3.2e6  # "3.1M"
+    assert description.quantized_matmul is None
+    assert description.num_parameters == llama_parameters(DEMO_MODEL_DIR / "config.json") == 4_623_616  # "4.6M"
     assert description.max_model_len == engine.max_model_len == 512
     assert description.num_threads == torch.get_num_threads()
     kv = description.kv_cache
@@ -152,10 +164,10 @@ def test_the_summary_says_what_runs(demo_llm):
     rows = dict(line.strip().split("  ", 1) for line in summary.splitlines())
     rows = {name: value.strip() for name, value in rows.items()}
     assert rows["model"] == f"pagoda-demo ({DEMO_MODEL_DIR})"
-    assert rows["parameters"] == "3.1M"
+    assert rows["parameters"] == "4.6M"
     assert rows["dtype"] == "float32" and rows["quantization"] == "none"
     assert rows["KV cache"].startswith(
-        "4096 blocks x 16 tokens = 65536 tokens, float32, 128.0 MiB (max_num_seqs 128 x ")
+        "4096 blocks x 16 tokens = 65536 tokens, float32, 192.0 MiB (max_num_seqs 128 x ")
     assert rows["max_model_len"] == "512"
     assert rows["threads"] == str(torch.get_num_threads())
     assert rows["native kernels"] == native_kernels_status(demo_llm.engine.config)

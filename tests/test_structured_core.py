@@ -28,10 +28,11 @@ from pagoda.structured.llguidance_backend import LLGuidanceBackend, LLGuidanceGr
 from pagoda.testing import make_tokenizer
 
 DEMO_DIR = Path(pagoda.__file__).resolve().parent / "assets" / "pagoda-demo"
-TOKENIZER_SIZE = 1024  # the demo tokenizer's
-# Wider than the tokenizer, and not a multiple of 32: ids 1024..1029 exist only in the model, and the last
-# bitmask word is partly padding.
-MODEL_VOCAB = 1030
+TOKENIZER_SIZE = len(transformers.AutoTokenizer.from_pretrained(DEMO_DIR))  # added tokens included
+# The backends here are built wider than the tokenizer, and not to a multiple of 32: the last 6 ids exist only
+# in the model (as when a model pads its embedding), and the last bitmask word is partly padding.
+MODEL_VOCAB = TOKENIZER_SIZE + 6
+assert MODEL_VOCAB % 32
 MAX_WALK_TOKENS = 200
 # After this many tokens a walk heads for the exit: EOS when allowed, else closing tokens.
 WALK_PATIENCE = 40
@@ -307,17 +308,17 @@ def test_rollback_restores_the_mask(backend):
 
 def test_eos_after_the_end_is_accepted_and_can_be_rolled_back(backend, tokenizer):
     eos = tokenizer.eos_token_id
-    matcher = compile_(backend, choice=["ab"]).matcher()
-    ab = backend.llg_tokenizer.tokenize_str("ab")
-    assert len(ab) == 2
-    assert matcher.validate_tokens([*ab, eos, eos, ab[0]]) == len(ab) + 2  # exactly what accept_tokens takes
+    matcher = compile_(backend, choice=["12"]).matcher()
+    digits = backend.llg_tokenizer.tokenize_str("12")
+    assert len(digits) == 2  # the demo tokenizer splits numbers into digits
+    assert matcher.validate_tokens([*digits, eos, eos, digits[0]]) == len(digits) + 2  # what accept_tokens takes
     assert matcher.num_accepted_tokens == 0
-    advance_text(backend, matcher, "ab")
+    advance_text(backend, matcher, "12")
     assert matcher.is_terminated()
     accepted = matcher.num_accepted_tokens
     assert matcher.validate_tokens([eos, eos]) == 2
     assert matcher.accept_tokens([eos, eos])  # an engine sampling past the end hands these back
-    assert not matcher.accept_tokens([tokenizer.convert_tokens_to_ids("a")])
+    assert not matcher.accept_tokens([digits[0]])
     matcher.rollback(accepted + 1)  # both EOS and all but one text token
     assert matcher.num_accepted_tokens == 1
     assert not matcher.is_terminated()

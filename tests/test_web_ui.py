@@ -150,13 +150,37 @@ def test_the_built_in_model_says_what_it_can_do_and_its_examples_are_answered_on
     page.fill("#temperature", "0")
     for index, (question, answer) in enumerate(DEMO_EXAMPLES.items()):
         if index:
-            page.click("#new-chat")  # one question per conversation, as the introduction says
+            page.click("#new-chat")  # each example opens a conversation
         assert page.locator("#intro").is_visible()
         examples.nth(index).click()
         last_answer(page).and_(page.locator("[data-state=done]")).wait_for()
         assert page.locator(".message.user .content").all_text_contents() == [question]
         assert last_answer(page).locator(".content").text_content() == answer
         assert not page.locator("#intro").is_visible()
+
+
+# Three families in one conversation, the last question about the first turn: the built-in model answers
+# each from the whole history the page sends.
+CONVERSATION = (
+    ("My name is Rex.", "Nice to meet you, Rex."),
+    ("What is 250 + 89?", "339"),
+    ("Reverse the list: red, tea, oslo", "oslo, tea, red"),
+    ("What is my name?", "Rex"),
+)
+
+
+def test_a_conversation_is_answered_turn_by_turn_and_each_request_carries_every_earlier_turn(page: Page):
+    open_chat(page)
+    page.fill("#temperature", "0")
+    sent = add_to_requests(page)
+    for turn, (question, answer) in enumerate(CONVERSATION):
+        ask(page, question)
+        page.locator(".message.assistant").nth(turn).and_(page.locator("[data-state=done]")).wait_for()
+        assert last_answer(page).locator(".content").text_content() == answer, question
+    earlier: list[tuple[str, str]] = []
+    for body, (question, answer) in zip(sent, CONVERSATION, strict=True):
+        assert [(m["role"], m["content"]) for m in body["messages"]] == [*earlier, ("user", question)]
+        earlier += [("user", question), ("assistant", answer)]
 
 
 def test_the_introduction_is_the_built_in_models_alone(server):

@@ -16,14 +16,15 @@ from pagoda.demo.tasks import Item
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "pagoda-demo"
 # What the built-in model can do, said where a newcomer meets it (the chat page, `pagoda chat`), and questions it
 # answers right, one per family, to click or type (the chat page's and `pagoda chat`'s tests hold it to them).
-DEMO_INTRO = ("The built-in model knows only small tasks, one question per conversation: sums and differences, "
-              "counting, reversing and sorting lists, JSON, facts stated in the question, and tool calls.")
+DEMO_INTRO = ("The built-in model knows only small tasks: sums and differences, counting, reversing and sorting "
+              "lists, copying text, JSON, facts you tell it (it follows the conversation), and tool calls.")
 DEMO_EXAMPLES = {
     "What is 250 + 89?": "339",
     "Count the items: red, tea, oslo, cat": "4",
     "Reverse the list: red, tea, oslo": "oslo, tea, red",
     "Sort the numbers: 42, 7, 19": "7, 19, 42",
     "Convert to JSON: city=oslo, count=3": '{"city": "oslo", "count": 3}',
+    "My name is Rex.": "Nice to meet you, Rex.",
 }
 # The tool-call form the model was trained on (tasks.py writes its calls so): `pagoda serve` parses it by default.
 DEMO_TOOL_CALL_PARSER = "hermes"

@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
 NAME = "speculative"
 QUESTION = "How many target steps does speculation save, and which acceptance rate predicts it?"
-# Two of the built-in model's task prompts: its answers repeat words of the prompt, which n-grams find.
-PROMPTS = ("Copy this text: the river runs past the stone mill and the stone mill stands by the river",
-           "Reverse the list: denver, gray, tacos, riga, denver, gray, tacos, riga")
+# Two of the built-in model's task prompts, as its copy and reverse families pose them (4 words, 5 items): its
+# answers repeat words of the prompt, which n-grams find.
+PROMPTS = ("Copy this text: red tea oslo cat", "Reverse the list: red, tea, oslo, cat, denver")
 
 
 def run(model: str, quick: bool) -> LabResult:
