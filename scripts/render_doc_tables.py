@@ -143,7 +143,8 @@ def _backed(figure: str, values: list[float]) -> bool:
     """Whether some value, at some scale of SCALES, rounds to `figure` at the decimals it shows."""
     shown = float(figure.replace(",", ""))
     half_step = 0.5 * 10 ** -len(figure.split(".")[1]) + 1e-9
-    return any(abs(value * scale - shown) <= half_step for value in values for scale in SCALES)
+    # The figure's digits, not its sign: a table writes a negative as a minus before them.
+    return any(abs(abs(value) * scale - shown) <= half_step for value in values for scale in SCALES)
 
 
 def _documents(docs: Path) -> Iterator[tuple[Path, str, str, list[str]]]:
