@@ -21,16 +21,19 @@ from common import CONFIGS, add_common_args, environment, load_average, log, set
 from pagoda.kernels import TARGET_ENV, available_targets
 
 
-def decode_rate(llm, batch: int, prompt_len: int, out: int, repeats: int, seed: int, clock) -> float:
-    """Decode tokens/s of `batch` sequences: the engine's steps after the one that prefills every prompt."""
+def decode_rate(llm, batch: int, prompt_len: int, out: int, repeats: int, seed: int, clock,
+                lora_request=None, vocab_size: int = 32000) -> float:
+    """Decode tokens/s of `batch` sequences (on `lora_request`'s adapter, if given): the engine's steps after
+    the one that prefills every prompt."""
     from pagoda import SamplingParams
 
     engine, rng, rates = llm.engine, random.Random(seed), []
     params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
     for repeat in range(repeats):
         for index in range(batch):  # fresh prompts: no prefix-cache hits
-            engine.add_request(f"decode-{seed}-{repeat}-{index}", [rng.randrange(10, 32000) for _ in range(prompt_len)],
-                               params)
+            engine.add_request(f"decode-{seed}-{repeat}-{index}",
+                               [rng.randrange(10, vocab_size) for _ in range(prompt_len)], params,
+                               lora_request=lora_request)
         engine.step()  # every prompt, and each sequence's first token (max_num_batched_tokens holds them all)
         started, steps = clock(), 0
         while engine.has_unfinished_requests():

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 
 from common import add_common_args, environment, load_average, log, make_prompts, save_bar_png, set_threads
+from decode_targets import decode_rate
+from offline_throughput import run_pagoda
 from provenance import write_result
 
 ADAPTERS = 4
@@ -53,31 +55,11 @@ def make_adapters(model: str, rank: int, out_dir: Path) -> list[Path]:
 
 
 def throughput(llm, prompts, out_len: int, lora_requests) -> float:
-    from pagoda import SamplingParams
-
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params, lora_request=lora_requests, use_tqdm=False)
-    elapsed = time.perf_counter() - started
-    assert all(len(o.outputs[0].token_ids) == out_len for o in outputs)
-    return len(prompts) * out_len / elapsed
+    return len(prompts) * out_len / run_pagoda(llm, prompts, out_len, lora_requests)
 
 
-def decode_rate(llm, prompt, out_len: int, lora_request) -> float:
-    """Batch-1 decode tokens/s: the engine's steps after the one that prefills the prompt."""
-    from pagoda import SamplingParams
-
-    engine = llm.engine
-    engine.add_request(f"decode-{time.monotonic_ns()}", prompt, SamplingParams(temperature=0, max_tokens=out_len,
-                                                                               ignore_eos=True),
-                       lora_request=lora_request)
-    engine.step()
-    started, steps = time.perf_counter(), 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        steps += 1
-    assert steps == out_len - 1, f"{steps} decode steps for {out_len} tokens"
-    return steps / (time.perf_counter() - started)
+def batch1_rate(llm, out_len: int, prompt_len: int, vocab: int, seed: int, lora_request) -> float:
+    return decode_rate(llm, 1, prompt_len, out_len, 1, seed, time.perf_counter, lora_request, vocab)
 
 
 def main() -> None:
@@ -117,16 +99,16 @@ def main() -> None:
         throughput(lora, make_prompts(streams, args.prompt_len, vocab, seed=98), 4, mixed)
         for repeat in range(repeats):
             prompts = make_prompts(streams, args.prompt_len, vocab, seed=repeat)  # fresh each round
-            single = prompts[0]
+            args_1 = (out_len, args.prompt_len, vocab)
             for engine in ("plain", "lora") if repeat % 2 == 0 else ("lora", "plain"):
                 if engine == "plain":
                     runs["streams base"].append(throughput(plain, prompts, out_len, None))
-                    runs["batch-1 base"].append(decode_rate(plain, single, out_len, None))
+                    runs["batch-1 base"].append(batch1_rate(plain, *args_1, 3 * repeat, None))
                 else:
                     runs["streams mixed"].append(throughput(lora, prompts, out_len, mixed))
                     runs["streams base, lora on"].append(throughput(lora, prompts, out_len, None))
-                    runs["batch-1 adapter"].append(decode_rate(lora, single, out_len, requests[0]))
-                    runs["batch-1 base, lora on"].append(decode_rate(lora, single, out_len, None))
+                    runs["batch-1 adapter"].append(batch1_rate(lora, *args_1, 3 * repeat + 1, requests[0]))
+                    runs["batch-1 base, lora on"].append(batch1_rate(lora, *args_1, 3 * repeat + 2, None))
             log(f"round {repeat + 1}/{repeats}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()))
     medians = {name: statistics.median(values) for name, values in runs.items()}
     ratios = {

@@ -24,12 +24,12 @@ def make_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int) 
     return [[rng.randrange(10, vocab_size) for _ in range(prompt_len)] for _ in range(num_prompts)]
 
 
-def run_pagoda(llm, prompts, output_len: int) -> float:
+def run_pagoda(llm, prompts, output_len: int, lora_request=None) -> float:
     from pagoda import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     started = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=lora_request)
     elapsed = time.perf_counter() - started
     assert all(len(o.outputs[0].token_ids) == output_len for o in outputs)
     return elapsed
