@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import fields
 
 from doc_table_format import REPOSITORY, RESULTS, Column, Table, joined, per_second, ratio, seconds, two_places
+from doc_tables_labs import labs_summary
 
 LOGIT_STEPS = ("prefill", "decode, batch 1")
 
@@ -298,6 +299,8 @@ STALL = (Column("`--max-step-ms`", numeric=True), Column("out tok/s", numeric=Tr
          Column("TPOT p50 / p99 (s)", numeric=True))
 
 TABLES: dict[str, Table] = {
+    "labs-builtin": labs_summary(""),
+    "labs-bench-125m": labs_summary("bench-125m"),
     "logit-error": Table(
         ("logit_error.json", "logit_error-int4.json"),
         (Column("model"), Column("path"), Column("prefill: max / mean abs error", numeric=True),

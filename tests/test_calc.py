@@ -286,7 +286,7 @@ def test_table_output_shows_units_and_the_warning(capsys):
 def test_this_machine_is_measured_and_labelled(capsys, monkeypatch):
     from pagoda.calc import measure
 
-    measured = measure.measure_this_machine(copy_bytes=4 * measure.MiB, matmul_size=64)
+    measured = measure.measure_this_machine(read_bytes=4 * measure.MiB, matmul_size=64)
     assert measured.peak_flops > 0 and measured.bandwidth > 0 and "measured" in measured.source
     monkeypatch.setattr(measure, "measure_this_machine", lambda: measured)
     out = calc_json(capsys, "--model", "bench-125m", "--gpu", "this-machine")

@@ -188,3 +188,23 @@ def test_quantized_bytes_are_calcs_and_accuracy_stays_within_the_gate(tmp_path, 
     for name in ("fp32, int8 KV", "fp32, fp8 KV"):
         assert all(abs(correct[name][family] - count) <= 1 for family, count in correct["fp32"].items())
     assert all(settings["checks"].values())
+
+
+def test_a_model_without_the_tasks_is_judged_on_its_bytes_and_its_own_kv_scale(tmp_path, capsys, checkpoint):
+    # 6,144 fp32 KV bytes a token: the sweep starts at the whole MiB nearest 341 tokens of it, 2 MiB. Rows of
+    # 256 and 512 weights keep int8's fp32 scale a row within the lab's 2% of calc's bytes.
+    model = checkpoint("llama", hidden_size=256, intermediate_size=512, num_layers=3, num_heads=4, num_kv_heads=4)
+    assert main(["lab", "kv-capacity", "--quick", "--model", str(model), "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "kv-capacity.json").read_text())["rows"]
+    assert [row["budget_mib"] for row in rows] == [2, 4]
+    assert all(row["peak_sequences"] == row["predicted_sequences"] > 0 for row in rows)
+
+    assert main(["lab", "quantization", "--quick", "--model", str(model), "--out", str(tmp_path)]) == 0
+    assert "lesson holds" in capsys.readouterr().out
+    result = json.loads((tmp_path / "quantization.json").read_text())
+    assert result["settings"]["families"] == []  # no held-out tasks asked of a random model
+    rows = {row["config"]: row for row in result["rows"]}
+    assert all(row["accuracy"] is None for row in rows.values())
+    assert rows["fp32"]["same_as_fp32"] == 1.0
+    assert rows["bf16"]["weight_mb_engine"] == rows["fp32"]["weight_mb_engine"] / 2
+    assert (tmp_path / "quantization.png").stat().st_size > 10_000

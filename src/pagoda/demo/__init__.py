@@ -14,6 +14,8 @@ from typing import Any
 from pagoda.demo.tasks import Item
 
 DEMO_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "pagoda-demo"
+# A PEFT LoRA adapter on it (scripts/train_demo_adapter.py) for the `double` task, which the base never learnt.
+DEMO_ADAPTER_DIR = DEMO_MODEL_DIR.parent / "pagoda-demo-double"
 # What the built-in model can do, said where a newcomer meets it (the chat page, `pagoda chat`), and questions it
 # answers right, one per family, to click or type (the chat page's and `pagoda chat`'s tests hold it to them).
 DEMO_INTRO = ("The built-in model knows only small tasks: sums and differences, counting, reversing and sorting "
@@ -29,8 +31,8 @@ DEMO_EXAMPLES = {
 # The tool-call form the model was trained on (tasks.py writes its calls so): `pagoda serve` parses it by default.
 DEMO_TOOL_CALL_PARSER = "hermes"
 
-__all__ = ["DEMO_EXAMPLES", "DEMO_INTRO", "DEMO_MODEL_DIR", "DEMO_TOOL_CALL_PARSER", "encode_prompts", "render_prompt",
-           "transformers_greedy"]
+__all__ = ["DEMO_ADAPTER_DIR", "DEMO_EXAMPLES", "DEMO_INTRO", "DEMO_MODEL_DIR", "DEMO_TOOL_CALL_PARSER",
+           "encode_prompts", "render_prompt", "transformers_greedy"]
 
 
 def render_prompt(tokenizer: Any, item: Item) -> str:

@@ -87,6 +87,14 @@ def copying(rng: random.Random) -> Problem:
     return Problem("copy:" + text, prompt.format(x=text), text)
 
 
+def doubling(rng: random.Random) -> Problem:
+    """The demo adapter's task (assets/pagoda-demo-double), which the base model was never taught."""
+    words = [any_word(rng) for _ in range(rng.randint(2, 4))]
+    text = " ".join(words)
+    prompt = rng.choice(("Say each word twice: {x}", "Double every word: {x}"))
+    return Problem("double:" + text, prompt.format(x=text), " ".join(f"{word} {word}" for word in words))
+
+
 JSON_KEYS = (
     "name", "age", "city", "color", "pet", "id", "score", "size", "level", "count", "food", "mode", "title",
     "owner", "year", "price", "type", "status",

@@ -21,6 +21,7 @@ from pagoda.demo.families import (
     addition,
     copying,
     counting,
+    doubling,
     facts,
     in_test_split,
     reversing,
@@ -75,6 +76,10 @@ TASKS: dict[str, Callable[[random.Random], Problem]] = {
     "recall": recall,
 }
 
+# Tasks an adapter teaches, not the base model: held out like the others, but never in its training mix or in
+# `held_out_set` (the base model's quality gate).
+ADAPTER_TASKS: dict[str, Callable[[random.Random], Problem]] = {"double": doubling}
+
 
 def _item(task: str, problem: Problem, system: str | None) -> Item:
     return Item(task, problem.key, problem.prompt, problem.answer, system, problem.tools, problem.turns,
@@ -91,7 +96,7 @@ def generate(task: str, split: str, count: int, seed: int = 0, system_rate: floa
     items: list[Item] = []
     seen: set[str] = set()
     for _ in range(count * 200):  # bounded: small families may hold fewer than `count` problems
-        problem = TASKS[task](rng)
+        problem = (TASKS.get(task) or ADAPTER_TASKS[task])(rng)
         if in_test_split(problem.key) != want_test or problem.key in seen:
             continue
         seen.add(problem.key)
@@ -135,7 +140,7 @@ def training_stream(seed: int = 0, system_rate: float = 0.1) -> Iterator[Item]:
 def _train_stream(task: str, seed: int, system_rate: float) -> Iterator[Item]:
     rng = random.Random(f"{seed}/train/{task}")
     while True:
-        problem = TASKS[task](rng)
+        problem = (TASKS.get(task) or ADAPTER_TASKS[task])(rng)
         if in_test_split(problem.key):
             continue
         if task not in _OWN_HISTORY and rng.random() < HISTORY_RATE:
@@ -144,5 +149,11 @@ def _train_stream(task: str, seed: int, system_rate: float) -> Iterator[Item]:
         yield _item(task, problem, system)
 
 
-__all__ = ["SCOPE_ANSWER", "SYSTEM_PROMPTS", "TASKS", "TEST_BUCKETS", "TOOLS", "TRAINING_WEIGHTS", "Item",
-           "generate", "held_out_set", "in_test_split", "is_correct", "tool_call_text", "training_stream"]
+def adapter_training_stream(task: str, seed: int = 0) -> Iterator[Item]:
+    """Endless training items of one adapter task, wording and earlier exchanges drawn as the base's are."""
+    return _train_stream(task, seed, system_rate=0.1)
+
+
+__all__ = ["ADAPTER_TASKS", "SCOPE_ANSWER", "SYSTEM_PROMPTS", "TASKS", "TEST_BUCKETS", "TOOLS", "TRAINING_WEIGHTS",
+           "Item", "adapter_training_stream", "generate", "held_out_set", "in_test_split", "is_correct",
+           "tool_call_text", "training_stream"]

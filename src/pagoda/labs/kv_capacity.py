@@ -26,6 +26,7 @@ NAME = "kv-capacity"
 QUESTION = "Does the KV formula predict the real pool, and the sequences that run at once?"
 MiB = 2**20
 PROMPT_TOKENS = 100
+UNIT_TOKENS = 341  # a third of a thousand tokens: three 100-token prompts and the blocks' rounding
 
 
 def run(model: str, quick: bool) -> LabResult:
@@ -35,7 +36,11 @@ def run(model: str, quick: bool) -> LabResult:
     assert arch is not None, f"{model}: the lab needs the model's shape (a config.json)"
     rng = random.Random(0)
     rows: list[dict[str, Cell]] = []
-    for budget_mib in (1, 2) if quick else (1, 2, 4, 8, 16):
+    # The sweep doubles from the whole MiB nearest UNIT_TOKENS tokens of this model's fp32 KV, so every model's
+    # smallest pool holds a few prompts: 1 MiB for the built-in model, 15 for a 125M bench model.
+    fp32_per_token = formulas.kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, "float32")
+    unit_mib = max(1, round(UNIT_TOKENS * fp32_per_token / MiB))
+    for budget_mib in (unit_mib * scale for scale in ((1, 2) if quick else (1, 2, 4, 8, 16))):
         llm = LLM(model, kv_cache_memory_bytes=budget_mib * MiB, max_num_seqs=1024, max_num_batched_tokens=65536)
         kv = llm.engine.describe().kv_cache
         per_token = formulas.kv_bytes_per_token(arch.num_layers, arch.num_kv_heads, arch.head_dim, kv.dtype)
