@@ -1,6 +1,6 @@
 """Validates `pagoda sim` against a real fleet on the same trace: N `pagoda serve` replicas behind `pagoda route`,
 the trace replayed through the router with the official openai client (streaming /v1/completions with the
-trace's token ids, ignore_eos, each session's turns in order, a think time after each answer), then the same
+trace's token ids, ignore_eos, each conversation's turns in order, a think time after each answer), then the same
 trace, engine settings and router settings simulated with a calibrated step-cost model.
 
 Compared: the replicas' prefix-cache hit rate (vllm:prefix_cache_hits / queries, summed over replicas; target:
@@ -9,7 +9,7 @@ within 0.05) and TTFT p50 (target: within 20%). Calibrate first, with the replic
     python benchmarks/sim_calibrate.py --model models/bench-125m --threads 1 --out /tmp/step_cost.json
     python benchmarks/sim_validate.py --model models/bench-125m --step-cost /tmp/step_cost.json --replicas 3
 
---quick: 2 replicas, a handful of sessions (a check that the script works; its figures mean little).
+--quick: 2 replicas, a handful of conversations (a check that the script works; its figures mean little).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ async def serving_overhead(router_url: str, cost: StepCost, vocab_size: int, pro
 
 
 async def replay(trace: Trace, router_url: str) -> list[dict]:
-    """Every session as a task: its turns in order, each streamed; TTFT is the first chunk's arrival."""
+    """Every conversation as a task: its turns in order, each streamed; TTFT is the first chunk's arrival."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{router_url}/v1", api_key="none", max_retries=0, timeout=600)
@@ -87,12 +87,12 @@ async def replay(trace: Trace, router_url: str) -> list[dict]:
     records: list[dict] = []
     started = time.perf_counter()
 
-    async def session_task(index: int) -> None:
-        session = trace.sessions[index]
-        await asyncio.sleep(max(session.start_s - (time.perf_counter() - started), 0))
-        for turn_index, turn in enumerate(session.turns):
-            prompt = trace.prompt(session, turn_index)
-            record = {"session": index, "turn": turn_index, "prompt_tokens": len(prompt), "ttft_s": None}
+    async def conversation_task(index: int) -> None:
+        conversation = trace.conversations[index]
+        await asyncio.sleep(max(conversation.start_s - (time.perf_counter() - started), 0))
+        for turn_index, turn in enumerate(conversation.turns):
+            prompt = trace.prompt(conversation, turn_index)
+            record = {"conversation": index, "turn": turn_index, "prompt_tokens": len(prompt), "ttft_s": None}
             records.append(record)
             sent = time.perf_counter()
             try:
@@ -104,12 +104,12 @@ async def replay(trace: Trace, router_url: str) -> list[dict]:
                         record["ttft_s"] = time.perf_counter() - sent
                     chunks += 1
                 record["e2e_s"] = time.perf_counter() - sent
-            except openai.APIStatusError as error:  # a 429: every replica saturated; the session ends, as simulated
+            except openai.APIStatusError as error:  # a 429: every replica saturated; it ends, as simulated
                 record["refused"] = error.status_code
                 return
             await asyncio.sleep(turn.think_s)
 
-    await asyncio.gather(*(session_task(i) for i in range(len(trace.sessions))))
+    await asyncio.gather(*(conversation_task(i) for i in range(len(trace.conversations))))
     await client.close()
     return records
 
@@ -161,8 +161,8 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--policy", default="cache_aware")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per replica (as calibrated)")
-    parser.add_argument("--num-sessions", type=int, default=40)
-    parser.add_argument("--session-rate", type=float, default=1.0)
+    parser.add_argument("--num-conversations", type=int, default=40)
+    parser.add_argument("--conversation-rate", type=float, default=1.0)
     parser.add_argument("--think-time", type=float, default=2.0)
     parser.add_argument("--vocab-size", type=int, default=1024, help="at most the model's")
     parser.add_argument("--num-kv-blocks", type=int, default=256)
@@ -175,11 +175,11 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.quick:
-        args.replicas, args.num_sessions, args.session_rate = 2, 6, 2.0
-    trace_config = TraceConfig(num_sessions=args.num_sessions, session_rate=args.session_rate, min_turns=2,
-                               max_turns=4, num_system_prompts=4, system_prompt_tokens=96, user_tokens=(16, 48),
-                               answer_tokens=(8, 32), mean_think_s=args.think_time, vocab_size=args.vocab_size,
-                               seed=args.seed)
+        args.replicas, args.num_conversations, args.conversation_rate = 2, 6, 2.0
+    trace_config = TraceConfig(num_conversations=args.num_conversations, conversation_rate=args.conversation_rate,
+                               min_turns=2, max_turns=4, num_system_prompts=4, system_prompt_tokens=96,
+                               user_tokens=(16, 48), answer_tokens=(8, 32), mean_think_s=args.think_time,
+                               vocab_size=args.vocab_size, seed=args.seed)
     trace = generate_trace(trace_config)
     replica_config = ReplicaConfig(
         SchedulerConfig(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,

@@ -84,10 +84,10 @@ class EngineReplica:
         return progress
 
 
-def small_trace(num_sessions: int = 12, seed: int = 3) -> TraceConfig:
-    return TraceConfig(num_sessions=num_sessions, session_rate=20.0, min_turns=2, max_turns=3, num_system_prompts=2,
-                       system_prompt_tokens=40, user_tokens=(4, 20), answer_tokens=(3, 12), mean_think_s=0.05,
-                       vocab_size=500, seed=seed)
+def small_trace(num_conversations: int = 12, seed: int = 3) -> TraceConfig:
+    return TraceConfig(num_conversations=num_conversations, conversation_rate=20.0, min_turns=2, max_turns=3,
+                       num_system_prompts=2, system_prompt_tokens=40, user_tokens=(4, 20), answer_tokens=(3, 12),
+                       mean_think_s=0.05, vocab_size=500, seed=seed)
 
 
 @pytest.mark.parametrize(("arch", "num_replicas", "policy", "num_blocks"), [
@@ -124,7 +124,7 @@ def test_simulated_fleet_counts_what_real_engines_count(checkpoint, make_llm, ar
         (r.replica, r.cached_tokens, r.first_token_s, r.finish_s, r.output_tokens) for r in real.records]
     served = [r for r in simulated.records if r.replica >= 0]  # the rest: refused while every replica was full
     assert len(served) > len(simulated.records) // 2
-    assert all(r.output_tokens == trace.sessions[r.session].turns[r.turn].answer_len for r in served)
+    assert all(r.output_tokens == trace.conversations[r.conversation].turns[r.turn].answer_len for r in served)
     if num_replicas == 1 and policy == "cache_aware":  # the small pools
         assert sum(r.scheduler.num_preemptions for r in simulated.replicas if isinstance(r, SimReplica)) > 0
     for replica in simulated.replicas:
@@ -134,7 +134,7 @@ def test_simulated_fleet_counts_what_real_engines_count(checkpoint, make_llm, ar
 
 
 def test_cache_aware_keeps_conversations_where_their_prefix_is():
-    trace = generate_trace(TraceConfig(num_sessions=120, session_rate=4.0, vocab_size=1000, seed=1))
+    trace = generate_trace(TraceConfig(num_conversations=120, conversation_rate=4.0, vocab_size=1000, seed=1))
     config = ReplicaConfig(SchedulerConfig(max_model_len=2048), num_blocks=2048)
     cost = StepCost.load(DEFAULT_STEP_COST)
     cache_aware = summarize(simulate(trace, 4, config, RouterConfig(policy="cache_aware"), cost))
@@ -176,14 +176,14 @@ def test_step_cost_json_round_trip_and_refusals(tmp_path):
 def test_trace_is_seeded_and_turns_carry_the_conversation():
     config = small_trace(seed=5)
     one, two = generate_trace(config), generate_trace(config)
-    assert one.sessions == two.sessions and one.system_prompts == two.system_prompts
-    session = next(s for s in one.sessions if len(s.turns) >= 2)
-    first, second = one.prompt(session, 0), one.prompt(session, 1)
-    user, answer = one.turn_tokens(session, 0)
+    assert one.conversations == two.conversations and one.system_prompts == two.system_prompts
+    conversation = next(s for s in one.conversations if len(s.turns) >= 2)
+    first, second = one.prompt(conversation, 0), one.prompt(conversation, 1)
+    user, answer = one.turn_tokens(conversation, 0)
     assert second[: len(first) + len(answer)] == first + answer  # turn 2 resends turn 1 and its answer
-    assert first[: config.system_prompt_tokens] == one.system_prompts[session.system_prompt]
+    assert first[: config.system_prompt_tokens] == one.system_prompts[conversation.system_prompt]
     assert OUTPUT_TOKEN_ID not in first + second  # simulated answers never match a recorded one
-    assert generate_trace(small_trace(seed=6)).sessions != one.sessions
+    assert generate_trace(small_trace(seed=6)).conversations != one.conversations
 
 
 def test_percentile_is_linear_between_order_statistics():
@@ -203,7 +203,7 @@ def test_cli_writes_its_figures(tmp_path):
     out = tmp_path / "sim.json"
     result = subprocess.run(
         [sys.executable, "-m", "pagoda", "sim", "--replicas", "3", "--policy", "cache_aware", "--policy",
-         "round_robin", "--num-sessions", "30", "--vocab-size", "500", "--output", str(out)],
+         "round_robin", "--num-conversations", "30", "--vocab-size", "500", "--output", str(out)],
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "prefix-cache hit rate" in result.stdout
@@ -225,8 +225,8 @@ def test_cli_takes_a_models_kv_cache_groups(tmp_path, checkpoint):
     chooses them; a directory without a config.json is refused by its path."""
     out = tmp_path / "sim.json"
     model = checkpoint("gemma2")
-    command = [sys.executable, "-m", "pagoda", "sim", "--replicas", "1", "--num-sessions", "8", "--vocab-size", "500",
-               "--block-size", "4"]
+    command = [sys.executable, "-m", "pagoda", "sim", "--replicas", "1", "--num-conversations", "8",
+               "--vocab-size", "500", "--block-size", "4"]
     result = subprocess.run([*command, "--model", str(model), "--output", str(out)], capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
@@ -239,7 +239,7 @@ def test_cli_takes_a_models_kv_cache_groups(tmp_path, checkpoint):
 
 
 def test_request_overhead_delays_each_request_by_exactly_its_length():
-    trace = generate_trace(small_trace(num_sessions=1))
+    trace = generate_trace(small_trace(num_conversations=1))
     config = ReplicaConfig(SchedulerConfig(max_model_len=256), num_blocks=64, block_size=4)
     router = RouterConfig(default_block_size=4)
     direct = simulate(trace, 1, config, router, StepCost(fixed_s=0.01, prefill_token_s=1e-4))
@@ -252,8 +252,8 @@ def test_request_overhead_delays_each_request_by_exactly_its_length():
 
 def burst_trace(seed: int = 1) -> TraceConfig:
     """A steady trickle, a burst of eight times the rate from 20 s to 35 s, then the trickle again for a while."""
-    return TraceConfig(num_sessions=190, session_rate=1.0, burst_start_s=20.0, burst_duration_s=15.0, burst_rate=8.0,
-                       mean_think_s=1.0, vocab_size=1000, seed=seed)
+    return TraceConfig(num_conversations=190, conversation_rate=1.0, burst_start_s=20.0, burst_duration_s=15.0,
+                       burst_rate=8.0, mean_think_s=1.0, vocab_size=1000, seed=seed)
 
 
 def autoscaled(metric: str, target: float, trace_config: TraceConfig | None = None):
@@ -295,7 +295,8 @@ def test_autoscaling_rises_under_a_burst_and_falls_after(metric, target):
     assert ready and all(item in started for item in ready)  # each up its start-up delay after it was asked for
     # no lost request: every turn served in full, every block back in its pool
     assert len(run.records) == trace.num_requests
-    assert all(r.finish_s is not None and r.output_tokens == trace.sessions[r.session].turns[r.turn].answer_len
+    assert all(r.finish_s is not None
+               and r.output_tokens == trace.conversations[r.conversation].turns[r.turn].answer_len
                for r in run.records)
     for replica in run.replicas:
         replica.kv_cache.check_invariants()
@@ -305,8 +306,8 @@ def test_autoscaling_rises_under_a_burst_and_falls_after(metric, target):
 
 def test_a_draining_replica_gets_nothing_new_and_finishes_what_it_holds():
     # a busier trickle after the burst: the replicas drained then still hold requests
-    _, run = autoscaled("num_requests_waiting", 2.0, dataclasses.replace(burst_trace(), session_rate=3.0,
-                                                                          num_sessions=250))
+    _, run = autoscaled("num_requests_waiting", 2.0, dataclasses.replace(burst_trace(), conversation_rate=3.0,
+                                                                          num_conversations=250))
     spans = routable_spans(run)
     for record in run.records:  # chosen only while its replica's health check answered
         assert any(start <= record.arrival_s < end for start, end in spans[record.replica]), record
@@ -332,9 +333,9 @@ def test_new_replicas_start_cold():
         first = min(later, key=lambda r: r.arrival_s)
         assert first.cached_tokens == 0
         # though its system prompt was already cached on a replica that was up before it
-        system = trace.sessions[first.session].system_prompt
+        system = trace.conversations[first.conversation].system_prompt
         assert any(r.cached_tokens >= block for r in run.records if r.arrival_s < event.t_s
-                   and trace.sessions[r.session].system_prompt == system)
+                   and trace.conversations[r.conversation].system_prompt == system)
     engines = run.replicas
     assert len({id(engine) for engine in engines}) == len(engines)  # a restarted slot gets a new replica
     assert len(engines) == 1 + sum(e.kind == "ready" for e in run.scaling.events)
@@ -362,12 +363,12 @@ def test_autoscaler_holds_its_bounds_and_cools_down():
 
 def test_a_burst_raises_the_arrival_rate_for_its_duration():
     config = burst_trace()
-    starts = [s.start_s for s in generate_trace(config).sessions]
+    starts = [s.start_s for s in generate_trace(config).conversations]
     inside = sum(1 for t in starts if 20.0 <= t < 35.0)
     before = sum(1 for t in starts if t < 20.0)
     assert 80 <= inside <= 160 and 4 <= before <= 36  # 8/s for 15 s; 1/s for 20 s
     plain = dataclasses.replace(config, burst_duration_s=0.0, burst_rate=0.0)
-    assert [s.start_s for s in generate_trace(plain).sessions][:before] == starts[:before]  # same draws before it
+    assert [s.start_s for s in generate_trace(plain).conversations][:before] == starts[:before]  # same draws before it
 
 
 def test_cli_autoscales_and_refuses_its_flags_alone(tmp_path):
@@ -375,7 +376,7 @@ def test_cli_autoscales_and_refuses_its_flags_alone(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "pagoda", "sim", "--replicas", "1", "--autoscale", "--max-replicas", "3",
          "--autoscale-window", "5", "--autoscale-cooldown", "10", "--replica-startup-delay", "2",
-         "--autoscale-target", "1", "--num-sessions", "80", "--session-rate", "1", "--burst-start", "5",
+         "--autoscale-target", "1", "--num-conversations", "80", "--conversation-rate", "1", "--burst-start", "5",
          "--burst-duration", "8", "--burst-rate", "20", "--max-num-seqs", "4", "--vocab-size", "500",
          "--output", str(out)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

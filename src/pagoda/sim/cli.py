@@ -21,8 +21,8 @@ from pagoda.sim.trace import TraceConfig, generate_trace
 
 # flag -> (TraceConfig field, type, help)
 TRACE_FLAGS: dict[str, tuple[str, type, str]] = {
-    "--num-sessions": ("num_sessions", int, "conversations in the trace"),
-    "--session-rate": ("session_rate", float, "conversations started per second (Poisson)"),
+    "--num-conversations": ("num_conversations", int, "conversations in the trace"),
+    "--conversation-rate": ("conversation_rate", float, "conversations started per second (Poisson)"),
     "--min-turns": ("min_turns", int, "fewest turns of a conversation"),
     "--max-turns": ("max_turns", int, "most turns of a conversation"),
     "--num-system-prompts": ("num_system_prompts", int, "distinct system prompts (Zipf popularity)"),
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagoda sim: {error}")
         return 2
     trace = generate_trace(trace_config)
-    print(f"trace: {len(trace.sessions)} conversations, {trace.num_requests} requests; step cost: "
+    print(f"trace: {len(trace.conversations)} conversations, {trace.num_requests} requests; step cost: "
           f"{cost.description or args.step_cost}")
     results: dict[str, Any] = {}
     for policy in args.policy or ["cache_aware"]:

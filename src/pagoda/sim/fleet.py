@@ -6,8 +6,8 @@ leases it, and the replica takes it into its next step. A replica steps while it
 and ends `StepCost` seconds later, when its tokens reach the router's lease as a proxy relays a stream (first
 output, then each token; finished with the replica's cached-token count, as the proxy reads it from the usage).
 The router's poller is simulated too: every `poll_interval_s`, each replica's waiting requests, KV usage and
-prefix-cache counters, as /metrics would show them. A session's next turn is sent a think time after its
-answer ends; a turn no replica can take (every one saturated) is refused, as a 429, and ends its session.
+prefix-cache counters, as /metrics would show them. A conversation's next turn is sent a think time after its
+answer ends; a turn no replica can take (every one saturated) is refused, as a 429, and ends its conversation.
 With autoscaling (`sim/autoscale.py`), the router lists every slot the fleet may grow to, the autoscaler reads
 each poll, and replicas start (cold, a start-up delay later), drain and retire in the same loop.
 """
@@ -35,7 +35,7 @@ TURN, SUBMIT, STEP_END, POLL, STARTED = 0, 1, 2, 3, 4
 class TurnRecord:
     """One request of the trace, as the fleet saw it (times in simulated seconds)."""
 
-    session: int
+    conversation: int
     turn: int
     arrival_s: float
     prompt_tokens: int
@@ -137,12 +137,12 @@ class Fleet:
         for replica, state in zip(self.router.replicas, self.states):
             self.router.set_health(replica, state is SlotState.READY)
         self._poll()
-        for index, session in enumerate(self.trace.sessions):
-            self._push(session.start_s, TURN, index, 0)
+        for index, conversation in enumerate(self.trace.conversations):
+            self._push(conversation.start_s, TURN, index, 0)
         handlers: dict[int, Callable[[int, int], None]] = {TURN: self._turn, SUBMIT: self._submit,
                                                            STEP_END: self._step_end}
         self._push(self.router.config.poll_interval_s, POLL, 0)
-        pending = len(self.trace.sessions)  # TURN and STEP_END events in the heap: the poller stops with them
+        pending = len(self.trace.conversations)  # TURN and STEP_END events in the heap: the poller stops with them
         while pending:
             self.now, _, kind, a, b = heapq.heappop(self._events)
             if kind == POLL:
@@ -165,30 +165,30 @@ class Fleet:
         assert engine is not None, f"slot {index} has no replica running"
         return engine
 
-    def _turn(self, session_index: int, turn_index: int) -> None:
-        session = self.trace.sessions[session_index]
-        history = self._histories.pop(session_index, None)
+    def _turn(self, conversation_index: int, turn_index: int) -> None:
+        conversation = self.trace.conversations[conversation_index]
+        history = self._histories.pop(conversation_index, None)
         if history is None:
-            history = list(self.trace.system_prompts[session.system_prompt])
-        user, answer = self.trace.turn_tokens(session, turn_index)
+            history = list(self.trace.system_prompts[conversation.system_prompt])
+        user, answer = self.trace.turn_tokens(conversation, turn_index)
         prompt = history + user
-        record = TurnRecord(session_index, turn_index, self.now, len(prompt), len(answer))
+        record = TurnRecord(conversation_index, turn_index, self.now, len(prompt), len(answer))
         self.records.append(record)
         try:
             decision = self.router.choose(RoutedPrompt(prompt))
         except NoReplicaAvailable:
-            return  # refused: the session ends here
+            return  # refused: the conversation ends here
         lease = self.router.begin(decision)
         record.replica = self._position[decision.replica]
-        request_id = f"s{session_index}-t{turn_index}"
+        request_id = f"s{conversation_index}-t{turn_index}"
         self._in_flight[request_id] = _InFlight(record, decision, lease, prompt, answer)
         if self.request_overhead_s > 0:
-            self._push(self.now + self.request_overhead_s, SUBMIT, session_index, turn_index)
+            self._push(self.now + self.request_overhead_s, SUBMIT, conversation_index, turn_index)
         else:
-            self._submit(session_index, turn_index)
+            self._submit(conversation_index, turn_index)
 
-    def _submit(self, session_index: int, turn_index: int) -> None:
-        request_id = f"s{session_index}-t{turn_index}"
+    def _submit(self, conversation_index: int, turn_index: int) -> None:
+        request_id = f"s{conversation_index}-t{turn_index}"
         flight = self._in_flight[request_id]
         index = flight.record.replica
         self._engine(index).submit(request_id, flight.prompt, len(flight.answer), self.now)
@@ -225,10 +225,10 @@ class Fleet:
         self.router.observe_cached_tokens(flight.decision, progress.num_cached_tokens)
         self.router.record_success(flight.decision.replica)
         lease.finish(succeeded=True)
-        session = self.trace.sessions[record.session]
-        if record.turn + 1 < len(session.turns):
-            self._histories[record.session] = flight.prompt + flight.answer
-            self._push(self.now + session.turns[record.turn].think_s, TURN, record.session, record.turn + 1)
+        conversation = self.trace.conversations[record.conversation]
+        if record.turn + 1 < len(conversation.turns):
+            self._histories[record.conversation] = flight.prompt + flight.answer
+            self._push(self.now + conversation.turns[record.turn].think_s, TURN, record.conversation, record.turn + 1)
 
     def _poll(self) -> None:
         """What the router's poller reads from each replica's /metrics."""

@@ -1,6 +1,6 @@
 """A multi-turn chat trace, generated from a seed: the workload a simulated fleet and a real one both replay.
 
-Sessions arrive as a Poisson process, at `session_rate`, or at `burst_rate` for `burst_duration_s` from
+Conversations arrive as a Poisson process, at `conversation_rate`, or at `burst_rate` for `burst_duration_s` from
 `burst_start_s` (a burst, or a lull). Each opens with one of a few system prompts (Zipf popularity, so that
 some prefixes are hot) and runs several turns; turn k's prompt is the system prompt, then every earlier
 turn's user message and recorded answer, then its own user message: a conversation replayed from a log, as
@@ -19,8 +19,8 @@ FIRST_TOKEN_ID = 16
 
 @dataclass(frozen=True)
 class TraceConfig:
-    num_sessions: int = 200
-    session_rate: float = 2.0  # sessions started per second (Poisson)
+    num_conversations: int = 200
+    conversation_rate: float = 2.0  # conversations started per second (Poisson)
     min_turns: int = 2
     max_turns: int = 5
     num_system_prompts: int = 8
@@ -33,15 +33,15 @@ class TraceConfig:
     seed: int = 0
     burst_start_s: float = 0.0
     burst_duration_s: float = 0.0  # 0: no burst
-    burst_rate: float = 0.0  # sessions started per second during the burst
+    burst_rate: float = 0.0  # conversations started per second during the burst
 
     def __post_init__(self) -> None:
-        if self.num_sessions < 1 or self.num_system_prompts < 1 or self.system_prompt_tokens < 1:
-            raise ValueError("num_sessions, num_system_prompts and system_prompt_tokens must be at least 1")
+        if self.num_conversations < 1 or self.num_system_prompts < 1 or self.system_prompt_tokens < 1:
+            raise ValueError("num_conversations, num_system_prompts and system_prompt_tokens must be at least 1")
         if not 1 <= self.min_turns <= self.max_turns:
             raise ValueError("turns must satisfy 1 <= min_turns <= max_turns")
-        if not self.session_rate > 0 or not self.mean_think_s >= 0:
-            raise ValueError("session_rate must be > 0 and mean_think_s >= 0")
+        if not self.conversation_rate > 0 or not self.mean_think_s >= 0:
+            raise ValueError("conversation_rate must be > 0 and mean_think_s >= 0")
         for name in ("user_tokens", "answer_tokens"):
             low, high = getattr(self, name)
             if not 1 <= low <= high:
@@ -53,12 +53,12 @@ class TraceConfig:
             raise ValueError(f"vocab_size must be above {FIRST_TOKEN_ID}")
 
     def next_arrival(self, rng: random.Random, now: float) -> float:
-        """The next session's start after `now`: exponential gaps at the rate in force; a gap that crosses the
+        """The next conversation's start after `now`: exponential gaps at the rate in force; a gap that crosses the
         burst's start or end is drawn again from there (the process is memoryless, so this is exact)."""
         end = self.burst_start_s + self.burst_duration_s
         while True:
             in_burst = self.burst_start_s <= now < end
-            arrival = now + rng.expovariate(self.burst_rate if in_burst else self.session_rate)
+            arrival = now + rng.expovariate(self.burst_rate if in_burst else self.conversation_rate)
             edge = end if in_burst else self.burst_start_s
             if not self.burst_duration_s or not now < edge <= arrival:
                 return arrival
@@ -79,8 +79,8 @@ class Turn:
 
 
 @dataclass(frozen=True)
-class Session:
-    session_id: int
+class Conversation:
+    conversation_id: int
     start_s: float
     system_prompt: int  # index into Trace.system_prompts
     turns: tuple[Turn, ...]
@@ -88,33 +88,33 @@ class Session:
 
 @dataclass
 class Trace:
-    """The sessions hold lengths only; a turn's tokens are drawn when it is sent (`turn_tokens`, seeded by the
-    session and turn), so that a trace of many thousand sessions stays small."""
+    """The conversations hold lengths only; a turn's tokens are drawn when it is sent (`turn_tokens`, seeded by the
+    conversation and turn), so that a trace of many thousand conversations stays small."""
 
     config: TraceConfig
     system_prompts: list[list[int]]
-    sessions: list[Session] = field(default_factory=list)
+    conversations: list[Conversation] = field(default_factory=list)
 
     @property
     def num_requests(self) -> int:
-        return sum(len(session.turns) for session in self.sessions)
+        return sum(len(conversation.turns) for conversation in self.conversations)
 
-    def turn_tokens(self, session: Session, turn_index: int) -> tuple[list[int], list[int]]:
+    def turn_tokens(self, conversation: Conversation, turn_index: int) -> tuple[list[int], list[int]]:
         """(user message, recorded answer) of one turn, the same every time they are asked for."""
-        turn = session.turns[turn_index]
-        rng = random.Random(f"{self.config.seed}/{session.session_id}/{turn_index}")
+        turn = conversation.turns[turn_index]
+        rng = random.Random(f"{self.config.seed}/{conversation.conversation_id}/{turn_index}")
         drawn = _tokens(rng, turn.user_len + turn.answer_len, self.config.vocab_size)
         return drawn[: turn.user_len], drawn[turn.user_len :]
 
-    def prompt(self, session: Session, turn_index: int, history: list[int] | None = None) -> list[int]:
+    def prompt(self, conversation: Conversation, turn_index: int, history: list[int] | None = None) -> list[int]:
         """Turn `turn_index`'s prompt. history: the conversation before it (system prompt, earlier turns'
         messages and answers), when the caller keeps it; else it is rebuilt."""
         if history is None:
-            history = list(self.system_prompts[session.system_prompt])
+            history = list(self.system_prompts[conversation.system_prompt])
             for index in range(turn_index):
-                user, answer = self.turn_tokens(session, index)
+                user, answer = self.turn_tokens(conversation, index)
                 history += user + answer
-        return history + self.turn_tokens(session, turn_index)[0]
+        return history + self.turn_tokens(conversation, turn_index)[0]
 
 
 def _tokens(rng: random.Random, count: int, vocab_size: int) -> list[int]:
@@ -126,13 +126,13 @@ def generate_trace(config: TraceConfig) -> Trace:
     system_prompts = [_tokens(rng, config.system_prompt_tokens, config.vocab_size)
                       for _ in range(config.num_system_prompts)]
     weights = [1.0 / (i + 1) ** config.system_prompt_zipf for i in range(config.num_system_prompts)]
-    sessions, now = [], 0.0
-    for session_id in range(config.num_sessions):
+    conversations, now = [], 0.0
+    for conversation_id in range(config.num_conversations):
         now = config.next_arrival(rng, now)
         turns = tuple(
             Turn(rng.randint(*config.user_tokens), rng.randint(*config.answer_tokens),
                  rng.expovariate(1.0 / config.mean_think_s) if config.mean_think_s > 0 else 0.0)
             for _ in range(rng.randint(config.min_turns, config.max_turns)))
         system = rng.choices(range(config.num_system_prompts), weights)[0]
-        sessions.append(Session(session_id, now, system, turns))
-    return Trace(config, system_prompts, sessions)
+        conversations.append(Conversation(conversation_id, now, system, turns))
+    return Trace(config, system_prompts, conversations)
