@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from provenance import write_result
+from quality import correctness, score
 
 from pagoda import LLM, LoRARequest, SamplingParams
 from pagoda.demo import DEMO_ADAPTER_DIR, DEMO_MODEL_DIR, encode_prompts
-from pagoda.demo.tasks import generate, held_out_set, is_correct
+from pagoda.demo.tasks import generate, held_out_set
 
 TASK = "double"
 RESULTS = Path(__file__).resolve().parent / "results" / "demo-adapter.json"
@@ -31,29 +32,27 @@ def measure(task_items: int, items_per_family: int) -> dict[str, Any]:
     lora = LLM(str(DEMO_MODEL_DIR), enable_lora=True, max_loras=1, max_num_seqs=64)
     tokenizer = lora.get_tokenizer()
     adapter = LoRARequest(TASK, 1, str(DEMO_ADAPTER_DIR))
-    prompts = encode_prompts(tokenizer, task)
-    with_adapter = lora.generate(prompts, params, lora_request=adapter, use_tqdm=False)
-    without = lora.generate(prompts, params, use_tqdm=False)
-    base_on_lora = lora.generate(encode_prompts(tokenizer, base_items), params, use_tqdm=False)
+    prompts, base_prompts = encode_prompts(tokenizer, task), encode_prompts(tokenizer, base_items)
+    with_adapter = token_ids(lora.generate(prompts, params, lora_request=adapter, use_tqdm=False))
+    without = token_ids(lora.generate(prompts, params, use_tqdm=False))
+    base_on_lora = token_ids(lora.generate(base_prompts, params, use_tqdm=False))
     lora.close()
     with LLM(str(DEMO_MODEL_DIR), max_num_seqs=64) as plain:
-        base_on_plain = plain.generate(encode_prompts(tokenizer, base_items), params, use_tqdm=False)
-
-    def accuracy(items: list, outputs: list) -> float:
-        return 100 * sum(is_correct(item, out.outputs[0].text) for item, out in zip(items, outputs)) / len(items)
-
-    same = [a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(base_on_lora, base_on_plain)]
-    families = sorted({item.task for item in base_items})
+        base_on_plain = token_ids(plain.generate(base_prompts, params, use_tqdm=False))
     return {
         "task": TASK, "task_items": task_items, "items_per_family": items_per_family,
-        "accuracy_with_adapter": accuracy(task, with_adapter), "accuracy_without_adapter": accuracy(task, without),
-        "example": {"prompt": task[0].prompt, "with_adapter": with_adapter[0].outputs[0].text,
-                    "without_adapter": without[0].outputs[0].text},
-        "base_same_tokens": sum(same), "base_items": len(base_items),
-        "base_accuracy": {family: accuracy([i for i in base_items if i.task == family],
-                                           [o for i, o in zip(base_items, base_on_lora) if i.task == family])
-                          for family in families},
+        "accuracy_with_adapter": score(correctness(task, with_adapter, tokenizer))[TASK],
+        "accuracy_without_adapter": score(correctness(task, without, tokenizer))[TASK],
+        "example": {"prompt": task[0].prompt,
+                    "with_adapter": tokenizer.decode(with_adapter[0], skip_special_tokens=True),
+                    "without_adapter": tokenizer.decode(without[0], skip_special_tokens=True)},
+        "base_same_tokens": sum(a == b for a, b in zip(base_on_lora, base_on_plain)), "base_items": len(base_items),
+        "base_accuracy": score(correctness(base_items, base_on_lora, tokenizer)),
     }
+
+
+def token_ids(outputs: list) -> list[list[int]]:
+    return [list(output.outputs[0].token_ids) for output in outputs]
 
 
 def main() -> None:

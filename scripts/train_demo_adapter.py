@@ -22,11 +22,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see train_demo_model.py: 
 
 import peft  # noqa: E402
 import torch  # noqa: E402
-from train_demo_model import encode, loss_fn  # noqa: E402
+from train_demo_model import encode, exact_match, loss_fn, pad  # noqa: E402
 from transformers import AutoTokenizer, LlamaForCausalLM  # noqa: E402
 
-from pagoda.demo import DEMO_ADAPTER_DIR, DEMO_MODEL_DIR, encode_prompts, transformers_greedy  # noqa: E402
-from pagoda.demo.tasks import Item, adapter_training_stream, generate, is_correct  # noqa: E402
+from pagoda.demo import DEMO_ADAPTER_DIR, DEMO_MODEL_DIR  # noqa: E402
+from pagoda.demo.tasks import adapter_training_stream, generate  # noqa: E402
 
 TASK = "double"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -45,21 +45,6 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def batch(tokenizer, items: list[Item]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded token ids and the role of each (1 answer, 0 prompt, -1 padding), as the base was trained."""
-    examples = encode(tokenizer, items)
-    width = max(len(ids) for ids, _ in examples)
-    ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in examples])
-    role = torch.tensor([[0] * n + [1] * (len(x) - n) + [-1] * (width - len(x)) for x, n in examples])
-    return ids, role
-
-
-def accuracy(model: torch.nn.Module, tokenizer, items: list[Item]) -> float:
-    outputs = transformers_greedy(model, tokenizer.pad_token_id, encode_prompts(tokenizer, items))
-    texts = tokenizer.batch_decode(outputs, skip_special_tokens=True)
-    return round(100 * sum(map(is_correct, items, texts)) / len(items), 1)
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -69,7 +54,7 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     base = LlamaForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32)
     held_out = generate(TASK, "test", args.eval_items, args.seed)
-    base_accuracy = accuracy(base, tokenizer, held_out)
+    base_accuracy, _ = exact_match(base, tokenizer, held_out)
     config = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS, lora_dropout=0.0)
     model = peft.get_peft_model(base, config)
     model.train()
@@ -77,7 +62,7 @@ def main() -> None:
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1 - step / args.steps)
     stream, losses = adapter_training_stream(TASK, args.seed), []
     for step in range(1, args.steps + 1):
-        ids, role = batch(tokenizer, list(itertools.islice(stream, args.batch_size)))
+        ids, role = pad(tokenizer, encode(tokenizer, list(itertools.islice(stream, args.batch_size))))
         loss, answer_loss = loss_fn(model, ids, role, prompt_weight=0.0)
         loss.backward()
         optimizer.step()
@@ -91,7 +76,7 @@ def main() -> None:
     log = {"task": TASK, "args": {k: v for k, v in vars(args).items() if k != "out"}, "torch": torch.__version__,
            "peft": peft.__version__, "final_answer_loss": round(sum(losses[-50:]) / len(losses[-50:]), 4),
            "held_out_items": args.eval_items, "accuracy_base": base_accuracy,
-           "accuracy_adapter": accuracy(model, tokenizer, held_out)}
+           "accuracy_adapter": exact_match(model, tokenizer, held_out)[0]}
     print(f"held-out {TASK}: base {log['accuracy_base']}%, with the adapter {log['accuracy_adapter']}%")
     model.save_pretrained(args.out)
     # A path on the machine that trained it means nothing elsewhere: name the base as pagoda names it.

@@ -173,10 +173,17 @@ def batches(
         chunks = [examples[i : i + batch_size] for i in range(0, len(examples), batch_size)]
         rng.shuffle(chunks)
         for chunk in chunks:
-            width = max(len(ids) for ids, _ in chunk)
-            ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in chunk])
-            role = torch.tensor([[0] * n + [1] * (len(x) - n) + [-1] * (width - len(x)) for x, n in chunk])
-            yield ids, role
+            yield pad(tokenizer, chunk)
+
+
+def pad(
+    tokenizer: PreTrainedTokenizerFast, examples: list[tuple[list[int], int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of `encode`'s examples, right-padded: (token ids, role: 1 answer, 0 prompt, -1 padding)."""
+    width = max(len(ids) for ids, _ in examples)
+    ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in examples])
+    role = torch.tensor([[0] * n + [1] * (len(x) - n) + [-1] * (width - len(x)) for x, n in examples])
+    return ids, role
 
 
 def loss_fn(model: LlamaForCausalLM, ids: torch.Tensor, role: torch.Tensor, prompt_weight: float):
@@ -262,11 +269,18 @@ def evaluate(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, items_
     """Held-out exact-match accuracy per task, through `transformers` greedy generation."""
     accuracy = {}
     for task, items in held_out_set(items_per_task).items():
-        outputs = transformers_greedy(model, tokenizer.pad_token_id, encode_prompts(tokenizer, items))
-        texts = tokenizer.batch_decode(outputs, skip_special_tokens=True)
-        accuracy[task] = round(100 * sum(map(is_correct, items, texts)) / len(items), 1)
+        accuracy[task], texts = exact_match(model, tokenizer, items)
         print(f"  {task:12s} {accuracy[task]:5.1f}%   e.g. {items[0].prompt!r} -> {texts[0]!r}", flush=True)
     return accuracy
+
+
+def exact_match(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, items: list[Item]
+) -> tuple[float, list[str]]:
+    """Exact-match accuracy (%, one decimal) of `transformers` greedy answers to `items`, and the answers."""
+    outputs = transformers_greedy(model, tokenizer.pad_token_id, encode_prompts(tokenizer, items))
+    texts = tokenizer.batch_decode(outputs, skip_special_tokens=True)
+    return round(100 * sum(map(is_correct, items, texts)) / len(items), 1), texts
 
 
 def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path, log: dict) -> None:

@@ -79,6 +79,7 @@ TASKS: dict[str, Callable[[random.Random], Problem]] = {
 # Tasks an adapter teaches, not the base model: held out like the others, but never in its training mix or in
 # `held_out_set` (the base model's quality gate).
 ADAPTER_TASKS: dict[str, Callable[[random.Random], Problem]] = {"double": doubling}
+_FAMILIES = {**TASKS, **ADAPTER_TASKS}
 
 
 def _item(task: str, problem: Problem, system: str | None) -> Item:
@@ -96,7 +97,7 @@ def generate(task: str, split: str, count: int, seed: int = 0, system_rate: floa
     items: list[Item] = []
     seen: set[str] = set()
     for _ in range(count * 200):  # bounded: small families may hold fewer than `count` problems
-        problem = (TASKS.get(task) or ADAPTER_TASKS[task])(rng)
+        problem = _FAMILIES[task](rng)
         if in_test_split(problem.key) != want_test or problem.key in seen:
             continue
         seen.add(problem.key)
@@ -140,7 +141,7 @@ def training_stream(seed: int = 0, system_rate: float = 0.1) -> Iterator[Item]:
 def _train_stream(task: str, seed: int, system_rate: float) -> Iterator[Item]:
     rng = random.Random(f"{seed}/train/{task}")
     while True:
-        problem = (TASKS.get(task) or ADAPTER_TASKS[task])(rng)
+        problem = _FAMILIES[task](rng)
         if in_test_split(problem.key):
             continue
         if task not in _OWN_HISTORY and rng.random() < HISTORY_RATE:
