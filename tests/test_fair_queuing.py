@@ -124,3 +124,49 @@ def test_a_tenant_over_its_kv_quota_is_preempted_first(quota, first_victim):
         preempted += [r.request_id for r in step(scheduler).preempted]
         assert_consistent(scheduler)
     assert preempted and preempted[0] == first_victim
+
+
+def test_a_tenant_takes_its_place_back_from_a_burst_that_filled_the_batch():
+    """The flood's burst took every place while light was away; when light comes, the next step preempts the
+    flood's newest running request and admits light's, which finishes long before the flood's (it would have
+    waited for a flood request to end); the preempted request finishes too, its output whole."""
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
+    flood, light = TenantShare("flood"), TenantShare("light")
+    burst = [tenant_request(f"flood-{i}", flood, max_tokens=40, first_token=100 + 50 * i) for i in range(6)]
+    for request in burst:
+        scheduler.add_request(request)
+    for _ in range(3):
+        step(scheduler)
+    assert [r.request_id for r in scheduler.running] == [f"flood-{i}" for i in range(4)]
+    mine = tenant_request("light-0", light, max_tokens=4, first_token=1000)
+    scheduler.add_request(mine)
+    output = step(scheduler)
+    assert [r.request_id for r in output.preempted] == ["flood-3"]
+    assert mine in scheduler.running and len(scheduler.running) == 4
+    finished_at: dict[str, int] = {}
+    for step_index in range(1000):
+        if not scheduler.has_unfinished_requests():
+            break
+        step(scheduler)
+        assert_consistent(scheduler)
+        for request in [mine, *burst]:
+            if request.status == RequestStatus.FINISHED:
+                finished_at.setdefault(request.request_id, step_index)
+    assert finished_at["light-0"] < min(finished_at[r.request_id] for r in burst)
+    assert all(len(r.output_token_ids) == 40 for r in burst)
+
+
+def test_no_place_is_taken_from_a_tenant_within_its_share():
+    """a and b hold two places each of four (equal weights: their shares); a's third request waits for a place
+    instead of taking one of b's, and b's second wait likewise."""
+    scheduler = make_scheduler(num_blocks=256, max_num_seqs=4, max_num_batched_tokens=64)
+    a, b = TenantShare("a"), TenantShare("b")
+    for i in range(2):
+        scheduler.add_request(tenant_request(f"a-{i}", a, max_tokens=30, first_token=100 + 50 * i))
+        scheduler.add_request(tenant_request(f"b-{i}", b, max_tokens=30, first_token=400 + 50 * i))
+    step(scheduler)
+    scheduler.add_request(tenant_request("a-2", a, max_tokens=30, first_token=900))
+    scheduler.add_request(tenant_request("b-2", b, max_tokens=30, first_token=950))
+    for _ in range(10):
+        assert not step(scheduler).preempted
+    assert len(scheduler.waiting) == 2

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
@@ -53,6 +53,11 @@ class WaitingQueue(Protocol):
 
     def outranks(self, request: Request, running: Request) -> bool:
         """May `request`, waiting for blocks, preempt `running`?"""
+        ...
+
+    def place_for(self, request: Request, running: list[Request]) -> Request | None:
+        """With the running batch full: the running request that `request`, the head of the queue, takes the
+        place of (to be preempted), or None: it waits for a place to free."""
         ...
 
     def charge(self, scheduled: Iterable[tuple[Request, int]]) -> None:
@@ -217,6 +222,28 @@ class FairQueue:
 
     def outranks(self, request: Request, running: Request) -> bool:
         return self._policy.outranks(request, running)
+
+    def place_for(self, request: Request, running: list[Request]) -> Request | None:
+        """A tenant holding fewer of the batch's places than its weighted share of them (shared among the tenants
+        running or waiting) takes one from the tenant furthest over its own share: that tenant's last running
+        request in the policy's order. So a tenant whose burst filled the batch while the others were away gives
+        places back as they come (its preempted requests keep their cached blocks), rather than holding them to
+        the end of its requests; and none is taken from a tenant within its share."""
+        held = Counter(self._tenant(r) for r in running)
+        weights = {self._tenant(r): r.tenant.weight if r.tenant is not None else 1.0
+                   for r in itertools.chain(running, (q.peek() for q in self._queues.values() if q))}
+        total = sum(weights.values())
+        share = {tenant: weight / total * len(running) for tenant, weight in weights.items()}
+        tenant = self._tenant(request)
+        if held[tenant] + 1 > share[tenant]:
+            return None
+        # Only from tenants served more than the head's (a higher counter): the preempted request queues behind it.
+        over = [t for t in held
+                if t != tenant and held[t] > share[t] and self.counters.get(t, 0.0) > self.counters[tenant]]
+        if not over:
+            return None
+        most_over = max(over, key=lambda t: held[t] / weights[t])
+        return next(r for r in reversed(running) if self._tenant(r) == most_over)
 
     def charge(self, scheduled: Iterable[tuple[Request, int]]) -> None:
         for request, num_tokens in scheduled:

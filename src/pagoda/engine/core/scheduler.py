@@ -218,10 +218,16 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, prefill: PrefillAllowance) -> None:
-        while self.waiting and budget > 0 and prefill.left > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and prefill.left > 0:
             request = self.waiting.peek()
             if not adapter_fits(request.lora, (r.lora for r in self.running), self.max_loras):
                 break  # its adapter would pass max_loras: it waits for a running adapter to drain
+            took_place = len(self.running) >= self.config.max_num_seqs
+            if took_place:  # a full batch: a tenant under its share of places takes one (queues.py)
+                victim = self.waiting.place_for(request, self.running)
+                if victim is None:
+                    break
+                budget += self._preempt_scheduled(victim, output)
             admitted = self._admit(request, output, budget, prefill)
             if admitted is None:
                 break  # nobody overtakes the head of the queue
@@ -229,8 +235,8 @@ class Scheduler:
             self.waiting.charge([(request, num_tokens)])  # before the next pick: fairness within the step too
             budget -= num_tokens
             prefill.left -= num_tokens
-            if preempted:
-                break  # the pool is tight: admit no more this step
+            if preempted or took_place:
+                break  # the pool is tight, or a place was taken: admit no more this step
 
     def _admit(
         self, request: Request, output: SchedulerOutput, budget: int, prefill: PrefillAllowance
