@@ -1,7 +1,7 @@
 """LoRA adapters, batched: greedy fp32 output of every adapter in a mixed batch (several adapters and the base
 model together, different ranks and target modules, one rsLoRA) equals transformers + PEFT on that adapter token
 for token, under chunked prefill, preemption and prefix caching; the prefix cache never crosses adapters; the
-scheduler bounds a step's adapters by max_loras; the native decode stack keeps the base-only steps.
+scheduler bounds a step's adapters by max_loras; the native decode stack runs adapter rows as the modules do.
 Divergence is allowed only at a near-tie (conftest.compare_with_reference)."""
 
 from __future__ import annotations
@@ -195,21 +195,31 @@ def test_removing_an_adapter_frees_its_weights_but_not_a_running_requests(checkp
 
 
 @pytest.mark.skipif(not available_targets(), reason="this CPU has neither AVX2 + FMA nor AVX-512")
-def test_native_decode_stack_runs_base_only_steps(checkpoint, adapters, make_llm):
-    """The native stack takes no adapters: steps with adapter rows run the modules (and match PEFT); steps of the
-    base model alone still run the stack."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_stack_runs_adapter_rows_as_the_modules_do(dtype, checkpoint, adapters, make_llm):
+    """Decode steps with adapter rows (several adapters and the base in one batch) run in the native stack, and
+    give the modules' output bit for bit: tokens and logprobs. Steps of the base alone run it too."""
     base, paths = checkpoint("llama"), adapters("llama")
-    llm = make_llm(base, enable_lora=True)
-    runner = llm.engine.model.backend.decode_runner
-    assert runner is not None, "the native decode stack should be bound"
-    counter = runner.inner.stack = CountingStack(runner.inner.stack)
-    request = LoRARequest("all", 1, paths["all"])
-    [adapted] = llm.generate([PROMPTS[2]], greedy(), use_tqdm=False, lora_request=request)
-    assert counter.calls == 0, "a step with adapter rows ran the native stack"
-    compare_with_reference(adapted.outputs[0].token_ids, peft_reference(base, paths["all"], PROMPTS[2], MAX_NEW_TOKENS))
-    [plain] = llm.generate([PROMPTS[2]], greedy(), use_tqdm=False)
+    requests = mixed_requests(paths)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True, logprobs=3)
+    results, counter = {}, None
+    for native in (True, False):
+        llm = make_llm(base, enable_lora=True, max_loras=3, dtype=dtype)
+        backend = llm.engine.model.backend
+        assert backend.decode_runner is not None, "the native decode stack should be bound"
+        if native:
+            counter = backend.decode_runner.inner.stack = CountingStack(backend.decode_runner.inner.stack)
+        else:
+            backend.decode_runner = None
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=requests)
+        results[native] = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs]
+        if native:
+            [plain] = llm.generate([PROMPTS[2]], greedy(), use_tqdm=False)
+            compare_with_reference(plain.outputs[0].token_ids,
+                                   peft_reference(base, None, PROMPTS[2], MAX_NEW_TOKENS), "base alone")
+    assert counter is not None and counter.lora_calls >= MAX_NEW_TOKENS - 1, "adapter rows skipped the native stack"
     assert counter.calls >= MAX_NEW_TOKENS - 1, "base-only decode steps should run the native stack"
-    compare_with_reference(plain.outputs[0].token_ids, peft_reference(base, None, PROMPTS[2], MAX_NEW_TOKENS))
+    assert results[True] == results[False]
 
 
 @pytest.mark.parametrize("config", [{"dtype": "bfloat16"}, {"dtype": "bfloat16", "quantization": "int8"}])

@@ -51,14 +51,21 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class CountingStack:
-    """Wraps a NativeDecode's stack, counting the steps it ran."""
+    """Wraps a NativeDecode's stack, counting the steps it ran (`calls`), those with adapter rows apart."""
 
     def __init__(self, stack) -> None:
-        self.stack, self.calls = stack, 0
+        self.stack, self.calls, self.lora_calls = stack, 0, 0
 
     def forward(self, *args):
         self.calls += 1
         return self.stack.forward(*args)
+
+    def forward_lora(self, *args):
+        self.lora_calls += 1
+        return self.stack.forward_lora(*args)
+
+    def add_lora_part(self, *args):
+        self.stack.add_lora_part(*args)
 
 
 def _generate(llm, prompts, native: bool):

@@ -26,5 +26,8 @@ inline void define_shared_ops(pybind11::module& m) {
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
         py::arg("num_heads"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
   m.def("silu_mul", &silu_mul, "[gate | up] -> silu(gate) * up");
+  m.def("lora_add_", &lora_add_,
+        "y += (row_scaling * x @ a[slot].T) @ bt[slot] per row, slot from row_slots (< 0: the base, nothing added)",
+        py::arg("y"), py::arg("x"), py::arg("a"), py::arg("bt"), py::arg("row_slots"), py::arg("row_scaling"));
   define_decode_stack(m);
 }

@@ -8,7 +8,8 @@
 // server's event loop runs beside the step instead of between its ops.
 //
 // It takes decode-only steps whose every linear is a GEMV (model/native_decode.py decides); anything
-// else runs through the modules.
+// else runs through the modules. LoRA adapters' deltas run inside it through lora_add_, the kernel the modules
+// call for decode-sized inputs (forward_lora), so a step with adapter rows is also the module path's bit for bit.
 #include <c10/core/InferenceMode.h>
 
 #include <optional>
@@ -50,11 +51,44 @@ struct Linear {
   }
 };
 
+// One adapter module's share of a linear's output: columns [start, end) get each row's delta from its own slot
+// (lora_add_). a: [slots, max_rank, in] and bt: [slots, max_rank, out] are views of model/lora.py's LoRAStack, so
+// an adapter loaded into a slot is seen here without telling the stack.
+struct LoRAPart {
+  int64_t module;  // the PEFT module's id (model/lora.py numbers them); a step adds it only if it targets it
+  int64_t start, end;
+  torch::Tensor a, bt;
+};
+
+// A step's adapter rows: each row's slot (int64 [rows], -1: the base) and its adapter's scaling (fp32 [rows]);
+// targeted[module]: an adapter of the step targets it.
+struct LoRAStep {
+  torch::Tensor row_slots, row_scaling;
+  std::vector<bool> targeted;
+};
+
+enum LinearIndex : int64_t { kQKV = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
 struct Layer {
   torch::Tensor input_norm, post_norm;
   OptionalTensor q_norm, k_norm;  // Qwen3's per-head norms of q and k, before rope
   Linear qkv, o, gate_up, down;
   int64_t window;  // 0: full attention
+  std::vector<LoRAPart> lora[4];  // by LinearIndex
+
+  // The linear's output with the step's adapter deltas added, as model/lora.py's LoRALinear computes it.
+  torch::Tensor run(LinearIndex index, const torch::Tensor& x, const LoRAStep* step) const {
+    static constexpr Linear Layer::*linears[4] = {&Layer::qkv, &Layer::o, &Layer::gate_up, &Layer::down};
+    torch::Tensor y = (this->*linears[index])(x);
+    if (step == nullptr) return y;
+    for (const LoRAPart& part : lora[index]) {
+      if (part.module < static_cast<int64_t>(step->targeted.size()) && step->targeted[part.module]) {
+        torch::Tensor columns = y.slice(1, part.start, part.end);
+        lora_add_(columns, x, part.a, part.bt, step->row_slots, step->row_scaling);
+      }
+    }
+    return y;
+  }
 };
 
 // As RMSNorm.forward takes a slice of heads [tokens, heads, D]: the fused kernel where the slice is
@@ -79,18 +113,55 @@ class DecodeStack {
                        Linear(o), Linear(gate_up), Linear(down), window});
   }
 
+  // Adds (or, for the same layer, linear and module, replaces) an adapter module's part of a linear's output.
+  void add_lora_part(int64_t layer, int64_t linear, int64_t module, int64_t start, int64_t end, torch::Tensor a,
+                     torch::Tensor bt) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && linear >= 0 && linear < 4,
+                "no such layer or linear");
+    std::vector<LoRAPart>& parts = layers_[layer].lora[linear];
+    for (LoRAPart& part : parts) {
+      if (part.module == module) {
+        part = {module, start, end, std::move(a), std::move(bt)};
+        return;
+      }
+    }
+    parts.push_back({module, start, end, std::move(a), std::move(bt)});
+  }
+
   // x: the embedded tokens [B, hidden] (the residual stream, updated in place); kv_caches: one (k, v, k_scale,
   // v_scale) a layer; the rest as AttentionMetadata has them. Returns the final norm's output [B, hidden].
   torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const std::vector<KVSpec>& kv_caches, const torch::Tensor& slot_mapping,
                         const torch::Tensor& key_slots, const torch::Tensor& seq_lens) const {
+    return run(std::move(x), cos, sin, kv_caches, slot_mapping, key_slots, seq_lens, nullptr);
+  }
+
+  // forward, with adapter rows: each row's slot and scaling (as LoRAStack.begin_step makes them) and the ids of
+  // the modules its adapters target.
+  torch::Tensor forward_lora(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                             const std::vector<KVSpec>& kv_caches, const torch::Tensor& slot_mapping,
+                             const torch::Tensor& key_slots, const torch::Tensor& seq_lens, torch::Tensor row_slots,
+                             torch::Tensor row_scaling, const std::vector<int64_t>& targeted) const {
+    LoRAStep step{std::move(row_slots), std::move(row_scaling), {}};
+    for (int64_t module : targeted) {
+      TORCH_CHECK(module >= 0, "a module id is not negative");
+      if (module >= static_cast<int64_t>(step.targeted.size())) step.targeted.resize(module + 1, false);
+      step.targeted[module] = true;
+    }
+    return run(std::move(x), cos, sin, kv_caches, slot_mapping, key_slots, seq_lens, &step);
+  }
+
+ private:
+  torch::Tensor run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const std::vector<KVSpec>& kv_caches, const torch::Tensor& slot_mapping,
+                    const torch::Tensor& key_slots, const torch::Tensor& seq_lens, const LoRAStep* lora) const {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     c10::InferenceMode inference;
     OptionalTensor delta;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       auto [k_cache, v_cache, k_scale, v_scale] = kv_caches[i];
-      torch::Tensor qkv = layer.qkv(add_rms_norm_(x, delta, layer.input_norm, eps_));
+      torch::Tensor qkv = layer.run(kQKV, add_rms_norm_(x, delta, layer.input_norm, eps_), lora);
       qkv = qkv.view({-1, heads_ + 2 * kv_heads_, head_dim_});
       if (layer.q_norm) {
         norm_heads_(qkv.slice(1, 0, heads_), *layer.q_norm, eps_);
@@ -99,13 +170,13 @@ class DecodeStack {
       rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_, k_scale, v_scale);
       torch::Tensor attended = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, key_slots,
                                                       seq_lens, layer.window, scale_, k_scale, v_scale);
-      attended = layer.o(attended.reshape({-1, heads_ * head_dim_}));
-      delta = layer.down(silu_mul(layer.gate_up(add_rms_norm_(x, attended, layer.post_norm, eps_))));
+      attended = layer.run(kO, attended.reshape({-1, heads_ * head_dim_}), lora);
+      torch::Tensor gate_up = layer.run(kGateUp, add_rms_norm_(x, attended, layer.post_norm, eps_), lora);
+      delta = layer.run(kDown, silu_mul(gate_up), lora);
     }
     return add_rms_norm_(x, delta, final_norm_, eps_);
   }
 
- private:
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;  // RMSNorm's epsilon; attention's score scale
   torch::Tensor final_norm_;
@@ -121,6 +192,11 @@ void define_decode_stack(pybind11::module& m) {
       .def("add_layer", &DecodeStack::add_layer,
            "input_norm, post_norm, q_norm and k_norm (or None), then qkv, o, gate_up, down as (weight, scale or "
            "None, bias or None), window")
+      .def("add_lora_part", &DecodeStack::add_lora_part,
+           "layer, linear (0 qkv, 1 o, 2 gate_up, 3 down), module id, start, end, A [slots, rank, in], "
+           "B transposed [slots, rank, out]")
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "x, cos, sin, kv_caches, slot_mapping, key_slots, seq_lens -> final-normed hidden states");
+           "x, cos, sin, kv_caches, slot_mapping, key_slots, seq_lens -> final-normed hidden states")
+      .def("forward_lora", &DecodeStack::forward_lora, pybind11::call_guard<pybind11::gil_scoped_release>(),
+           "forward's arguments, then the step's rows' LoRA slots and scalings and its targeted module ids");
 }

@@ -42,5 +42,10 @@ void rotary_write_kv_(torch::Tensor& qkv, const torch::Tensor& cos, const torch:
                       const std::optional<torch::Tensor>& k_scale, const std::optional<torch::Tensor>& v_scale);
 torch::Tensor silu_mul(const torch::Tensor& gate_up);
 
+// simd_lora.cpp: y += each row's LoRA delta, (scaling[m] * x[m] A[s]^T) Bt[s] with s = row_slots[m] (< 0: none);
+// a [slots, rank, in], bt [slots, rank, out] (B transposed), y [rows, out] (rows may be strided: a column slice).
+void lora_add_(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a, const torch::Tensor& bt,
+               const torch::Tensor& row_slots, const torch::Tensor& row_scaling);
+
 // cpu_decode.cpp: registers the DecodeStack class on the module.
 void define_decode_stack(pybind11::module& m);

@@ -28,6 +28,14 @@ class CompiledDecodeStack(Protocol):
                 kv_caches: list[KVSpec], slot_mapping: torch.Tensor,
                 key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
 
+    def add_lora_part(self, layer: int, linear: int, module: int, start: int, end: int, a: torch.Tensor,
+                      bt: torch.Tensor) -> None: ...
+
+    def forward_lora(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     kv_caches: list[KVSpec], slot_mapping: torch.Tensor, key_slots: torch.Tensor,
+                     seq_lens: torch.Tensor, row_slots: torch.Tensor, row_scaling: torch.Tensor,
+                     targeted: list[int]) -> torch.Tensor: ...
+
 
 class QuantizedKernels(Protocol):
     """A compiled module with the integer matmuls for quantized weights (kernels/cpu_int4.cpp, cpu_int8.cpp;
@@ -55,6 +63,8 @@ class CpuKernels(QuantizedKernels, Protocol):
     def add_rms_norm_(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
                       eps: float) -> torch.Tensor: ...
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+    def lora_add_(self, y: torch.Tensor, x: torch.Tensor, a: torch.Tensor, bt: torch.Tensor, row_slots: torch.Tensor,
+                  row_scaling: torch.Tensor) -> None: ...
     def rotary_write_kv_(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None: ...

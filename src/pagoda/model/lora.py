@@ -1,20 +1,23 @@
 """Batched LoRA: the rows of several adapters and of the base model in one step, on the base's fused projections.
 
 Adapters live in stacked tensors, one slot each (`LoRAStack`: per projection, A `[layers, slots, max_rank, in]` and
-B `[layers, out, slots, max_rank]`, a slot's entries beyond its adapter's rank and in the projections it does not
-target being zero); the caller loads an adapter into a slot (`load`) and, before each forward, says which slot
-each token's row uses (`begin_step`: -1 for the base). Each of a layer's four linears is wrapped (`LoRALinear`):
-the base output first, then for each projection an adapter of the step targets, every row's
+B transposed, `[layers, slots, max_rank, out]`, a slot's entries beyond its adapter's rank and in the projections it
+does not target being zero); the caller loads an adapter into a slot (`load`) and, before each forward, says which
+slot each token's row uses (`begin_step`: -1 for the base). Each of a layer's four linears is wrapped
+(`LoRALinear`): the base output first, then for each projection an adapter of the step targets, every row's
 `(x A^T) B^T * scaling` added to that projection's columns inside the fused output (q/k/v in qkv_proj, gate/up
 in gate_up_proj; a Phi-3 adapter's qkv_proj or gate_up_proj: all of them, the checkpoint's fused order being
-ours). All slots go in one pair of matmuls per projection, whatever the mix of adapters: x against every
-slot's A at once, each row's products outside its own slot's block masked to zero, then against every slot's B,
-and the row scaled by its adapter's scaling. A masked product is an exact zero, so each row gets what PEFT
-computes for it, `W x + B(A x) * scaling`, in the same order of operations; the price is the other slots' rank in flops,
-small beside the base projection, against a pair of matmuls per adapter in Python.
-
-The native decode stack takes no adapters: a step with any adapter row runs through the modules, and base-only
-steps keep the stack (`attach_lora` gates the backend's decode runner on the step's rows).
+ours). Two ways, by the number of rows, as the base linears choose theirs:
+- Decode-sized inputs (where the native decode stack runs, up to its row bound) go through the kernels'
+  `lora_add_`: each row reads only its own slot's A and B, so an adapter row costs its rank in bytes, and there
+  is no matmul dispatch per projection. The native stack calls the same kernel inside its one call
+  (`AdapterDecode`: it is handed views of the stacked tensors once per module and each step's rows), so decode
+  steps with adapter rows keep the stack and give the modules' output bit for bit.
+- Larger inputs (prefill chunks) go in one pair of matmuls per projection, whatever the mix of adapters: x
+  against every slot's A at once, each row's products outside its own slot's block masked to zero (an exact zero),
+  then against every slot's B, the row scaled by its adapter's scaling; the price is the other slots' rank in
+  flops, small beside the base projection at these sizes.
+Both compute what PEFT does, `W x + B(A x) * scaling`, up to the order of rounding.
 """
 
 from __future__ import annotations
@@ -27,11 +30,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.config import ModelConfig
-from pagoda.model.attention import AttentionMetadata, DecodeRunner
+from pagoda.model.attention import AttentionMetadata
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.lora_checkpoint import LoRAAdapter, module_shape
+from pagoda.model.native_decode import NativeDecode
 
 if TYPE_CHECKING:
+    from pagoda.model.kernel_protocols import CpuKernels
     from pagoda.model.layers import GatedMLP
     from pagoda.model.llama import DecoderLayer, LlamaModel
 
@@ -43,17 +48,22 @@ class LoRAStack:
     """Every slot's adapter weights, and which rows of the current step use which slot."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kernels: CpuKernels | None = None, kernel_max_rows: int = 0) -> None:
+        """kernels: the compiled kernels whose `lora_add_` takes inputs of up to `kernel_max_rows` rows (the native
+        decode stack's bound, so that its steps and the modules' agree); None: torch's matmuls for every input."""
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
         self.dtype, self.device = dtype, device
+        self.kernels = kernels if dtype in (torch.float32, torch.bfloat16) else None
+        self.kernel_max_rows = kernel_max_rows
         # Per PEFT module, allocated when an adapter first targets it (zeros: what no adapter holds adds nothing).
         self.a: dict[str, torch.Tensor] = {}
-        self.b: dict[str, torch.Tensor] = {}
+        self.bt: dict[str, torch.Tensor] = {}  # B transposed: each slot's rank rows of out contiguous
         self.modules_of: list[set[str]] = [set() for _ in range(max_loras)]  # the modules each slot's adapter targets
         self.scaling = [0.0] * max_loras
         self.targeted: set[str] = set()  # the current step's adapters' modules; empty: a base-only step
-        self.mask = torch.zeros(0)  # [rows, slots * max_rank]: 1 in each row's own slot's block
-        self.row_scaling = torch.zeros(0)  # [rows, 1]: each row's adapter's scaling (0 for a base row)
+        self.row_slots = torch.zeros(0, dtype=torch.long)  # [rows]: each row's slot, -1 for a base row
+        self.row_scaling = torch.zeros(0)  # [rows] fp32: each row's adapter's scaling (0 for a base row)
+        self._mask: torch.Tensor | None = None  # [rows, slots * max_rank], made when a step's matmuls first need it
 
     @property
     def active(self) -> bool:
@@ -64,16 +74,16 @@ class LoRAStack:
         """Puts `adapter` in `slot`, replacing what the slot held (all of it: the masked matmuls read every entry)."""
         for module in self.a:
             self.a[module][:, slot].zero_()
-            self.b[module][:, :, slot].zero_()
+            self.bt[module][:, slot].zero_()
         for (layer, module), (a, b) in adapter.weights.items():
             if module not in self.a:
                 fan_in, fan_out = module_shape(self.config, module)
                 layers, slots, rank = self.config.num_layers, self.max_loras, self.max_rank
                 self.a[module] = torch.zeros(layers, slots, rank, fan_in, dtype=self.dtype, device=self.device)
-                self.b[module] = torch.zeros(layers, fan_out, slots, rank, dtype=self.dtype, device=self.device)
+                self.bt[module] = torch.zeros(layers, slots, rank, fan_out, dtype=self.dtype, device=self.device)
             rank = a.shape[0]
             self.a[module][layer, slot, :rank].copy_(a)
-            self.b[module][layer, :, slot, :rank].copy_(b)
+            self.bt[module][layer, slot, :rank].copy_(b.t())
         self.modules_of[slot] = {module for _, module in adapter.weights}
         self.scaling[slot] = adapter.scaling
 
@@ -84,22 +94,33 @@ class LoRAStack:
         if not slots:
             return
         self.targeted = set().union(*(self.modules_of[slot] for slot in slots))
-        rows = torch.tensor(token_slots, dtype=torch.long)
-        adapter_rows = rows >= 0
-        mask = torch.zeros(len(rows), self.max_loras, self.max_rank, dtype=self.dtype)
-        mask[adapter_rows, rows[adapter_rows]] = 1
-        scaling = torch.tensor(self.scaling + [0.0], dtype=self.dtype)  # index -1: a base row's 0
-        self.mask = mask.view(len(rows), -1).to(self.device)
-        self.row_scaling = scaling[rows].unsqueeze(1).to(self.device)
+        self.row_slots = torch.tensor(token_slots, dtype=torch.long)
+        self.row_scaling = torch.tensor(self.scaling + [0.0], dtype=torch.float32)[self.row_slots]  # -1: the 0
+        self._mask = None
+
+    def mask(self) -> torch.Tensor:
+        """The step's [rows, slots * max_rank] mask: 1 in each row's own slot's block, 0 elsewhere."""
+        if self._mask is None:
+            rows = self.row_slots
+            adapter_rows = rows >= 0
+            mask = torch.zeros(len(rows), self.max_loras, self.max_rank, dtype=self.dtype)
+            mask[adapter_rows, rows[adapter_rows]] = 1
+            self._mask = mask.view(len(rows), -1).to(self.device)
+        return self._mask
 
     def add_deltas(self, layer: int, parts: Parts, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[:, columns of each part] += (x A^T) B^T * scaling, each row with its own slot's A, B and scaling."""
+        kernels = self.kernels if x.shape[0] <= self.kernel_max_rows and x.dtype == self.dtype else None
         for module, start, end in parts:
             if module not in self.targeted:
                 continue
-            a = self.a[module][layer].view(-1, x.shape[-1])  # [slots * max_rank, in]
-            b = self.b[module][layer].view(end - start, -1)  # [out, slots * max_rank]
-            out[:, start:end].add_(F.linear(F.linear(x, a) * self.mask, b) * self.row_scaling)
+            a, bt = self.a[module][layer], self.bt[module][layer]  # [slots, max_rank, in], [slots, max_rank, out]
+            if kernels is not None:
+                kernels.lora_add_(out[:, start:end], x.contiguous(), a, bt, self.row_slots, self.row_scaling)
+                continue
+            shrunk = F.linear(x, a.view(-1, x.shape[-1])) * self.mask()  # [rows, slots * max_rank]
+            delta = shrunk @ bt.view(-1, end - start) * self.row_scaling.to(x.dtype).unsqueeze(1)
+            out[:, start:end].add_(delta)
 
 
 class LoRALinear(nn.Module):
@@ -118,18 +139,41 @@ class LoRALinear(nn.Module):
         return out
 
 
-class BaseOnlyDecode:
-    """The backend's decode runner, for steps without adapter rows only (the native stack knows no adapters)."""
+# The PEFT modules an adapter may target, numbered for the native stack; and its linears, in its order.
+MODULE_IDS = {name: index for index, name in enumerate(
+    ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"))}
+STACK_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
-    def __init__(self, inner: DecodeRunner, stack: LoRAStack) -> None:
+
+class AdapterDecode:
+    """The backend's decode runner with adapters: the native stack, given each adapter module's A and B transposed
+    (views of the `LoRAStack`'s tensors, handed over when a module's tensors first exist) and each step's rows."""
+
+    def __init__(self, inner: NativeDecode, stack: LoRAStack, layers: list[tuple[LoRALinear, ...]]) -> None:
         self.inner, self.stack = inner, stack
+        self.layers = layers  # each layer's wrapped linears, in STACK_LINEARS' order
+        self._handed_over: set[str] = set()  # the modules whose parts the native stack holds
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        return not self.stack.active and self.inner.takes(meta, num_tokens)
+        return self.inner.takes(meta, num_tokens)
+
+    def _hand_over(self) -> None:
+        for module in set(self.stack.a) - self._handed_over:
+            for index, linears in enumerate(self.layers):
+                a, bt = self.stack.a[module][index], self.stack.bt[module][index]
+                for position, linear in enumerate(linears):
+                    for name, start, end in linear.parts:
+                        if name == module:
+                            self.inner.stack.add_lora_part(index, position, MODULE_IDS[name], start, end, a, bt)
+            self._handed_over.add(module)
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
-        return self.inner(x, cos, sin, kv_caches, meta)
+        if not self.stack.active:
+            return self.inner(x, cos, sin, kv_caches, meta)
+        self._hand_over()
+        return self.inner.forward_lora(x, cos, sin, kv_caches, meta, self.stack.row_slots, self.stack.row_scaling,
+                                       [MODULE_IDS[name] for name in self.stack.targeted])
 
 
 def attach_lora(model: LlamaModel, max_loras: int, max_rank: int) -> LoRAStack:
@@ -140,7 +184,10 @@ def attach_lora(model: LlamaModel, max_loras: int, max_rank: int) -> LoRAStack:
     if model.config.moe is not None:
         raise ValueError("LoRA adapters are not served on a mixture-of-experts model yet")
     config = model.config
-    stack = LoRAStack(config, max_loras, max_rank, model.dtype, next(model.parameters()).device)
+    runner = model.backend.decode_runner
+    assert runner is None or isinstance(runner, NativeDecode), "the native stack is the one decode runner"
+    stack = LoRAStack(config, max_loras, max_rank, model.dtype, next(model.parameters()).device,
+                      None if runner is None else runner.kernels, 0 if runner is None else runner.max_rows)
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     for index, layer in enumerate(cast("list[DecoderLayer]", list(model.layers))):
@@ -156,7 +203,9 @@ def attach_lora(model: LlamaModel, max_loras: int, max_rank: int) -> LoRAStack:
                                                   (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter),
                                                    ("gate_up_proj", 0, 2 * inter))))
         mlp.add_module("down_proj", LoRALinear(mlp.down_proj, stack, index, (("down_proj", 0, config.hidden_size),)))
-    backend = model.backend
-    if backend.decode_runner is not None:
-        backend.decode_runner = BaseOnlyDecode(backend.decode_runner, stack)
+    if runner is not None:
+        layers = [tuple(cast("LoRALinear", getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp,
+                                                   name)) for name in STACK_LINEARS)
+                  for layer in cast("list[DecoderLayer]", list(model.layers))]
+        model.backend.decode_runner = AdapterDecode(runner, stack, layers)
     return stack

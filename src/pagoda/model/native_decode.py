@@ -4,7 +4,8 @@ The stack runs the very kernels the module path calls, in the same order, so its
 path's bit for bit; what it removes is the interpreter between them: ~10 module calls and op
 dispatches a layer, 2-6 ms a step on bench-1b (22 layers), during which no weight streams. It takes a
 step when every token is a decode and every linear runs as a GEMV (at most `max_rows` tokens);
-prefills and larger batches run through the modules. `backends.create_runtime` offers it to models whose
+prefills and larger batches run through the modules. LoRA adapters' deltas run inside it too (model/lora.py's
+`AdapterDecode` hands it their weights and each step's rows). `backends.create_runtime` offers it to models whose
 shapes it takes (the native attention backend, every linear's width a GEMV's), and `bind_decode_stack` builds
 it once the weights are final if `decode_stack_covers` them (every linear runs decode inputs straight through a
 kernel).
@@ -66,6 +67,7 @@ class NativeDecode:
         layers = cast("list[DecoderLayer]", list(model.layers))
         norm = model.norm
         assert norm is not None, "the decode stack runs a whole model, not a pipeline stage"
+        self.kernels = kernels
         self.stack = kernels.DecodeStack(config.num_heads, config.num_kv_heads, config.head_dim, norm.eps,
                                          layers[0].self_attn.scale, norm.weight)
         for layer in layers:
@@ -88,3 +90,12 @@ class NativeDecode:
         """The final norm's output for the step's tokens; x (the embedded tokens) is updated in place."""
         return self.stack.forward(x, cos, sin, [kv.kernel_args() for kv in kv_caches], meta.slot_mapping,
                                   meta.decode_key_slots, meta.decode_seq_lens)
+
+    def forward_lora(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[LayerKV],
+                     meta: AttentionMetadata, row_slots: torch.Tensor, row_scaling: torch.Tensor,
+                     targeted: list[int]) -> torch.Tensor:
+        """As a call, with the adapter parts the stack was given (`stack.add_lora_part`) that `targeted` names
+        added to their linears' outputs: each row's from its own slot (`row_slots`, int64, -1: the base), scaled
+        by its `row_scaling` (fp32)."""
+        return self.stack.forward_lora(x, cos, sin, [kv.kernel_args() for kv in kv_caches], meta.slot_mapping,
+                                       meta.decode_key_slots, meta.decode_seq_lens, row_slots, row_scaling, targeted)
