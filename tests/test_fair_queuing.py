@@ -170,3 +170,23 @@ def test_no_place_is_taken_from_a_tenant_within_its_share():
     for _ in range(10):
         assert not step(scheduler).preempted
     assert len(scheduler.waiting) == 2
+
+
+def test_a_tenant_below_its_places_is_not_held_up_behind_one_at_its_own():
+    """b has been served more tokens than the flood (a higher counter), so the flood's waiting request is the
+    queue's head; the batch is full and the flood holds most of it, so that head cannot take a place. b's
+    request (b holds none of its two places) still takes one from the flood, rather than waiting behind the
+    flood's head for a place to free."""
+    scheduler = make_scheduler(num_blocks=512, max_num_seqs=4, max_num_batched_tokens=64)
+    b, flood = TenantShare("b"), TenantShare("flood")
+    for i in range(5):
+        scheduler.add_request(tenant_request(f"flood-{i}", flood, max_tokens=200, first_token=100 + 50 * i))
+    for _ in range(3):
+        step(scheduler)
+    assert len(scheduler.running) == 4 and [r.request_id for r in scheduler.waiting] == ["flood-4"]
+    scheduler.waiting.counters["b"] = scheduler.waiting.counters["flood"] + 1000.0  # b was served more
+    scheduler.add_request(tenant_request("b-0", b, max_tokens=200, first_token=900))
+    assert scheduler.waiting.peek().request_id == "flood-4", "the flood's request heads the queue"
+    output = step(scheduler)
+    assert [r.request_id for r in output.preempted] == ["flood-3"]
+    assert Counter(r.tenant.name for r in scheduler.running) == {"b": 1, "flood": 3}

@@ -37,7 +37,9 @@ class WaitingQueue(Protocol):
 
     def peek(self) -> Request: ...
 
-    def pop(self) -> Request: ...
+    def take(self, request: Request) -> None:
+        """Removes `request`, the head of its tenant's queue (`peek`, or `place_for`'s pick), as it is admitted."""
+        ...
 
     def remove(self, request: Request) -> None: ...
 
@@ -55,9 +57,9 @@ class WaitingQueue(Protocol):
         """May `request`, waiting for blocks, preempt `running`?"""
         ...
 
-    def place_for(self, request: Request, running: list[Request]) -> Request | None:
-        """With the running batch full: the running request that `request`, the head of the queue, takes the
-        place of (to be preempted), or None: it waits for a place to free."""
+    def place_for(self, running: list[Request]) -> tuple[Request, Request] | None:
+        """With the running batch full: a waiting request that takes a place, and the running request it takes
+        it from (to be preempted); or None: the queue waits for a place to free."""
         ...
 
     def charge(self, scheduled: Iterable[tuple[Request, int]]) -> None:
@@ -178,10 +180,11 @@ class FairQueue:
     def peek(self) -> Request:
         return self._next_queue().peek()
 
-    def pop(self) -> Request:
-        request = self._next_queue().pop()
-        self._last_served = self.counters[self._tenant(request)]
-        return request
+    def take(self, request: Request) -> None:
+        tenant = self._tenant(request)
+        popped = self._queues[tenant].pop()
+        assert popped is request, "only the head of a tenant's queue is admitted"
+        self._last_served = self.counters[tenant]
 
     def remove(self, request: Request) -> None:
         self._queues[self._tenant(request)].remove(request)
@@ -223,27 +226,27 @@ class FairQueue:
     def outranks(self, request: Request, running: Request) -> bool:
         return self._policy.outranks(request, running)
 
-    def place_for(self, request: Request, running: list[Request]) -> Request | None:
-        """A tenant holding fewer of the batch's places than its weighted share of them (shared among the tenants
-        running or waiting) takes one from the tenant furthest over its own share: that tenant's last running
-        request in the policy's order. So a tenant whose burst filled the batch while the others were away gives
-        places back as they come (its preempted requests keep their cached blocks), rather than holding them to
-        the end of its requests; and none is taken from a tenant within its share."""
+    def place_for(self, running: list[Request]) -> tuple[Request, Request] | None:
+        """Each tenant running or waiting has a weighted share of the full batch's places. The waiting tenants are
+        asked in counter order, and the first holding fewer places than its share takes one from the tenant
+        furthest over its own: that tenant's last running request in the policy's order is preempted (it keeps its
+        cached blocks), and the place goes to the taker's head. So a tenant whose burst filled the batch while the
+        others were away gives places back as they come, none is taken from a tenant within its share, and a
+        tenant at its share, waiting for a place to free, does not hold up another below its own."""
         held = Counter(self._tenant(r) for r in running)
-        weights = {self._tenant(r): r.tenant.weight if r.tenant is not None else 1.0
-                   for r in itertools.chain(running, (q.peek() for q in self._queues.values() if q))}
-        total = sum(weights.values())
-        share = {tenant: weight / total * len(running) for tenant, weight in weights.items()}
-        tenant = self._tenant(request)
-        if held[tenant] + 1 > share[tenant]:
-            return None
-        # Only from tenants served more than the head's (a higher counter): the preempted request queues behind it.
-        over = [t for t in held
-                if t != tenant and held[t] > share[t] and self.counters.get(t, 0.0) > self.counters[tenant]]
-        if not over:
-            return None
-        most_over = max(over, key=lambda t: held[t] / weights[t])
-        return next(r for r in reversed(running) if self._tenant(r) == most_over)
+        weight = {self._tenant(r): r.tenant.weight if r.tenant is not None else 1.0
+                  for r in itertools.chain(running, (q.peek() for q in self._queues.values() if q))}
+        total = sum(weight.values())
+        share = {tenant: w / total * len(running) for tenant, w in weight.items()}
+        over = [t for t in held if held[t] > share[t]]
+        waiting = sorted((t for t, q in self._queues.items() if q),
+                         key=lambda t: (self.counters[t], self._queues[t].peek().arrival_time))
+        for tenant in waiting:
+            donors = [t for t in over if t != tenant]
+            if held[tenant] + 1 <= share[tenant] and donors:
+                donor = max(donors, key=lambda t: held[t] / weight[t])
+                return self._queues[tenant].peek(), next(r for r in reversed(running) if self._tenant(r) == donor)
+        return None
 
     def charge(self, scheduled: Iterable[tuple[Request, int]]) -> None:
         for request, num_tokens in scheduled:

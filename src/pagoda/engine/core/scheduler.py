@@ -219,14 +219,15 @@ class Scheduler:
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, prefill: PrefillAllowance) -> None:
         while self.waiting and budget > 0 and prefill.left > 0:
-            request = self.waiting.peek()
+            # A full batch: places are shared by weight (queues.py), a free one goes to the head of the queue.
+            full = len(self.running) >= self.config.max_num_seqs
+            claim = self.waiting.place_for(self.running) if full else (self.waiting.peek(), None)
+            if claim is None:
+                break
+            request, victim = claim
             if not adapter_fits(request.lora, (r.lora for r in self.running), self.max_loras):
                 break  # its adapter would pass max_loras: it waits for a running adapter to drain
-            took_place = len(self.running) >= self.config.max_num_seqs
-            if took_place:  # a full batch: a tenant under its share of places takes one (queues.py)
-                victim = self.waiting.place_for(request, self.running)
-                if victim is None:
-                    break
+            if victim is not None:
                 budget += self._preempt_scheduled(victim, output)
             admitted = self._admit(request, output, budget, prefill)
             if admitted is None:
@@ -235,7 +236,7 @@ class Scheduler:
             self.waiting.charge([(request, num_tokens)])  # before the next pick: fairness within the step too
             budget -= num_tokens
             prefill.left -= num_tokens
-            if preempted or took_place:
+            if preempted or victim is not None:
                 break  # the pool is tight, or a place was taken: admit no more this step
 
     def _admit(
@@ -257,7 +258,7 @@ class Scheduler:
                 return None
             budget += self._preempt_scheduled(self.running[-1], output)
             preempted = True
-        self.waiting.pop()
+        self.waiting.take(request)
         if request.status == RequestStatus.WAITING:
             request.num_cached_tokens = num_hit_tokens + num_external
             request.first_scheduled_time = self.clock()
