@@ -281,3 +281,23 @@ def test_parallel_samples_and_prompt_logprobs_on_an_adapter(checkpoint, adapters
         compare_with_reference(sample.token_ids, reference, "n=2 on an adapter")
     [plain] = llm.generate([PROMPTS[3]], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     assert output.prompt_logprobs[1:] != plain.prompt_logprobs[1:], "prompt logprobs should be the adapter's"
+
+
+def test_a_draft_model_speculates_for_adapter_requests_without_the_adapter(checkpoint, adapters, make_llm):
+    """The draft model (here the base itself) proposes without the adapter, and the target verifies with it: every
+    request's greedy output is still its own adapter's PEFT output. The base's requests accept every draft; the
+    adapters' accept fewer, since their drafts come from the base model."""
+    base, paths = checkpoint("llama"), adapters("llama")
+    spec = {"method": "draft_model", "model": str(base), "num_speculative_tokens": 3}
+    requests = mixed_requests(paths)
+    llm = make_llm(base, enable_lora=True, max_loras=3, speculative_config=spec)
+    check_against_peft(base, paths, requests, llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=requests),
+                       "draft model")
+    rates = {}
+    for label, request in (("base", None), ("adapter", LoRARequest("all", 3, paths["all"]))):
+        llm = make_llm(base, enable_lora=True, speculative_config=spec)
+        llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=[request] * len(PROMPTS))
+        stats = llm.engine.stats().spec_decode
+        assert stats is not None and stats.num_draft_tokens > 0
+        rates[label] = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert rates["base"] == 1.0 and rates["adapter"] < 1.0, rates
