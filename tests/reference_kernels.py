@@ -131,44 +131,67 @@ class ReferenceDecodeStack:
     """kernels/cpu_decode.cpp's DecodeStack, op for op."""
 
     def __init__(self, log: list[tuple[str, tuple[Any, ...]]], heads: int, kv_heads: int, head_dim: int, eps: float,
-                 scale: float, final_norm: torch.Tensor) -> None:
+                 scale: float, final_norm: torch.Tensor, post_norms: bool) -> None:
         self.log = log
         self.heads, self.kv_heads, self.head_dim, self.eps, self.scale = heads, kv_heads, head_dim, eps, scale
-        self.final_norm = final_norm
+        self.final_norm, self.post_norms = final_norm, post_norms
         self.layers: list[tuple[Any, ...]] = []
 
-    def add_layer(self, input_norm: torch.Tensor, post_norm: torch.Tensor, q_norm: torch.Tensor | None,
-                  k_norm: torch.Tensor | None, qkv: LinearSpec, o: LinearSpec, gate_up: LinearSpec, down: LinearSpec,
-                  window: int) -> None:
-        self.log.append(("DecodeStack.add_layer", (input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down,
-                                                   window)))
-        self.layers.append((input_norm, post_norm, q_norm, k_norm, *map(_Linear, (qkv, o, gate_up, down)), window))
+    def add_layer(self, input_norm: torch.Tensor | None, post_norm: torch.Tensor, post_ff_norm: torch.Tensor | None,
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qkv: LinearSpec, o: LinearSpec,
+                  gate_up: LinearSpec, down: LinearSpec, window: int) -> None:
+        self.log.append(("DecodeStack.add_layer", (input_norm, post_norm, post_ff_norm, q_norm, k_norm, qkv, o,
+                                                   gate_up, down, window)))
+        assert (input_norm is None) == self.post_norms and (post_ff_norm is not None) == self.post_norms
+        self.layers.append((input_norm, post_norm, post_ff_norm, q_norm, k_norm,
+                            *map(_Linear, (qkv, o, gate_up, down)), window))
 
     def _norm_heads_(self, heads: torch.Tensor, weight: torch.Tensor) -> None:
         normed = (_add_rms_norm_(heads, None, weight, self.eps) if heads.is_contiguous()
                   else weight * F.rms_norm(heads.float(), weight.shape, eps=self.eps).to(heads.dtype))
         heads.copy_(normed)
 
+    def _norm_in_fp32(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return _add_rms_norm_(x, delta, weight, self.eps)
+        if delta is not None:
+            x.add_(delta)
+        return (weight * F.rms_norm(x.float(), weight.shape, eps=self.eps)).to(x.dtype)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_caches: list[KVSpec], slot_mapping: torch.Tensor,
                 key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         self.log.append(("DecodeStack.forward", (x, cos, sin, kv_caches, slot_mapping, key_slots, seq_lens)))
         assert len(kv_caches) == len(self.layers), "one (k, v) cache pair per layer"
-        heads, kv_heads = self.heads, self.kv_heads
+        heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
         delta = None
-        for (input_norm, post_norm, q_norm, k_norm, qkv_proj, o_proj, gate_up_proj, down_proj, window), (
-            k_cache, v_cache, k_scale, v_scale
-        ) in zip(self.layers, kv_caches):
-            qkv = qkv_proj(_add_rms_norm_(x, delta, input_norm, self.eps)).view(-1, heads + 2 * kv_heads,
-                                                                                 self.head_dim)
-            if q_norm is not None:
-                self._norm_heads_(qkv[:, :heads], q_norm)
-                self._norm_heads_(qkv[:, heads : heads + kv_heads], k_norm)
+        for (input_norm, post_norm, post_ff_norm, q_norm, k_norm, qkv_proj, o_proj, gate_up_proj, down_proj,
+             window), (k_cache, v_cache, k_scale, v_scale) in zip(self.layers, kv_caches):
+            if self.post_norms:
+                if delta is not None:
+                    x.add_(delta)
+                qkv = qkv_proj(x)
+                q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+                qkv[:, :q_end] = self._norm_in_fp32(qkv[:, :q_end].contiguous(), None, q_norm)
+                qkv[:, q_end:k_end] = self._norm_in_fp32(qkv[:, q_end:k_end].contiguous(), None, k_norm)
+                qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)
+            else:
+                qkv = qkv_proj(_add_rms_norm_(x, delta, input_norm, self.eps)).view(-1, heads + 2 * kv_heads,
+                                                                                     head_dim)
+                if q_norm is not None:
+                    self._norm_heads_(qkv[:, :heads], q_norm)
+                    self._norm_heads_(qkv[:, heads : heads + kv_heads], k_norm)
             _rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, k_scale, v_scale)
             attended = _paged_decode_attention(qkv[:, :heads], k_cache, v_cache, key_slots, seq_lens, window,
                                                self.scale, k_scale, v_scale)
-            attended = o_proj(attended.reshape(-1, heads * self.head_dim))
-            delta = down_proj(_silu_mul(gate_up_proj(_add_rms_norm_(x, attended, post_norm, self.eps))))
+            attended = o_proj(attended.reshape(-1, heads * head_dim))
+            if self.post_norms:
+                x.add_(self._norm_in_fp32(attended, None, post_norm))
+                delta = self._norm_in_fp32(down_proj(_silu_mul(gate_up_proj(x))), None, post_ff_norm)
+            else:
+                delta = down_proj(_silu_mul(gate_up_proj(_add_rms_norm_(x, attended, post_norm, self.eps))))
+        if self.post_norms:
+            return self._norm_in_fp32(x, delta, self.final_norm)
         return _add_rms_norm_(x, delta, self.final_norm, self.eps)
 
 
@@ -240,6 +263,6 @@ class ReferenceKernels:
         _paged_prefill_attention_(q, k_cache, v_cache, key_slots, window, scale, out)
 
     def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float,
-                    final_norm: torch.Tensor) -> ReferenceDecodeStack:
-        self._logged("DecodeStack", (heads, kv_heads, head_dim, eps, scale, final_norm))
-        return ReferenceDecodeStack(self.log, heads, kv_heads, head_dim, eps, scale, final_norm)
+                    final_norm: torch.Tensor, post_norms: bool) -> ReferenceDecodeStack:
+        self._logged("DecodeStack", (heads, kv_heads, head_dim, eps, scale, final_norm, post_norms))
+        return ReferenceDecodeStack(self.log, heads, kv_heads, head_dim, eps, scale, final_norm, post_norms)

@@ -3,7 +3,8 @@ it replaces.
 
 It runs the same kernels in the same order, so the contract is exact: the same hidden states, KV cache
 contents, tokens and logprobs, bit for bit, in every dtype, weight quantization and KV format, with biases (qwen2),
-sliding windows, MQA, per-head q/k norms (qwen3), batching, chunked prefill and preemption around it.
+sliding windows, MQA, per-head q/k norms (qwen3), post-norms and whole-projection q/k norms (olmo2), batching,
+chunked prefill and preemption around it.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _generate(llm, prompts, native: bool):
 SLIDING_EVERY_LAYER = {"max_window_layers": 0}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2-swa", "llama-mqa", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2-swa", "llama-mqa", "qwen3", "olmo2"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_engine_output_is_bit_identical_to_module_path(make_llm, checkpoint, arch, config, target):
     """Greedy tokens and their logprobs, exactly equal, with chunking and preemption in the mix."""
@@ -104,7 +105,7 @@ def test_engine_output_is_bit_identical_to_module_path(make_llm, checkpoint, arc
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize(("arch", "batch"), [("qwen2-swa", 4), ("qwen3", 1), ("qwen3", 4)])  # 4: every target
+@pytest.mark.parametrize(("arch", "batch"), [("qwen2-swa", 4), ("qwen3", 1), ("qwen3", 4), ("olmo2", 4)])
 def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, config, arch, batch):
     """One decode step at scattered blocks, from the same cache: equal outputs and caches. (qwen3's head
     norms take the fused kernel for one token and torch's ops for more, in both paths.)"""

@@ -70,7 +70,9 @@ struct LoRAStep {
 enum LinearIndex : int64_t { kQKV = 0, kO = 1, kGateUp = 2, kDown = 3 };
 
 struct Layer {
-  torch::Tensor input_norm, post_norm;
+  OptionalTensor input_norm;  // pre-norm layers' (Llama's); OLMo 2's post-norm layers have none
+  torch::Tensor post_norm;  // after attention: the MLP's input norm, or (post-norm) the attention output's
+  OptionalTensor post_ff_norm;  // post-norm layers': the MLP output's
   OptionalTensor q_norm, k_norm;  // Qwen3's per-head norms of q and k, before rope
   Linear qkv, o, gate_up, down;
   int64_t window;  // 0: full attention
@@ -100,17 +102,32 @@ void norm_heads_(torch::Tensor heads, const torch::Tensor& weight, double eps) {
   heads.copy_(normed);
 }
 
+// As RMSNorm.forward with scale_in_fp32 (OLMo 2's norms): the fused kernel in fp32; in a lower precision the
+// weight multiplies the fp32 normalized value before the cast, as the module does in torch.
+torch::Tensor norm_scaled_in_fp32(torch::Tensor x, const OptionalTensor& delta, const torch::Tensor& weight,
+                                  double eps) {
+  if (x.scalar_type() == at::kFloat) return add_rms_norm_(x, delta, weight, eps);
+  if (delta) x.add_(*delta);
+  return (weight * at::rms_norm(x.to(at::kFloat), {weight.size(0)}, std::nullopt, eps)).to(x.scalar_type());
+}
+
 class DecodeStack {
  public:
-  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, torch::Tensor final_norm)
+  // post_norms: OLMo 2's layers (the sublayers read the stream itself and their outputs are normed, q and k
+  // normed across all heads, every norm's weight applied in fp32); else Llama's pre-norm layers.
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, torch::Tensor final_norm,
+              bool post_norms)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        final_norm_(std::move(final_norm)) {}
+        final_norm_(std::move(final_norm)), post_norms_(post_norms) {}
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, OptionalTensor q_norm, OptionalTensor k_norm,
-                 const LinearSpec& qkv, const LinearSpec& o, const LinearSpec& gate_up, const LinearSpec& down,
-                 int64_t window) {
-    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm), Linear(qkv),
-                       Linear(o), Linear(gate_up), Linear(down), window});
+  void add_layer(OptionalTensor input_norm, torch::Tensor post_norm, OptionalTensor post_ff_norm,
+                 OptionalTensor q_norm, OptionalTensor k_norm, const LinearSpec& qkv, const LinearSpec& o,
+                 const LinearSpec& gate_up, const LinearSpec& down, int64_t window) {
+    TORCH_CHECK(post_norms_ ? (!input_norm && post_ff_norm && q_norm && k_norm) : (input_norm && !post_ff_norm),
+                post_norms_ ? "a post-norm layer has no input norm, and its MLP output and q and k norms"
+                            : "a pre-norm layer has an input norm and no norm after its MLP");
+    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(post_ff_norm), std::move(q_norm),
+                       std::move(k_norm), Linear(qkv), Linear(o), Linear(gate_up), Linear(down), window});
   }
 
   // Adds (or, for the same layer, linear and module, replaces) an adapter module's part of a linear's output.
@@ -161,9 +178,19 @@ class DecodeStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       auto [k_cache, v_cache, k_scale, v_scale] = kv_caches[i];
-      torch::Tensor qkv = layer.run(kQKV, add_rms_norm_(x, delta, layer.input_norm, eps_), lora);
+      torch::Tensor qkv;
+      if (post_norms_) {
+        if (delta) x.add_(*delta);
+        qkv = layer.run(kQKV, x, lora);
+        const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+        torch::Tensor q = qkv.slice(1, 0, q_size), k = qkv.slice(1, q_size, q_size + kv_size);
+        q.copy_(norm_scaled_in_fp32(q.contiguous(), std::nullopt, *layer.q_norm, eps_));
+        k.copy_(norm_scaled_in_fp32(k.contiguous(), std::nullopt, *layer.k_norm, eps_));
+      } else {
+        qkv = layer.run(kQKV, add_rms_norm_(x, delta, *layer.input_norm, eps_), lora);
+      }
       qkv = qkv.view({-1, heads_ + 2 * kv_heads_, head_dim_});
-      if (layer.q_norm) {
+      if (layer.q_norm && !post_norms_) {
         norm_heads_(qkv.slice(1, 0, heads_), *layer.q_norm, eps_);
         norm_heads_(qkv.slice(1, heads_, heads_ + kv_heads_), *layer.k_norm, eps_);
       }
@@ -171,15 +198,22 @@ class DecodeStack {
       torch::Tensor attended = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, key_slots,
                                                       seq_lens, layer.window, scale_, k_scale, v_scale);
       attended = layer.run(kO, attended.reshape({-1, heads_ * head_dim_}), lora);
-      torch::Tensor gate_up = layer.run(kGateUp, add_rms_norm_(x, attended, layer.post_norm, eps_), lora);
-      delta = layer.run(kDown, silu_mul(gate_up), lora);
+      if (post_norms_) {
+        x.add_(norm_scaled_in_fp32(attended, std::nullopt, layer.post_norm, eps_));
+        torch::Tensor mlp = layer.run(kDown, silu_mul(layer.run(kGateUp, x, lora)), lora);
+        delta = norm_scaled_in_fp32(mlp, std::nullopt, *layer.post_ff_norm, eps_);
+      } else {
+        torch::Tensor gate_up = layer.run(kGateUp, add_rms_norm_(x, attended, layer.post_norm, eps_), lora);
+        delta = layer.run(kDown, silu_mul(gate_up), lora);
+      }
     }
-    return add_rms_norm_(x, delta, final_norm_, eps_);
+    return post_norms_ ? norm_scaled_in_fp32(x, delta, final_norm_, eps_) : add_rms_norm_(x, delta, final_norm_, eps_);
   }
 
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;  // RMSNorm's epsilon; attention's score scale
   torch::Tensor final_norm_;
+  bool post_norms_;
   std::vector<Layer> layers_;
 };
 
@@ -187,11 +221,11 @@ class DecodeStack {
 
 void define_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor>(),
-           "heads, kv_heads, head_dim, eps, attention scale, final_norm")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, bool>(),
+           "heads, kv_heads, head_dim, eps, attention scale, final_norm, post_norms (OLMo 2's layers)")
       .def("add_layer", &DecodeStack::add_layer,
-           "input_norm, post_norm, q_norm and k_norm (or None), then qkv, o, gate_up, down as (weight, scale or "
-           "None, bias or None), window")
+           "input_norm (None for post-norm layers), post_norm, post_ff_norm (post-norm layers only), q_norm and "
+           "k_norm (or None), then qkv, o, gate_up, down as (weight, scale or None, bias or None), window")
       .def("add_lora_part", &DecodeStack::add_lora_part,
            "layer, linear (0 qkv, 1 o, 2 gate_up, 3 down), module id, start, end, A [slots, rank, in], "
            "B transposed [slots, rank, out]")

@@ -45,7 +45,7 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     - and where the attention kernels take the shape (head_dim 16..128 in steps of 16, at most 16 query
       heads per kv head), attend through the native backend: paged attention, rope + KV write in one call;
     - and where every layer's linear runs as a GEMV too (input widths a multiple of 32) and the layers are
-      Llama's (`has_llama_layers`), run decode-only steps through the native decode stack, which
+      Llama's or OLMo 2's (`decode_stack_takes_layers`), run decode-only steps through the native decode stack, which
       `native_decode.bind_decode_stack` builds once the weights are final (and only if they are what it takes:
       `decode_stack_covers`).
 
@@ -67,15 +67,18 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
     # A mixture of experts decodes through its modules: the stack has no routed layer.
     decode_stack = config.moe is None and all(gemv_takes(width) for width in linear_widths) \
-        and has_llama_layers(config)
+        and decode_stack_takes_layers(config)
     return ModelRuntime(CpuAttentionBackend(fused, decode_stack), kernels=fused, gemv_kernels=kernels,
                         quantized_kernels=integer)
 
 
-def has_llama_layers(config: ModelConfig) -> bool:
-    """Whether every layer is Llama's (pre-norms scaled by their weight, a SiLU gate, per-head q/k norms, plain
-    embeddings and logits, one rope table): the layer the native decode stack computes."""
-    return (config.norm_placement == "pre" and config.hidden_act == "silu" and not config.norm_unit_offset
-            and config.qk_norm_per_head and config.embedding_multiplier is None
+def decode_stack_takes_layers(config: ModelConfig) -> bool:
+    """Whether every layer is one the native decode stack computes: Llama's (pre-norms scaled by their weight,
+    optional per-head q/k norms) or OLMo 2's (post-norms scaled in fp32, q/k norms across the heads), with a SiLU
+    gate, plain embeddings and logits and one rope table."""
+    norms = (config.norm_placement == "pre" and config.qk_norm_per_head) or (
+        config.norm_placement == "post" and config.qk_norm and not config.qk_norm_per_head)
+    return (norms and config.hidden_act == "silu" and not config.norm_unit_offset
+            and config.embedding_multiplier is None
             and config.final_logit_softcapping is None and config.attn_logit_softcapping is None
             and config.sliding_rope is None)

@@ -20,9 +20,10 @@ KVSpec = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | N
 class CompiledDecodeStack(Protocol):
     """kernels/cpu_decode.cpp's DecodeStack."""
 
-    def add_layer(self, input_layernorm: torch.Tensor, post_attention_layernorm: torch.Tensor,
-                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qkv: LinearSpec, o: LinearSpec,
-                  gate_up: LinearSpec, down: LinearSpec, window: int) -> None: ...
+    def add_layer(self, input_layernorm: torch.Tensor | None, post_attention_layernorm: torch.Tensor,
+                  post_feedforward_layernorm: torch.Tensor | None, q_norm: torch.Tensor | None,
+                  k_norm: torch.Tensor | None, qkv: LinearSpec, o: LinearSpec, gate_up: LinearSpec,
+                  down: LinearSpec, window: int) -> None: ...
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 kv_caches: list[KVSpec], slot_mapping: torch.Tensor,
@@ -54,7 +55,7 @@ class CpuKernels(QuantizedKernels, Protocol):
     cpu_avx2_module.cpp: "avx2", which has no prefill attention), as model/ calls it."""
 
     target: str
-    DecodeStack: Callable[[int, int, int, float, float, torch.Tensor], CompiledDecodeStack]
+    DecodeStack: Callable[[int, int, int, float, float, torch.Tensor, bool], CompiledDecodeStack]
     prefill_attention_amx: bool  # bf16 prefill attention runs on AMX tiles (the CPU has them, Linux granted them)
 
     def gemv_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...

@@ -68,13 +68,16 @@ class NativeDecode:
         norm = model.norm
         assert norm is not None, "the decode stack runs a whole model, not a pipeline stage"
         self.kernels = kernels
+        post = config.norm_placement == "post"  # OLMo 2's layers (backends.decode_stack_takes_layers)
         self.stack = kernels.DecodeStack(config.num_heads, config.num_kv_heads, config.head_dim, norm.eps,
-                                         layers[0].self_attn.scale, norm.weight)
+                                         layers[0].self_attn.scale, norm.weight, post)
         for layer in layers:
             attention = layer.self_attn
             qkv, o, gate_up, down = (cast("LinearSpec", _linear_spec(linear)) for linear in _layer_linears(layer))
-            q_norm, k_norm = attention.q_norm, attention.k_norm  # Qwen3's per-head norms, or None
-            self.stack.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+            q_norm, k_norm = attention.q_norm, attention.k_norm  # Qwen3's per-head norms, OLMo 2's whole, or None
+            self.stack.add_layer(None if post else layer.input_layernorm.weight,
+                                 layer.post_attention_layernorm.weight,
+                                 layer.post_feedforward_layernorm.weight if post else None,
                                  None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
                                  qkv, o, gate_up, down, attention.window or 0)
         # The most tokens a step may have: every dense linear's GEMV bound, as the modules apply it.
