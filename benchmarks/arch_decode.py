@@ -3,7 +3,8 @@ cost (Gemma's sandwich norms and GeGLU, OLMo 2's post-norms, Phi-3's partial rot
 
 Each family gets a seeded random checkpoint of bench-125m's shape (hidden 576, 30 layers, 9 heads, 3 KV heads,
 intermediate 1536, vocab 32000), written to a temporary directory; rates are `decode_targets.decode_rate`'s
-(the engine's steps after the prefill), the median of --repeats, and each family's ratio to Llama's.
+(the engine's steps after the prefill), in rounds that visit every family in turn, the median of --repeats rounds,
+and each family's ratio to Llama's.
 
     python benchmarks/arch_decode.py --threads 2 --dtype float32
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -51,25 +53,35 @@ def main() -> None:
     parser.add_argument("--num-layers", type=int, default=SHAPE["num_layers"])
     add_common_args(parser, "benchmarks/results/arch-decode.json")
     args = parser.parse_args()
-    args.repeats = args.repeats or (1 if args.quick else 3)
+    args.repeats = args.repeats or (1 if args.quick else 5)
     set_threads(args.threads)
     from pagoda import LLM
     from pagoda.testing import make_checkpoint
 
     load_at_start, results = load_average(), []
     shape = {**SHAPE, "num_layers": args.num_layers}
+    archs = args.archs.split(",")
     with tempfile.TemporaryDirectory() as root:
-        for arch in args.archs.split(","):
+        engines = {}
+        for arch in archs:
             model_dir = make_checkpoint(Path(root) / arch, arch, **shape, **family_overrides(arch, args.num_layers))
-            llm = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=1,
-                      max_model_len=args.prompt_len + args.out_len + 16)
+            engines[arch] = LLM(str(model_dir), dtype=args.dtype, max_num_seqs=1,
+                                max_model_len=args.prompt_len + args.out_len + 16)
+        # Rounds visit every family in turn, so that a drifting host hits them alike; medians are reported.
+        rates: dict[str, list[float]] = {arch: [] for arch in archs}
+        for round_index in range(args.repeats):
+            for arch in archs:
+                rates[arch].append(decode_rate(engines[arch], 1, args.prompt_len, args.out_len, 1, round_index,
+                                               time.perf_counter))
+            log(f"round {round_index + 1}/{args.repeats}: "
+                + ", ".join(f"{arch} {rates[arch][-1]:.1f}" for arch in archs))
+        for arch, llm in engines.items():
             backend = llm.engine.model.backend
-            native_stack = getattr(backend, "decode_runner", None) is not None
-            rate = decode_rate(llm, 1, args.prompt_len, args.out_len, args.repeats, 1, time.perf_counter)
-            results.append({"arch": arch, "backend": type(backend).__name__, "native_decode_stack": native_stack,
-                            "decode_tokens_per_s": rate})
-            del llm
-            gc.collect()
+            results.append({"arch": arch, "backend": type(backend).__name__,
+                            "native_decode_stack": getattr(backend, "decode_runner", None) is not None,
+                            "decode_tokens_per_s": statistics.median(rates[arch]), "runs": rates[arch]})
+        del engines
+        gc.collect()
     llama = next((r["decode_tokens_per_s"] for r in results if r["arch"] == "llama"), None)
     for result in results:
         result["vs_llama"] = None if llama is None else result["decode_tokens_per_s"] / llama
