@@ -1,8 +1,9 @@
 """LoRA adapters, batched: greedy fp32 output of every adapter in a mixed batch (several adapters and the base
 model together, different ranks and target modules, one rsLoRA) equals transformers + PEFT on that adapter token
-for token, under chunked prefill, preemption and prefix caching; the prefix cache never crosses adapters; the
-scheduler bounds a step's adapters by max_loras; the native decode stack runs adapter rows as the modules do.
-Divergence is allowed only at a near-tie (conftest.compare_with_reference)."""
+for token, on every dense family (Phi-3's fused projections: test_lora_phi3.py), under chunked prefill,
+preemption and prefix caching; the prefix cache never crosses adapters; the scheduler bounds a step's adapters by
+max_loras; the native decode stack runs adapter rows as the modules do. Divergence is allowed only at a near-tie
+(conftest.compare_with_reference)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ MODES = {
     "speculative": dict(block_size=4, num_kv_blocks=256,
                         speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 1}),
 }
-ARCHS = ["llama", "qwen2", "qwen3"]
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "olmo2"]
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +90,10 @@ def test_each_adapter_changes_the_output(arch, checkpoint, adapters):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_mixed_batch_matches_peft(arch, mode, checkpoint, adapters, make_llm):
     base, paths = checkpoint(arch), adapters(arch)
-    llm = make_llm(base, enable_lora=True, max_loras=3, max_cpu_loras=3, **MODES[mode])
+    options = dict(MODES[mode])
+    if arch in ("gemma2", "gemma3") and mode == "preemption":  # two KV groups share the pool: thrice the blocks
+        options["num_kv_blocks"] = 3 * options["num_kv_blocks"]
+    llm = make_llm(base, enable_lora=True, max_loras=3, max_cpu_loras=3, **options)
     requests = mixed_requests(paths)
     if mode == "prefix-cached":
         llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=requests)
