@@ -73,7 +73,7 @@ struct Layer {
   OptionalTensor input_norm;  // pre-norm layers' (Llama's); OLMo 2's post-norm layers have none
   torch::Tensor post_norm;  // after attention: the MLP's input norm, or (post-norm) the attention output's
   OptionalTensor post_ff_norm;  // post-norm layers': the MLP output's
-  OptionalTensor q_norm, k_norm;  // Qwen3's per-head norms of q and k, before rope
+  OptionalTensor q_norm, k_norm;  // before rope: Qwen3's per head, OLMo 2's across the projection
   Linear qkv, o, gate_up, down;
   int64_t window;  // 0: full attention
   std::vector<LoRAPart> lora[4];  // by LinearIndex

@@ -63,7 +63,8 @@ class LoRAStack:
         self.targeted: set[str] = set()  # the current step's adapters' modules; empty: a base-only step
         self.row_slots = torch.zeros(0, dtype=torch.long)  # [rows]: each row's slot, -1 for a base row
         self.row_scaling = torch.zeros(0)  # [rows] fp32: each row's adapter's scaling (0 for a base row)
-        self._mask: torch.Tensor | None = None  # [rows, slots * max_rank], made when a step's matmuls first need it
+        # The masked matmuls' [rows, slots * max_rank] mask and [rows, 1] scaling, made when a step first needs them.
+        self._dense: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def active(self) -> bool:
@@ -96,17 +97,18 @@ class LoRAStack:
         self.targeted = set().union(*(self.modules_of[slot] for slot in slots))
         self.row_slots = torch.tensor(token_slots, dtype=torch.long)
         self.row_scaling = torch.tensor(self.scaling + [0.0], dtype=torch.float32)[self.row_slots]  # -1: the 0
-        self._mask = None
+        self._dense = None
 
-    def mask(self) -> torch.Tensor:
-        """The step's [rows, slots * max_rank] mask: 1 in each row's own slot's block, 0 elsewhere."""
-        if self._mask is None:
+    def _dense_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's mask (1 in each row's own slot's block, 0 elsewhere) and scaling column, in the stack's dtype."""
+        if self._dense is None:
             rows = self.row_slots
             adapter_rows = rows >= 0
             mask = torch.zeros(len(rows), self.max_loras, self.max_rank, dtype=self.dtype)
             mask[adapter_rows, rows[adapter_rows]] = 1
-            self._mask = mask.view(len(rows), -1).to(self.device)
-        return self._mask
+            self._dense = (mask.view(len(rows), -1).to(self.device),
+                           self.row_scaling.to(self.dtype).unsqueeze(1).to(self.device))
+        return self._dense
 
     def add_deltas(self, layer: int, parts: Parts, x: torch.Tensor, out: torch.Tensor) -> None:
         """out[:, columns of each part] += (x A^T) B^T * scaling, each row with its own slot's A, B and scaling."""
@@ -118,9 +120,9 @@ class LoRAStack:
             if kernels is not None:
                 kernels.lora_add_(out[:, start:end], x.contiguous(), a, bt, self.row_slots, self.row_scaling)
                 continue
-            shrunk = F.linear(x, a.view(-1, x.shape[-1])) * self.mask()  # [rows, slots * max_rank]
-            delta = shrunk @ bt.view(-1, end - start) * self.row_scaling.to(x.dtype).unsqueeze(1)
-            out[:, start:end].add_(delta)
+            mask, scaling = self._dense_rows()
+            shrunk = F.linear(x, a.view(-1, x.shape[-1])) * mask  # [rows, slots * max_rank]
+            out[:, start:end].add_(shrunk @ bt.view(-1, end - start) * scaling)
 
 
 class LoRALinear(nn.Module):
@@ -190,22 +192,24 @@ def attach_lora(model: LlamaModel, max_loras: int, max_rank: int) -> LoRAStack:
                       None if runner is None else runner.kernels, 0 if runner is None else runner.max_rows)
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
+    wrapped: list[tuple[LoRALinear, ...]] = []  # each layer's, in STACK_LINEARS' order
     for index, layer in enumerate(cast("list[DecoderLayer]", list(model.layers))):
         attention, mlp = layer.self_attn, cast("GatedMLP", layer.mlp)
-        # add_module replaces the child in place: the modules call it by the same attribute.
         # Both layouts' parts: an adapter targets the split projections or (Phi-3) the fused ones, never both,
         # and a part no adapter of the step targets costs nothing.
-        attention.add_module("qkv_proj", LoRALinear(attention.qkv_proj, stack, index, (
-            ("q_proj", 0, q_size), ("k_proj", q_size, q_size + kv_size),
-            ("v_proj", q_size + kv_size, q_size + 2 * kv_size), ("qkv_proj", 0, q_size + 2 * kv_size))))
-        attention.add_module("o_proj", LoRALinear(attention.o_proj, stack, index, (("o_proj", 0, config.hidden_size),)))
-        mlp.add_module("gate_up_proj", LoRALinear(mlp.gate_up_proj, stack, index,
-                                                  (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter),
-                                                   ("gate_up_proj", 0, 2 * inter))))
-        mlp.add_module("down_proj", LoRALinear(mlp.down_proj, stack, index, (("down_proj", 0, config.hidden_size),)))
+        linears = (
+            LoRALinear(attention.qkv_proj, stack, index, (
+                ("q_proj", 0, q_size), ("k_proj", q_size, q_size + kv_size),
+                ("v_proj", q_size + kv_size, q_size + 2 * kv_size), ("qkv_proj", 0, q_size + 2 * kv_size))),
+            LoRALinear(attention.o_proj, stack, index, (("o_proj", 0, config.hidden_size),)),
+            LoRALinear(mlp.gate_up_proj, stack, index, (("gate_proj", 0, inter), ("up_proj", inter, 2 * inter),
+                                                        ("gate_up_proj", 0, 2 * inter))),
+            LoRALinear(mlp.down_proj, stack, index, (("down_proj", 0, config.hidden_size),)),
+        )
+        # add_module replaces the child in place: the modules call it by the same attribute.
+        for name, linear in zip(STACK_LINEARS, linears):
+            (attention if name in ("qkv_proj", "o_proj") else mlp).add_module(name, linear)
+        wrapped.append(linears)
     if runner is not None:
-        layers = [tuple(cast("LoRALinear", getattr(layer.self_attn if name in ("qkv_proj", "o_proj") else layer.mlp,
-                                                   name)) for name in STACK_LINEARS)
-                  for layer in cast("list[DecoderLayer]", list(model.layers))]
-        model.backend.decode_runner = AdapterDecode(runner, stack, layers)
+        model.backend.decode_runner = AdapterDecode(runner, stack, wrapped)
     return stack
