@@ -131,53 +131,73 @@ class ReferenceDecodeStack:
     """kernels/cpu_decode.cpp's DecodeStack, op for op."""
 
     def __init__(self, log: list[tuple[str, tuple[Any, ...]]], heads: int, kv_heads: int, head_dim: int, eps: float,
-                 scale: float, final_norm: torch.Tensor, post_norms: bool) -> None:
+                 scale: float, final_norm: torch.Tensor, placement: str, unit_offset: bool, gelu: bool) -> None:
         self.log = log
         self.heads, self.kv_heads, self.head_dim, self.eps, self.scale = heads, kv_heads, head_dim, eps, scale
-        self.final_norm, self.post_norms = final_norm, post_norms
+        self.final_norm, self.placement, self.gelu = final_norm, placement, gelu
+        assert placement in ("pre", "post", "sandwich")
+        self.norm_scale = "in_fp32" if unit_offset or placement == "post" else "fused"
         self.layers: list[tuple[Any, ...]] = []
 
-    def add_layer(self, input_norm: torch.Tensor | None, post_norm: torch.Tensor, post_ff_norm: torch.Tensor | None,
-                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qkv: LinearSpec, o: LinearSpec,
-                  gate_up: LinearSpec, down: LinearSpec, window: int) -> None:
-        self.log.append(("DecodeStack.add_layer", (input_norm, post_norm, post_ff_norm, q_norm, k_norm, qkv, o,
-                                                   gate_up, down, window)))
-        assert (input_norm is None) == self.post_norms and (post_ff_norm is not None) == self.post_norms
-        self.layers.append((input_norm, post_norm, post_ff_norm, q_norm, k_norm,
-                            *map(_Linear, (qkv, o, gate_up, down)), window))
+    def add_layer(self, input_norm: torch.Tensor | None, post_norm: torch.Tensor, pre_ff_norm: torch.Tensor | None,
+                  post_ff_norm: torch.Tensor | None, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                  qkv: LinearSpec, o: LinearSpec, gate_up: LinearSpec, down: LinearSpec, window: int,
+                  sliding_rope: bool) -> None:
+        self.log.append(("DecodeStack.add_layer", (input_norm, post_norm, pre_ff_norm, post_ff_norm, q_norm, k_norm,
+                                                   qkv, o, gate_up, down, window, sliding_rope)))
+        pre, post = self.placement == "pre", self.placement == "post"
+        assert (input_norm is None) == post and (pre_ff_norm is not None) == (self.placement == "sandwich")
+        assert (post_ff_norm is None) == pre and (q_norm is None) == (k_norm is None)
+        assert not post or q_norm is not None
+        self.layers.append((input_norm, post_norm, pre_ff_norm, post_ff_norm, q_norm, k_norm,
+                            *map(_Linear, (qkv, o, gate_up, down)), window, int(sliding_rope)))
 
-    def _norm_heads_(self, heads: torch.Tensor, weight: torch.Tensor) -> None:
-        normed = (_add_rms_norm_(heads, None, weight, self.eps) if heads.is_contiguous()
-                  else weight * F.rms_norm(heads.float(), weight.shape, eps=self.eps).to(heads.dtype))
-        heads.copy_(normed)
-
-    def _norm_in_fp32(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
+    def _norm(self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        if self.norm_scale == "fused" or x.dtype == torch.float32:
             return _add_rms_norm_(x, delta, weight, self.eps)
         if delta is not None:
             x.add_(delta)
         return (weight * F.rms_norm(x.float(), weight.shape, eps=self.eps)).to(x.dtype)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: list[KVSpec], slot_mapping: torch.Tensor,
-                key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        self.log.append(("DecodeStack.forward", (x, cos, sin, kv_caches, slot_mapping, key_slots, seq_lens)))
-        assert len(kv_caches) == len(self.layers), "one (k, v) cache pair per layer"
+    def _norm_heads_(self, heads: torch.Tensor, weight: torch.Tensor) -> None:
+        fused = self.norm_scale == "fused"
+        if heads.is_contiguous() and (fused or heads.dtype == torch.float32):
+            normed = _add_rms_norm_(heads, None, weight, self.eps)
+        elif fused:
+            normed = weight * F.rms_norm(heads.float(), weight.shape, eps=self.eps).to(heads.dtype)
+        else:
+            normed = (weight * F.rms_norm(heads.float(), weight.shape, eps=self.eps)).to(heads.dtype)
+        heads.copy_(normed)
+
+    def _mlp(self, gate_up_proj: _Linear, down_proj: _Linear, x: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.split(gate_up.shape[1] // 2, 1)
+            return down_proj(F.gelu(gate, approximate="tanh") * up)
+        return down_proj(_silu_mul(gate_up))
+
+    def forward(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVSpec],
+                groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], layer_groups: list[int]) -> torch.Tensor:
+        self.log.append(("DecodeStack.forward", (x, ropes, kv_caches, groups, layer_groups)))
+        assert len(kv_caches) == len(self.layers) == len(layer_groups), "one KV cache and group per layer"
         heads, kv_heads, head_dim = self.heads, self.kv_heads, self.head_dim
+        post = self.placement == "post"
         delta = None
-        for (input_norm, post_norm, post_ff_norm, q_norm, k_norm, qkv_proj, o_proj, gate_up_proj, down_proj,
-             window), (k_cache, v_cache, k_scale, v_scale) in zip(self.layers, kv_caches):
-            if self.post_norms:
+        for (input_norm, post_norm, pre_ff_norm, post_ff_norm, q_norm, k_norm, qkv_proj, o_proj, gate_up_proj,
+             down_proj, window, rope), (k_cache, v_cache, k_scale, v_scale), group in zip(
+                self.layers, kv_caches, layer_groups):
+            slot_mapping, key_slots, seq_lens = groups[group]
+            cos, sin = ropes[rope]
+            if post:
                 if delta is not None:
                     x.add_(delta)
                 qkv = qkv_proj(x)
                 q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
-                qkv[:, :q_end] = self._norm_in_fp32(qkv[:, :q_end].contiguous(), None, q_norm)
-                qkv[:, q_end:k_end] = self._norm_in_fp32(qkv[:, q_end:k_end].contiguous(), None, k_norm)
+                qkv[:, :q_end] = self._norm(qkv[:, :q_end].contiguous(), None, q_norm)
+                qkv[:, q_end:k_end] = self._norm(qkv[:, q_end:k_end].contiguous(), None, k_norm)
                 qkv = qkv.view(-1, heads + 2 * kv_heads, head_dim)
             else:
-                qkv = qkv_proj(_add_rms_norm_(x, delta, input_norm, self.eps)).view(-1, heads + 2 * kv_heads,
-                                                                                     head_dim)
+                qkv = qkv_proj(self._norm(x, delta, input_norm)).view(-1, heads + 2 * kv_heads, head_dim)
                 if q_norm is not None:
                     self._norm_heads_(qkv[:, :heads], q_norm)
                     self._norm_heads_(qkv[:, heads : heads + kv_heads], k_norm)
@@ -185,14 +205,15 @@ class ReferenceDecodeStack:
             attended = _paged_decode_attention(qkv[:, :heads], k_cache, v_cache, key_slots, seq_lens, window,
                                                self.scale, k_scale, v_scale)
             attended = o_proj(attended.reshape(-1, heads * head_dim))
-            if self.post_norms:
-                x.add_(self._norm_in_fp32(attended, None, post_norm))
-                delta = self._norm_in_fp32(down_proj(_silu_mul(gate_up_proj(x))), None, post_ff_norm)
+            if self.placement == "pre":
+                delta = self._mlp(gate_up_proj, down_proj, self._norm(x, attended, post_norm))
+            elif post:
+                x.add_(self._norm(attended, None, post_norm))
+                delta = self._norm(self._mlp(gate_up_proj, down_proj, x), None, post_ff_norm)
             else:
-                delta = down_proj(_silu_mul(gate_up_proj(_add_rms_norm_(x, attended, post_norm, self.eps))))
-        if self.post_norms:
-            return self._norm_in_fp32(x, delta, self.final_norm)
-        return _add_rms_norm_(x, delta, self.final_norm, self.eps)
+                mlp_in = self._norm(x, self._norm(attended, None, post_norm), pre_ff_norm)
+                delta = self._norm(self._mlp(gate_up_proj, down_proj, mlp_in), None, post_ff_norm)
+        return self._norm(x, delta, self.final_norm)
 
 
 class ReferenceKernels:
@@ -263,6 +284,7 @@ class ReferenceKernels:
         _paged_prefill_attention_(q, k_cache, v_cache, key_slots, window, scale, out)
 
     def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float,
-                    final_norm: torch.Tensor, post_norms: bool) -> ReferenceDecodeStack:
-        self._logged("DecodeStack", (heads, kv_heads, head_dim, eps, scale, final_norm, post_norms))
-        return ReferenceDecodeStack(self.log, heads, kv_heads, head_dim, eps, scale, final_norm, post_norms)
+                    final_norm: torch.Tensor, placement: str, unit_offset: bool, gelu: bool) -> ReferenceDecodeStack:
+        self._logged("DecodeStack", (heads, kv_heads, head_dim, eps, scale, final_norm, placement, unit_offset, gelu))
+        return ReferenceDecodeStack(self.log, heads, kv_heads, head_dim, eps, scale, final_norm, placement,
+                                    unit_offset, gelu)

@@ -59,9 +59,9 @@ def test_config_fields_of_each_family(checkpoint):
 
 
 def test_each_family_runs_its_implementation(checkpoint, hf_reference, make_llm):
-    """Phi-3 (Llama's layers once its checkpoint is adapted) and OLMo 2 (post-norms, the stack's other layer)
-    decode through the native stack; Gemma 3 runs its modules over the native attention kernels; Gemma 2's capped
-    scores the soft-capped backend."""
+    """Phi-3 (Llama's layers once its checkpoint is adapted), OLMo 2 (post-norms) and Gemma 3 (sandwich norms,
+    GeGLU, full and sliding layers in KV cache groups of their own) decode through the native stack; Gemma 2's
+    capped scores run the soft-capped backend."""
     expected = {"gemma2": "SoftCappedAttentionBackend", "gemma3": "CpuAttentionBackend",
                 "olmo2": "CpuAttentionBackend", "phi3": "CpuAttentionBackend"}
     for arch, backend_name in expected.items():
@@ -73,7 +73,7 @@ def test_each_family_runs_its_implementation(checkpoint, hf_reference, make_llm)
             assert type(backend).__name__ == "TorchAttentionBackend"
         else:
             assert type(backend).__name__ == backend_name
-        if arch in ("phi3", "olmo2") and cpu_kernels() is not None:
+        if arch in ("phi3", "olmo2", "gemma3") and cpu_kernels() is not None:
             counter = backend.decode_runner.stack = CountingStack(backend.decode_runner.stack)
         else:
             assert backend.decode_runner is None

@@ -101,23 +101,23 @@ def test_kernels_reach_every_module_at_construction(checkpoint, stand_in, dtype,
 def test_decode_stack_is_built_from_the_loaded_weights_in_layer_order(checkpoint, stand_in):
     model, config = load_model(checkpoint("qwen2-swa"), dtype=torch.bfloat16, quantization="int8")
     assert isinstance(model.backend.decode_runner, NativeDecode)
-    (name, (heads, kv_heads, head_dim, eps, scale, final_norm, post_norms)), *layers = stand_in.log
+    (name, (heads, kv_heads, head_dim, eps, scale, final_norm, placement, unit_offset, gelu)), *layers = stand_in.log
     assert name == "DecodeStack" and (heads, kv_heads, head_dim) == (config.num_heads, config.num_kv_heads,
                                                                       config.head_dim)
     assert eps == config.rms_norm_eps and scale == config.head_dim**-0.5 and final_norm is model.norm.weight
-    assert not post_norms
+    assert (placement, unit_offset, gelu) == ("pre", False, False)
     assert len(layers) == config.num_layers
     for layer, (name, args) in zip(model.layers, layers):
         attention, mlp = layer.self_attn, layer.mlp
         assert name == "DecodeStack.add_layer"
-        input_norm, post_norm, post_ff_norm, q_norm, k_norm, *specs, window = args
+        input_norm, post_norm, pre_ff_norm, post_ff_norm, q_norm, k_norm, *specs, window, sliding_rope = args
         assert input_norm is layer.input_layernorm.weight and post_norm is layer.post_attention_layernorm.weight
-        assert post_ff_norm is None
+        assert pre_ff_norm is None and post_ff_norm is None and not sliding_rope
         assert q_norm is None and k_norm is None  # qwen2: no per-head norms
         for spec, linear in zip(specs, (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)):
             assert spec[0] is linear.qweight and spec[1] is linear.scale and spec[2] is linear.bias
         assert window == (attention.window or 0)
-    assert {args[-1] for _, args in layers} == {0, 24}  # the test checkpoint mixes full and sliding layers
+    assert {args[-2] for _, args in layers} == {0, 24}  # the test checkpoint mixes full and sliding layers
 
 
 def test_no_decode_stack_where_a_linear_is_no_gemv(checkpoint, stand_in):
@@ -126,7 +126,7 @@ def test_no_decode_stack_where_a_linear_is_no_gemv(checkpoint, stand_in):
     assert stand_in.called("DecodeStack") == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2-swa", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2-swa", "olmo2", "gemma3"])
 def test_decode_stack_step_is_bit_identical_to_the_module_path(checkpoint, stand_in, arch):
     """With the stand-ins, the module path and the stack (which follows cpu_decode.cpp) call the same ops
     in the same order: equal hidden states and caches, as the compiled stack promises."""

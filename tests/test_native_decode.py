@@ -3,8 +3,9 @@ it replaces.
 
 It runs the same kernels in the same order, so the contract is exact: the same hidden states, KV cache
 contents, tokens and logprobs, bit for bit, in every dtype, weight quantization and KV format, with biases (qwen2),
-sliding windows, MQA, per-head q/k norms (qwen3), post-norms and whole-projection q/k norms (olmo2), batching,
-chunked prefill and preemption around it.
+sliding windows (one KV cache group, or full and sliding layers in groups of their own), MQA, per-head q/k norms
+(qwen3), post-norms and whole-projection q/k norms (olmo2), sandwich norms scaled by 1 + weight, GeGLU and the
+sliding layers' own rope table (gemma3), batching, chunked prefill and preemption around it.
 """
 
 from __future__ import annotations
@@ -81,19 +82,27 @@ def _generate(llm, prompts, native: bool):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outputs], counter
 
 
-# qwen2-swa with every layer sliding: one KV cache group, whose tables hold -1 for the blocks its window dropped,
-# which the native stack decodes (a mix of full and sliding layers, a group each, runs the modules).
+# qwen2-swa with every layer sliding: one KV cache group, whose tables hold -1 for the blocks its window dropped;
+# as the test checkpoint has it ("qwen2-swa-mixed"), full and sliding layers in a group each.
 SLIDING_EVERY_LAYER = {"max_window_layers": 0}
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2-swa", "llama-mqa", "qwen3", "olmo2"])
+def _checkpoint(checkpoint, arch: str):
+    if arch == "qwen2-swa-mixed":
+        return checkpoint("qwen2-swa")
+    return checkpoint(arch, **SLIDING_EVERY_LAYER) if arch == "qwen2-swa" else checkpoint(arch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-swa", "qwen2-swa-mixed", "llama-mqa", "qwen3", "olmo2", "gemma3"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_engine_output_is_bit_identical_to_module_path(make_llm, checkpoint, arch, config, target):
     """Greedy tokens and their logprobs, exactly equal, with chunking and preemption in the mix."""
-    model_dir = checkpoint(arch, **SLIDING_EVERY_LAYER) if arch == "qwen2-swa" else checkpoint(arch)
+    model_dir = _checkpoint(checkpoint, arch)
     prompts = random_prompts([3, 30, 47, 12, 9], seed=11)
-    # A sliding group holds its window only: a smaller pool keeps preemption in the mix.
-    options = {"max_num_batched_tokens": 9, "num_kv_blocks": 14 if arch == "qwen2-swa" else 28, **CONFIGS[config]}
+    # A sliding group holds its window only: a smaller pool keeps preemption in the mix. (Gemma 3's groups share
+    # the pool otherwise: it takes more blocks to hold its longest sequence.)
+    blocks = {"qwen2-swa": 14, "gemma3": 48}.get(arch, 28)
+    options = {"max_num_batched_tokens": 9, "num_kv_blocks": blocks, **CONFIGS[config]}
     native_llm, module_llm = make_llm(model_dir, **options), make_llm(model_dir, **options)
     assert native_llm.engine.model.backend.kernels.target == target
     assert native_llm.engine.model.backend.decode_runner is not None
@@ -104,21 +113,32 @@ def test_engine_output_is_bit_identical_to_module_path(make_llm, checkpoint, arc
     assert native_llm.engine.scheduler.num_preemptions > 0
 
 
+def _scattered_tables(seq_lens: list[int], gen: torch.Generator) -> list[list[int]]:
+    order, tables = torch.randperm(64, generator=gen).tolist(), []
+    for n in seq_lens:
+        tables.append(order[: -(-n // 4)])
+        order = order[len(tables[-1]) :]
+    return tables
+
+
 @pytest.mark.parametrize("config", list(CONFIGS))
-@pytest.mark.parametrize(("arch", "batch"), [("qwen2-swa", 4), ("qwen3", 1), ("qwen3", 4), ("olmo2", 4)])
+@pytest.mark.parametrize(("arch", "batch"), [("qwen2-swa", 4), ("qwen3", 1), ("qwen3", 4), ("olmo2", 4),
+                                             ("gemma3", 1), ("gemma3", 4)])
 def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, config, arch, batch):
     """One decode step at scattered blocks, from the same cache: equal outputs and caches. (qwen3's head
-    norms take the fused kernel for one token and torch's ops for more, in both paths.)"""
+    norms take the fused kernel for one token and torch's ops for more, in both paths.) Where full and sliding
+    layers mix, they read through KV cache groups of their own, with different tables."""
     llm = make_llm(checkpoint(arch), num_kv_blocks=64, **CONFIGS[config])
     model = llm.engine.model
     gen = torch.Generator().manual_seed(5)
     caches = [_with_tensors(kv, lambda t: _random_like(t, gen)) for kv in llm.engine.runner.kv_caches]
     seq_lens = [1, 6, 17, 33, 60][-batch:]
-    order, tables = torch.randperm(64, generator=gen).tolist(), []
-    for n in seq_lens:
-        tables.append(order[: -(-n // 4)])
-        order = order[len(tables[-1]) :]
-    meta = build_metadata([1] * batch, seq_lens, tables, 4, set(model.config.sliding_windows) or {None})
+    windows = model.config.sliding_windows
+    meta = build_metadata([1] * batch, seq_lens, _scattered_tables(seq_lens, gen), 4, set(windows) or {None})
+    if arch in ("qwen2-swa", "gemma3"):  # their test checkpoints mix full and sliding layers
+        assert None in windows and len(set(windows)) == 2
+        sliding = build_metadata([1] * batch, seq_lens, _scattered_tables(seq_lens, gen), 4, set(windows))
+        meta.layer_metas = [meta if window is None else sliding for window in windows]
     input_ids = torch.randint(0, model.config.vocab_size, (batch,), generator=gen)
 
     def step(native: NativeDecode | None):

@@ -7,12 +7,14 @@
 // results are bit for bit those of the module path) run from C++, with the GIL released, so that the
 // server's event loop runs beside the step instead of between its ops.
 //
-// It takes decode-only steps whose every linear is a GEMV (model/native_decode.py decides); anything
-// else runs through the modules. LoRA adapters' deltas run inside it through lora_add_, the kernel the modules
-// call for decode-sized inputs (forward_lora), so a step with adapter rows is also the module path's bit for bit.
+// It takes decode-only steps whose every linear is a GEMV (model/native_decode.py decides), over one KV cache
+// group or several (each layer reads through its group's block tables); anything else runs through the
+// modules. LoRA adapters' deltas run inside it through lora_add_, the kernel the modules call for decode-sized
+// inputs (forward_lora), so a step with adapter rows is also the module path's bit for bit.
 #include <c10/core/InferenceMode.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -69,13 +71,50 @@ struct LoRAStep {
 
 enum LinearIndex : int64_t { kQKV = 0, kO = 1, kGateUp = 2, kDown = 3 };
 
+// Where a layer's norms sit (ModelConfig.norm_placement): before each sublayer (Llama's), after each sublayer's
+// output, the sublayers reading the stream itself (OLMo 2's), or both (Gemma's sandwich).
+enum class Placement { kPre, kPost, kSandwich };
+
+// How a norm applies its weight, as model/layers.py's RMSNorm does for the family: the fused kernel (Llama's); or
+// the weight times the fp32 normalized value before the cast back, which the fused kernel computes only in fp32
+// (OLMo 2's, and Gemma's, whose (1 + weight) is handed over as that fp32 sum).
+enum class NormScale { kFused, kInFp32 };
+
+// torch's ops for a norm scaled in fp32 (RMSNorm.forward's fallback).
+torch::Tensor norm_in_torch(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  return (weight * at::rms_norm(x.to(at::kFloat), {weight.size(0)}, std::nullopt, eps)).to(x.scalar_type());
+}
+
+torch::Tensor norm(NormScale kind, torch::Tensor x, const OptionalTensor& delta, const torch::Tensor& weight,
+                   double eps) {
+  if (kind == NormScale::kFused || x.scalar_type() == at::kFloat) return add_rms_norm_(x, delta, weight, eps);
+  if (delta) x.add_(*delta);
+  return norm_in_torch(x, weight, eps);
+}
+
+// As RMSNorm.forward takes a slice of heads [tokens, heads, D] (Qwen3's and Gemma 3's q/k norms): the fused kernel
+// where the slice is contiguous (one token) and the kernel is exact for the norm, torch's ops otherwise; written
+// back into qkv, as the module path does.
+void norm_heads_(NormScale kind, torch::Tensor heads, const torch::Tensor& weight, double eps) {
+  torch::Tensor normed;
+  if (heads.is_contiguous() && (kind == NormScale::kFused || heads.scalar_type() == at::kFloat))
+    normed = add_rms_norm_(heads, std::nullopt, weight, eps);
+  else if (kind == NormScale::kFused)
+    normed = weight * at::rms_norm(heads.to(at::kFloat), {weight.size(0)}, std::nullopt, eps).to(heads.scalar_type());
+  else
+    normed = norm_in_torch(heads, weight, eps);
+  heads.copy_(normed);
+}
+
 struct Layer {
-  OptionalTensor input_norm;  // pre-norm layers' (Llama's); OLMo 2's post-norm layers have none
-  torch::Tensor post_norm;  // after attention: the MLP's input norm, or (post-norm) the attention output's
-  OptionalTensor post_ff_norm;  // post-norm layers': the MLP output's
-  OptionalTensor q_norm, k_norm;  // before rope: Qwen3's per head, OLMo 2's across the projection
+  OptionalTensor input_norm;  // before attention: pre-norm and sandwich layers'
+  torch::Tensor post_norm;  // after attention: the MLP's input norm (pre), or the attention output's
+  OptionalTensor pre_ff_norm;  // sandwich layers': the MLP's input norm
+  OptionalTensor post_ff_norm;  // post-norm and sandwich layers': the MLP output's
+  OptionalTensor q_norm, k_norm;  // before rope: per head (Qwen3, Gemma 3), or across the projection (OLMo 2)
   Linear qkv, o, gate_up, down;
   int64_t window;  // 0: full attention
+  int64_t rope;  // which of the step's rope tables it rotates with (Gemma 3's sliding layers have their own)
   std::vector<LoRAPart> lora[4];  // by LinearIndex
 
   // The linear's output with the step's adapter deltas added, as model/lora.py's LoRALinear computes it.
@@ -93,41 +132,42 @@ struct Layer {
   }
 };
 
-// As RMSNorm.forward takes a slice of heads [tokens, heads, D]: the fused kernel where the slice is
-// contiguous (one token), torch's ops where it is not; written back into qkv, as the module path does.
-void norm_heads_(torch::Tensor heads, const torch::Tensor& weight, double eps) {
-  torch::Tensor normed = heads.is_contiguous()
-      ? add_rms_norm_(heads, std::nullopt, weight, eps)
-      : weight * at::rms_norm(heads.to(at::kFloat), {weight.size(0)}, std::nullopt, eps).to(heads.scalar_type());
-  heads.copy_(normed);
-}
+// A step's attention inputs for one KV cache group (AttentionMetadata's): where each token's K/V goes, the
+// decodes' key slots and their sequence lengths. Layers in different groups read through different block tables.
+using GroupSpec = std::tuple<torch::Tensor, torch::Tensor, torch::Tensor>;
+using RopeSpec = std::tuple<torch::Tensor, torch::Tensor>;  // cos, sin
 
-// As RMSNorm.forward with scale_in_fp32 (OLMo 2's norms): the fused kernel in fp32; in a lower precision the
-// weight multiplies the fp32 normalized value before the cast, as the module does in torch.
-torch::Tensor norm_scaled_in_fp32(torch::Tensor x, const OptionalTensor& delta, const torch::Tensor& weight,
-                                  double eps) {
-  if (x.scalar_type() == at::kFloat) return add_rms_norm_(x, delta, weight, eps);
-  if (delta) x.add_(*delta);
-  return (weight * at::rms_norm(x.to(at::kFloat), {weight.size(0)}, std::nullopt, eps)).to(x.scalar_type());
+Placement parse_placement(const std::string& name) {
+  if (name == "pre") return Placement::kPre;
+  if (name == "post") return Placement::kPost;
+  TORCH_CHECK(name == "sandwich", "norm placement is pre, post or sandwich, not ", name);
+  return Placement::kSandwich;
 }
 
 class DecodeStack {
  public:
-  // post_norms: OLMo 2's layers (the sublayers read the stream itself and their outputs are normed, q and k
-  // normed across all heads, every norm's weight applied in fp32); else Llama's pre-norm layers.
+  // placement: ModelConfig.norm_placement. unit_offset: every norm's weight given is (1 + weight) in fp32 (Gemma).
+  // gelu: the MLP's gate is GeGLU's tanh-approximated GELU, else SiLU.
   DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, torch::Tensor final_norm,
-              bool post_norms)
+              const std::string& placement, bool unit_offset, bool gelu)
       : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
-        final_norm_(std::move(final_norm)), post_norms_(post_norms) {}
+        final_norm_(std::move(final_norm)), placement_(parse_placement(placement)),
+        norm_scale_(unit_offset || placement_ == Placement::kPost ? NormScale::kInFp32 : NormScale::kFused),
+        gelu_(gelu) {}
 
-  void add_layer(OptionalTensor input_norm, torch::Tensor post_norm, OptionalTensor post_ff_norm,
-                 OptionalTensor q_norm, OptionalTensor k_norm, const LinearSpec& qkv, const LinearSpec& o,
-                 const LinearSpec& gate_up, const LinearSpec& down, int64_t window) {
-    TORCH_CHECK(post_norms_ ? (!input_norm && post_ff_norm && q_norm && k_norm) : (input_norm && !post_ff_norm),
-                post_norms_ ? "a post-norm layer has no input norm, and its MLP output and q and k norms"
-                            : "a pre-norm layer has an input norm and no norm after its MLP");
-    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(post_ff_norm), std::move(q_norm),
-                       std::move(k_norm), Linear(qkv), Linear(o), Linear(gate_up), Linear(down), window});
+  void add_layer(OptionalTensor input_norm, torch::Tensor post_norm, OptionalTensor pre_ff_norm,
+                 OptionalTensor post_ff_norm, OptionalTensor q_norm, OptionalTensor k_norm, const LinearSpec& qkv,
+                 const LinearSpec& o, const LinearSpec& gate_up, const LinearSpec& down, int64_t window,
+                 bool sliding_rope) {
+    const bool pre = placement_ == Placement::kPre, post = placement_ == Placement::kPost;
+    TORCH_CHECK(input_norm.has_value() != post && pre_ff_norm.has_value() == (placement_ == Placement::kSandwich) &&
+                    post_ff_norm.has_value() != pre && q_norm.has_value() == k_norm.has_value() &&
+                    (!post || q_norm),
+                "a layer's norms are its placement's: an input norm unless post, a pre-MLP norm in a sandwich, an "
+                "MLP output norm unless pre, q and k norms together (post: always)");
+    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(pre_ff_norm), std::move(post_ff_norm),
+                       std::move(q_norm), std::move(k_norm), Linear(qkv), Linear(o), Linear(gate_up), Linear(down),
+                       window, sliding_rope ? 1 : 0});
   }
 
   // Adds (or, for the same layer, linear and module, replaces) an adapter module's part of a linear's output.
@@ -145,75 +185,104 @@ class DecodeStack {
     parts.push_back({module, start, end, std::move(a), std::move(bt)});
   }
 
-  // x: the embedded tokens [B, hidden] (the residual stream, updated in place); kv_caches: one (k, v, k_scale,
-  // v_scale) a layer; the rest as AttentionMetadata has them. Returns the final norm's output [B, hidden].
-  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                        const std::vector<KVSpec>& kv_caches, const torch::Tensor& slot_mapping,
-                        const torch::Tensor& key_slots, const torch::Tensor& seq_lens) const {
-    return run(std::move(x), cos, sin, kv_caches, slot_mapping, key_slots, seq_lens, nullptr);
+  // x: the embedded tokens [B, hidden] (the residual stream, updated in place); ropes: the step's (cos, sin), and
+  // the sliding layers' own where they have them; kv_caches: one (k, v, k_scale, v_scale) a layer; groups: each KV
+  // cache group's attention inputs, layer_groups: each layer's group. Returns the final norm's output [B, hidden].
+  torch::Tensor forward(torch::Tensor x, const std::vector<RopeSpec>& ropes, const std::vector<KVSpec>& kv_caches,
+                        const std::vector<GroupSpec>& groups, const std::vector<int64_t>& layer_groups) const {
+    return run(std::move(x), ropes, kv_caches, groups, layer_groups, nullptr);
   }
 
   // forward, with adapter rows: each row's slot and scaling (as LoRAStack.begin_step makes them) and the ids of
   // the modules its adapters target.
-  torch::Tensor forward_lora(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                             const std::vector<KVSpec>& kv_caches, const torch::Tensor& slot_mapping,
-                             const torch::Tensor& key_slots, const torch::Tensor& seq_lens, torch::Tensor row_slots,
-                             torch::Tensor row_scaling, const std::vector<int64_t>& targeted) const {
+  torch::Tensor forward_lora(torch::Tensor x, const std::vector<RopeSpec>& ropes, const std::vector<KVSpec>& kv_caches,
+                             const std::vector<GroupSpec>& groups, const std::vector<int64_t>& layer_groups,
+                             torch::Tensor row_slots, torch::Tensor row_scaling,
+                             const std::vector<int64_t>& targeted) const {
     LoRAStep step{std::move(row_slots), std::move(row_scaling), {}};
     for (int64_t module : targeted) {
       TORCH_CHECK(module >= 0, "a module id is not negative");
       if (module >= static_cast<int64_t>(step.targeted.size())) step.targeted.resize(module + 1, false);
       step.targeted[module] = true;
     }
-    return run(std::move(x), cos, sin, kv_caches, slot_mapping, key_slots, seq_lens, &step);
+    return run(std::move(x), ropes, kv_caches, groups, layer_groups, &step);
   }
 
  private:
-  torch::Tensor run(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
-                    const std::vector<KVSpec>& kv_caches, const torch::Tensor& slot_mapping,
-                    const torch::Tensor& key_slots, const torch::Tensor& seq_lens, const LoRAStep* lora) const {
-    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
+  torch::Tensor norm_(torch::Tensor x, const OptionalTensor& delta, const torch::Tensor& weight) const {
+    return norm(norm_scale_, std::move(x), delta, weight, eps_);
+  }
+
+  torch::Tensor mlp(const Layer& layer, const torch::Tensor& x, const LoRAStep* lora) const {
+    torch::Tensor gate_up = layer.run(kGateUp, x, lora), gated;
+    if (gelu_) {  // as GatedMLP.forward: torch's ops
+      const std::vector<torch::Tensor> parts = gate_up.split(gate_up.size(1) / 2, 1);
+      gated = at::gelu(parts[0], "tanh") * parts[1];
+    } else {
+      gated = silu_mul(gate_up);
+    }
+    return layer.run(kDown, gated, lora);
+  }
+
+  torch::Tensor run(torch::Tensor x, const std::vector<RopeSpec>& ropes, const std::vector<KVSpec>& kv_caches,
+                    const std::vector<GroupSpec>& groups, const std::vector<int64_t>& layer_groups,
+                    const LoRAStep* lora) const {
+    TORCH_CHECK(kv_caches.size() == layers_.size() && layer_groups.size() == layers_.size(),
+                "one KV cache and one KV cache group per layer");
     c10::InferenceMode inference;
     OptionalTensor delta;
+    const bool post = placement_ == Placement::kPost;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
       auto [k_cache, v_cache, k_scale, v_scale] = kv_caches[i];
+      const int64_t group = layer_groups[i];
+      TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups.size()) &&
+                  layer.rope < static_cast<int64_t>(ropes.size()), "no such KV cache group or rope table");
+      const auto& [slot_mapping, key_slots, seq_lens] = groups[group];
+      const auto& [cos, sin] = ropes[layer.rope];
       torch::Tensor qkv;
-      if (post_norms_) {
+      if (post) {
         if (delta) x.add_(*delta);
         qkv = layer.run(kQKV, x, lora);
         const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
         torch::Tensor q = qkv.slice(1, 0, q_size), k = qkv.slice(1, q_size, q_size + kv_size);
-        q.copy_(norm_scaled_in_fp32(q.contiguous(), std::nullopt, *layer.q_norm, eps_));
-        k.copy_(norm_scaled_in_fp32(k.contiguous(), std::nullopt, *layer.k_norm, eps_));
+        q.copy_(norm_(q.contiguous(), std::nullopt, *layer.q_norm));
+        k.copy_(norm_(k.contiguous(), std::nullopt, *layer.k_norm));
       } else {
-        qkv = layer.run(kQKV, add_rms_norm_(x, delta, *layer.input_norm, eps_), lora);
+        qkv = layer.run(kQKV, norm_(x, delta, *layer.input_norm), lora);
       }
       qkv = qkv.view({-1, heads_ + 2 * kv_heads_, head_dim_});
-      if (layer.q_norm && !post_norms_) {
-        norm_heads_(qkv.slice(1, 0, heads_), *layer.q_norm, eps_);
-        norm_heads_(qkv.slice(1, heads_, heads_ + kv_heads_), *layer.k_norm, eps_);
+      if (layer.q_norm && !post) {
+        norm_heads_(norm_scale_, qkv.slice(1, 0, heads_), *layer.q_norm, eps_);
+        norm_heads_(norm_scale_, qkv.slice(1, heads_, heads_ + kv_heads_), *layer.k_norm, eps_);
       }
       rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_, k_scale, v_scale);
       torch::Tensor attended = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, key_slots,
                                                       seq_lens, layer.window, scale_, k_scale, v_scale);
       attended = layer.run(kO, attended.reshape({-1, heads_ * head_dim_}), lora);
-      if (post_norms_) {
-        x.add_(norm_scaled_in_fp32(attended, std::nullopt, layer.post_norm, eps_));
-        torch::Tensor mlp = layer.run(kDown, silu_mul(layer.run(kGateUp, x, lora)), lora);
-        delta = norm_scaled_in_fp32(mlp, std::nullopt, *layer.post_ff_norm, eps_);
-      } else {
-        torch::Tensor gate_up = layer.run(kGateUp, add_rms_norm_(x, attended, layer.post_norm, eps_), lora);
-        delta = layer.run(kDown, silu_mul(gate_up), lora);
+      switch (placement_) {
+        case Placement::kPre:
+          delta = mlp(layer, norm_(x, attended, layer.post_norm), lora);
+          break;
+        case Placement::kPost:
+          x.add_(norm_(attended, std::nullopt, layer.post_norm));
+          delta = norm_(mlp(layer, x, lora), std::nullopt, *layer.post_ff_norm);
+          break;
+        case Placement::kSandwich:
+          delta = norm_(mlp(layer, norm_(x, norm_(attended, std::nullopt, layer.post_norm), *layer.pre_ff_norm),
+                            lora), std::nullopt, *layer.post_ff_norm);
+          break;
       }
     }
-    return post_norms_ ? norm_scaled_in_fp32(x, delta, final_norm_, eps_) : add_rms_norm_(x, delta, final_norm_, eps_);
+    return norm_(x, delta, final_norm_);
   }
 
   int64_t heads_, kv_heads_, head_dim_;
   double eps_, scale_;  // RMSNorm's epsilon; attention's score scale
   torch::Tensor final_norm_;
-  bool post_norms_;
+  Placement placement_;
+  NormScale norm_scale_;
+  bool gelu_;
   std::vector<Layer> layers_;
 };
 
@@ -221,16 +290,19 @@ class DecodeStack {
 
 void define_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, bool>(),
-           "heads, kv_heads, head_dim, eps, attention scale, final_norm, post_norms (OLMo 2's layers)")
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, const std::string&, bool, bool>(),
+           "heads, kv_heads, head_dim, eps, attention scale, final_norm, norm placement (pre, post or sandwich), "
+           "unit_offset (norm weights given as 1 + weight, fp32), gelu (GeGLU, else SiLU)")
       .def("add_layer", &DecodeStack::add_layer,
-           "input_norm (None for post-norm layers), post_norm, post_ff_norm (post-norm layers only), q_norm and "
-           "k_norm (or None), then qkv, o, gate_up, down as (weight, scale or None, bias or None), window")
+           "input_norm, post_norm, pre_ff_norm, post_ff_norm (each None where the placement has none), q_norm and "
+           "k_norm (or None), then qkv, o, gate_up, down as (weight, scale or None, bias or None), window, "
+           "sliding_rope (rotate with the step's second rope table)")
       .def("add_lora_part", &DecodeStack::add_lora_part,
            "layer, linear (0 qkv, 1 o, 2 gate_up, 3 down), module id, start, end, A [slots, rank, in], "
            "B transposed [slots, rank, out]")
       .def("forward", &DecodeStack::forward, pybind11::call_guard<pybind11::gil_scoped_release>(),
-           "x, cos, sin, kv_caches, slot_mapping, key_slots, seq_lens -> final-normed hidden states")
+           "x, ropes [(cos, sin)], kv_caches, groups [(slot_mapping, key_slots, seq_lens)], layer_groups "
+           "-> final-normed hidden states")
       .def("forward_lora", &DecodeStack::forward_lora, pybind11::call_guard<pybind11::gil_scoped_release>(),
            "forward's arguments, then the step's rows' LoRA slots and scalings and its targeted module ids");
 }

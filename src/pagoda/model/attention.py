@@ -195,9 +195,10 @@ class DecodeRunner(Protocol):
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool: ...
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def __call__(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]],
                  kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
-        """The final norm's output for the step's tokens; x (the embedded tokens) is updated in place."""
+        """The final norm's output for the step's tokens; x (the embedded tokens) is updated in place. ropes: the
+        step's (cos, sin), then the sliding layers' own where the model has them."""
         ...
 
 

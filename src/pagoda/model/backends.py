@@ -45,9 +45,9 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     - and where the attention kernels take the shape (head_dim 16..128 in steps of 16, at most 16 query
       heads per kv head), attend through the native backend: paged attention, rope + KV write in one call;
     - and where every layer's linear runs as a GEMV too (input widths a multiple of 32) and the layers are
-      Llama's or OLMo 2's (`decode_stack_takes_layers`), run decode-only steps through the native decode stack, which
-      `native_decode.bind_decode_stack` builds once the weights are final (and only if they are what it takes:
-      `decode_stack_covers`).
+      Llama's, OLMo 2's or Gemma 3's (`decode_stack_takes_layers`), run decode-only steps through the native
+      decode stack, which `native_decode.bind_decode_stack` builds once the weights are final (and only if they
+      are what it takes: `decode_stack_covers`).
 
     Soft-capped attention (Gemma 2) runs `SoftCappedAttentionBackend` whatever the kernels: neither SDPA nor the
     paged kernels cap scores. The other families' layers run through the modules, with the kernels above.
@@ -73,12 +73,12 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
 
 
 def decode_stack_takes_layers(config: ModelConfig) -> bool:
-    """Whether every layer is one the native decode stack computes: Llama's (pre-norms scaled by their weight,
-    optional per-head q/k norms) or OLMo 2's (post-norms scaled in fp32, q/k norms across the heads), with a SiLU
-    gate, plain embeddings and logits and one rope table."""
-    norms = (config.norm_placement == "pre" and config.qk_norm_per_head) or (
-        config.norm_placement == "post" and config.qk_norm and not config.qk_norm_per_head)
-    return (norms and config.hidden_act == "silu" and not config.norm_unit_offset
-            and config.embedding_multiplier is None
-            and config.final_logit_softcapping is None and config.attn_logit_softcapping is None
-            and config.sliding_rope is None)
+    """Whether every layer is one the native decode stack computes: Llama's (pre-norms, optional per-head q/k
+    norms), OLMo 2's (post-norms scaled in fp32, q/k norms across the heads) or Gemma's (sandwich norms scaled by
+    1 + weight, per-head q/k norms in Gemma 3, a rope table of their own for Gemma 3's sliding layers), with a SiLU
+    or GeGLU gate. Embedding multipliers and logit soft-capping run outside it; soft-capped attention scores
+    (Gemma 2) do not: its attention kernels do not cap them."""
+    placement, per_head = config.norm_placement, config.qk_norm_per_head
+    norms = (placement in ("pre", "sandwich") and (per_head or not config.qk_norm)) or (
+        placement == "post" and config.qk_norm and not per_head)
+    return norms and config.attn_logit_softcapping is None

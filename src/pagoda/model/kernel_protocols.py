@@ -17,25 +17,28 @@ LinearSpec = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 KVSpec = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
+# A KV cache group's attention inputs for a decode step (AttentionMetadata's): slot_mapping, decode_key_slots,
+# decode_seq_lens.
+GroupInputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
 class CompiledDecodeStack(Protocol):
     """kernels/cpu_decode.cpp's DecodeStack."""
 
     def add_layer(self, input_layernorm: torch.Tensor | None, post_attention_layernorm: torch.Tensor,
-                  post_feedforward_layernorm: torch.Tensor | None, q_norm: torch.Tensor | None,
-                  k_norm: torch.Tensor | None, qkv: LinearSpec, o: LinearSpec, gate_up: LinearSpec,
-                  down: LinearSpec, window: int) -> None: ...
+                  pre_feedforward_layernorm: torch.Tensor | None, post_feedforward_layernorm: torch.Tensor | None,
+                  q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qkv: LinearSpec, o: LinearSpec,
+                  gate_up: LinearSpec, down: LinearSpec, window: int, sliding_rope: bool) -> None: ...
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                kv_caches: list[KVSpec], slot_mapping: torch.Tensor,
-                key_slots: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor: ...
+    def forward(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVSpec],
+                groups: list[GroupInputs], layer_groups: list[int]) -> torch.Tensor: ...
 
     def add_lora_part(self, layer: int, linear: int, module: int, start: int, end: int, a: torch.Tensor,
                       bt: torch.Tensor) -> None: ...
 
-    def forward_lora(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     kv_caches: list[KVSpec], slot_mapping: torch.Tensor, key_slots: torch.Tensor,
-                     seq_lens: torch.Tensor, row_slots: torch.Tensor, row_scaling: torch.Tensor,
-                     targeted: list[int]) -> torch.Tensor: ...
+    def forward_lora(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVSpec],
+                     groups: list[GroupInputs], layer_groups: list[int], row_slots: torch.Tensor,
+                     row_scaling: torch.Tensor, targeted: list[int]) -> torch.Tensor: ...
 
 
 class QuantizedKernels(Protocol):
@@ -55,7 +58,7 @@ class CpuKernels(QuantizedKernels, Protocol):
     cpu_avx2_module.cpp: "avx2", which has no prefill attention), as model/ calls it."""
 
     target: str
-    DecodeStack: Callable[[int, int, int, float, float, torch.Tensor, bool], CompiledDecodeStack]
+    DecodeStack: Callable[[int, int, int, float, float, torch.Tensor, str, bool, bool], CompiledDecodeStack]
     prefill_attention_amx: bool  # bf16 prefill attention runs on AMX tiles (the CPU has them, Linux granted them)
 
     def gemv_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...

@@ -24,21 +24,22 @@ class RMSNorm(nn.Module):
                  scale_in_fp32: bool = False) -> None:
         """unit_offset: the scale is (1 + weight), applied in fp32 (Gemma); scale_in_fp32: the weight multiplies
         the fp32 normalized value before it is cast back (OLMo 2, Gemma), not after (Llama). Either runs the
-        torch path in a low-precision dtype, where the fused kernel would round differently."""
+        torch path in a low-precision dtype, where the fused kernel would round differently; in fp32 the kernel
+        scales by the weight, or by (1 + weight) summed in fp32."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.unit_offset = unit_offset
         self.scale_in_fp32 = scale_in_fp32 or unit_offset
-        # pagoda's CPU kernels, if the model runs them: the add and the norm in one call. Never with the offset
-        # (the kernel scales by the weight itself).
-        self.kernels = None if unit_offset else kernels
+        # pagoda's CPU kernels, if the model runs them: the add and the norm in one call.
+        self.kernels = kernels
 
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x), after adding `delta` into x in place when given (x is the residual stream)."""
         fp32_exact = not self.scale_in_fp32 or x.dtype == torch.float32
         if self.kernels is not None and x.is_contiguous() and fp32_exact:
-            return self.kernels.add_rms_norm_(x, delta, self.weight, self.eps)
+            weight = 1.0 + self.weight.float() if self.unit_offset else self.weight
+            return self.kernels.add_rms_norm_(x, delta, weight, self.eps)
         if delta is not None:
             x.add_(delta)
         # HF's x * rsqrt(mean(x^2) + eps) in fp32, as one fused op instead of five.

@@ -192,7 +192,7 @@ class LlamaModel(nn.Module):
         # fp8 scales still to be calculated are set by the modules' first write (the stack only reads them).
         if (received is None and runner is not None and runner.takes(meta, x.shape[0])
                 and not kv_caches[0].scales_pending):
-            return runner(x, cos, sin, kv_caches, meta)
+            return runner(x, [(cos, sin)] if sliding is None else [(cos, sin), sliding], kv_caches, meta)
         delta = self._run_layers(x, delta, (cos, sin), sliding, kv_caches, meta)
         assert self.norm is not None, "a pipeline stage before the last runs forward_stage"
         hidden: torch.Tensor = self.norm(x, delta)

@@ -38,7 +38,7 @@ from pagoda.model.native_decode import NativeDecode
 if TYPE_CHECKING:
     from pagoda.model.kernel_protocols import CpuKernels
     from pagoda.model.layers import GatedMLP
-    from pagoda.model.llama import DecoderLayer, LlamaModel
+    from pagoda.model.llama import DecoderLayer, LlamaModel, RopeTables
 
 # (PEFT module, first column, end column) inside one of our linears' output.
 Parts = tuple[tuple[str, int, int], ...]
@@ -169,12 +169,12 @@ class AdapterDecode:
                             self.inner.stack.add_lora_part(index, position, MODULE_IDS[name], start, end, a, bt)
             self._handed_over.add(module)
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ropes: list[RopeTables], kv_caches: list[LayerKV],
+                 meta: AttentionMetadata) -> torch.Tensor:
         if not self.stack.active:
-            return self.inner(x, cos, sin, kv_caches, meta)
+            return self.inner(x, ropes, kv_caches, meta)
         self._hand_over()
-        return self.inner.forward_lora(x, cos, sin, kv_caches, meta, self.stack.row_slots, self.stack.row_scaling,
+        return self.inner.forward_lora(x, ropes, kv_caches, meta, self.stack.row_slots, self.stack.row_scaling,
                                        [MODULE_IDS[name] for name in self.stack.targeted])
 
 

@@ -8,7 +8,8 @@ prefills and larger batches run through the modules. LoRA adapters' deltas run i
 `AdapterDecode` hands it their weights and each step's rows). `backends.create_runtime` offers it to models whose
 shapes it takes (the native attention backend, every linear's width a GEMV's), and `bind_decode_stack` builds
 it once the weights are final if `decode_stack_covers` them (every linear runs decode inputs straight through a
-kernel).
+kernel). A step over several KV cache groups (sliding and full layers apart) runs in it too: each layer reads
+through its own group's block tables.
 """
 
 from __future__ import annotations
@@ -24,9 +25,9 @@ from pagoda.model.kv_cache import LayerKV
 from pagoda.model.quantization import KERNEL_MAX_ROWS, DenseLinear, Int8Linear
 
 if TYPE_CHECKING:
-    from pagoda.model.kernel_protocols import CpuKernels, LinearSpec
-    from pagoda.model.layers import GatedMLP
-    from pagoda.model.llama import DecoderLayer, LlamaModel
+    from pagoda.model.kernel_protocols import CpuKernels, GroupInputs, LinearSpec
+    from pagoda.model.layers import GatedMLP, RMSNorm
+    from pagoda.model.llama import DecoderLayer, LlamaModel, RopeTables
 
 
 def _linear_spec(linear: nn.Module) -> LinearSpec | None:
@@ -68,37 +69,61 @@ class NativeDecode:
         norm = model.norm
         assert norm is not None, "the decode stack runs a whole model, not a pipeline stage"
         self.kernels = kernels
-        post = config.norm_placement == "post"  # OLMo 2's layers (backends.decode_stack_takes_layers)
+        placement = config.norm_placement  # backends.decode_stack_takes_layers: pre, post or sandwich
+
+        def weight(module: RMSNorm) -> torch.Tensor:
+            """A norm's weight as the stack applies it: (1 + weight) in fp32 where the model's norms offset it
+            (Gemma), computed as RMSNorm.forward does, so that the stack's products are the module's."""
+            return 1.0 + module.weight.float() if config.norm_unit_offset else module.weight
+
+        def optional(module: RMSNorm | None) -> torch.Tensor | None:
+            return None if module is None else weight(module)
+
         self.stack = kernels.DecodeStack(config.num_heads, config.num_kv_heads, config.head_dim, norm.eps,
-                                         layers[0].self_attn.scale, norm.weight, post)
+                                         layers[0].self_attn.scale, weight(norm), placement,
+                                         config.norm_unit_offset, config.hidden_act != "silu")
         for layer in layers:
             attention = layer.self_attn
             qkv, o, gate_up, down = (cast("LinearSpec", _linear_spec(linear)) for linear in _layer_linears(layer))
-            q_norm, k_norm = attention.q_norm, attention.k_norm  # Qwen3's per-head norms, OLMo 2's whole, or None
-            self.stack.add_layer(None if post else layer.input_layernorm.weight,
-                                 layer.post_attention_layernorm.weight,
-                                 layer.post_feedforward_layernorm.weight if post else None,
-                                 None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                                 qkv, o, gate_up, down, attention.window or 0)
+            self.stack.add_layer(optional(getattr(layer, "input_layernorm", None)),
+                                 weight(layer.post_attention_layernorm),
+                                 optional(getattr(layer, "pre_feedforward_layernorm", None)),
+                                 optional(getattr(layer, "post_feedforward_layernorm", None)),
+                                 optional(attention.q_norm), optional(attention.k_norm),
+                                 qkv, o, gate_up, down, attention.window or 0, layer.sliding_rope)
         # The most tokens a step may have: every dense linear's GEMV bound, as the modules apply it.
         dense = [linear for layer in layers for linear in _layer_linears(layer) if isinstance(linear, DenseLinear)]
         self.max_rows = min((linear.max_rows for linear in dense), default=KERNEL_MAX_ROWS)
+        self._one_group = [0] * len(layers)
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
-        # One slot mapping for every layer: a step over several KV cache groups runs the modules.
-        return not meta.prefills and meta.layer_metas is None and num_tokens <= self.max_rows
+        return not meta.prefills and num_tokens <= self.max_rows
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 kv_caches: list[LayerKV], meta: AttentionMetadata) -> torch.Tensor:
-        """The final norm's output for the step's tokens; x (the embedded tokens) is updated in place."""
-        return self.stack.forward(x, cos, sin, [kv.kernel_args() for kv in kv_caches], meta.slot_mapping,
-                                  meta.decode_key_slots, meta.decode_seq_lens)
+    def _groups(self, meta: AttentionMetadata) -> tuple[list[GroupInputs], list[int]]:
+        """Each KV cache group's attention inputs, and each layer's group (one group unless the metadata has
+        each layer's)."""
+        metas = meta.layer_metas or [meta]
+        index: dict[int, int] = {}
+        groups: list[GroupInputs] = []
+        for group in metas:
+            if id(group) not in index:
+                index[id(group)] = len(groups)
+                groups.append((group.slot_mapping, group.decode_key_slots, group.decode_seq_lens))
+        return groups, self._one_group if meta.layer_metas is None else [index[id(group)] for group in metas]
 
-    def forward_lora(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_caches: list[LayerKV],
+    def __call__(self, x: torch.Tensor, ropes: list[RopeTables], kv_caches: list[LayerKV],
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """The final norm's output for the step's tokens; x (the embedded tokens) is updated in place. ropes: the
+        step's tables, then the sliding layers' own where the model has them."""
+        groups, layer_groups = self._groups(meta)
+        return self.stack.forward(x, ropes, [kv.kernel_args() for kv in kv_caches], groups, layer_groups)
+
+    def forward_lora(self, x: torch.Tensor, ropes: list[RopeTables], kv_caches: list[LayerKV],
                      meta: AttentionMetadata, row_slots: torch.Tensor, row_scaling: torch.Tensor,
                      targeted: list[int]) -> torch.Tensor:
         """As a call, with the adapter parts the stack was given (`stack.add_lora_part`) that `targeted` names
         added to their linears' outputs: each row's from its own slot (`row_slots`, int64, -1: the base), scaled
         by its `row_scaling` (fp32)."""
-        return self.stack.forward_lora(x, cos, sin, [kv.kernel_args() for kv in kv_caches], meta.slot_mapping,
-                                       meta.decode_key_slots, meta.decode_seq_lens, row_slots, row_scaling, targeted)
+        groups, layer_groups = self._groups(meta)
+        return self.stack.forward_lora(x, ropes, [kv.kernel_args() for kv in kv_caches], groups, layer_groups,
+                                       row_slots, row_scaling, targeted)
