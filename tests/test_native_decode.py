@@ -138,7 +138,7 @@ def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, co
     if arch in ("qwen2-swa", "gemma3"):  # their test checkpoints mix full and sliding layers
         assert None in windows and len(set(windows)) == 2
         sliding = build_metadata([1] * batch, seq_lens, _scattered_tables(seq_lens, gen), 4, set(windows))
-        meta.layer_metas = [meta if window is None else sliding for window in windows]
+        meta.group_metas, meta.layer_groups = [meta, sliding], [0 if window is None else 1 for window in windows]
     input_ids = torch.randint(0, model.config.vocab_size, (batch,), generator=gen)
 
     def step(native: NativeDecode | None):

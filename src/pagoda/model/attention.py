@@ -59,12 +59,14 @@ class AttentionMetadata:
     decode_seq_lens: torch.Tensor  # [num_decodes]
     decode_masks: dict[int | None, torch.Tensor]  # per window: [num_decodes, 1, 1, max_seq_len]
     prefills: list[PrefillSeq] = field(default_factory=list)
-    # With several KV cache groups (pagoda/kv_groups.py): each layer's own metadata, whose slots go through its
-    # group's block tables (positions are the same in all). None: every layer takes this one.
-    layer_metas: list[AttentionMetadata] | None = None
+    # With several KV cache groups (pagoda/kv_groups.py): each group's metadata (this one first), whose slots go
+    # through that group's block tables (positions are the same in all), and each layer's group. Empty: every
+    # layer takes this one.
+    group_metas: list[AttentionMetadata] = field(default_factory=list)
+    layer_groups: Sequence[int] = ()
 
     def for_layer(self, layer: int) -> AttentionMetadata:
-        return self if self.layer_metas is None else self.layer_metas[layer]
+        return self.group_metas[self.layer_groups[layer]] if self.layer_groups else self
 
     @property
     def num_decodes(self) -> int:
@@ -118,14 +120,14 @@ class QueryLayout:
     def metadata(self, block_size: int, windows: set[int | None], layer_groups: Sequence[int] = ()
                  ) -> AttentionMetadata:
         """layer_groups: each layer's KV cache group, where there are several (the metadata then holds each
-        layer's)."""
+        group's, and which each layer takes)."""
         meta = build_metadata(self.query_lens, self.seq_lens, self.block_tables, block_size, windows,
                               self.branch_slots)
         if not self.group_tables:
             return meta
-        groups = [meta] + [build_metadata(self.query_lens, self.seq_lens, tables, block_size, windows,
-                                          self.branch_slots) for tables in self.group_tables]
-        meta.layer_metas = [groups[group] for group in layer_groups]
+        meta.group_metas = [meta] + [build_metadata(self.query_lens, self.seq_lens, tables, block_size, windows,
+                                                    self.branch_slots) for tables in self.group_tables]
+        meta.layer_groups = layer_groups
         return meta
 
 

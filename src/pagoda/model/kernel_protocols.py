@@ -5,7 +5,7 @@ the module that decides which implementation runs (backends.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -31,13 +31,13 @@ class CompiledDecodeStack(Protocol):
                   gate_up: LinearSpec, down: LinearSpec, window: int, sliding_rope: bool) -> None: ...
 
     def forward(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVSpec],
-                groups: list[GroupInputs], layer_groups: list[int]) -> torch.Tensor: ...
+                groups: list[GroupInputs], layer_groups: Sequence[int]) -> torch.Tensor: ...
 
     def add_lora_part(self, layer: int, linear: int, module: int, start: int, end: int, a: torch.Tensor,
                       bt: torch.Tensor) -> None: ...
 
     def forward_lora(self, x: torch.Tensor, ropes: list[tuple[torch.Tensor, torch.Tensor]], kv_caches: list[KVSpec],
-                     groups: list[GroupInputs], layer_groups: list[int], row_slots: torch.Tensor,
+                     groups: list[GroupInputs], layer_groups: Sequence[int], row_slots: torch.Tensor,
                      row_scaling: torch.Tensor, targeted: list[int]) -> torch.Tensor: ...
 
 

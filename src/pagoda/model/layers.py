@@ -34,21 +34,24 @@ class RMSNorm(nn.Module):
         # pagoda's CPU kernels, if the model runs them: the add and the norm in one call.
         self.kernels = kernels
 
+    def scale(self) -> torch.Tensor:
+        """What the normalized value is multiplied by: the weight, or (1 + weight) summed in fp32 (unit_offset).
+        The native decode stack takes it from here, so that its products are this module's."""
+        return 1.0 + self.weight.float() if self.unit_offset else self.weight
+
     def forward(self, x: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm(x), after adding `delta` into x in place when given (x is the residual stream)."""
+        scale = self.scale()
         fp32_exact = not self.scale_in_fp32 or x.dtype == torch.float32
         if self.kernels is not None and x.is_contiguous() and fp32_exact:
-            weight = 1.0 + self.weight.float() if self.unit_offset else self.weight
-            return self.kernels.add_rms_norm_(x, delta, weight, self.eps)
+            return self.kernels.add_rms_norm_(x, delta, scale, self.eps)
         if delta is not None:
             x.add_(delta)
         # HF's x * rsqrt(mean(x^2) + eps) in fp32, as one fused op instead of five.
         normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        if self.unit_offset:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
         if self.scale_in_fp32:
-            return (self.weight * normed).to(x.dtype)
-        return torch.mul(self.weight, normed.to(x.dtype))
+            return (scale * normed).to(x.dtype)
+        return torch.mul(scale, normed.to(x.dtype))
 
 
 def row_linear(in_features: int, out_features: int, bias: bool, parallel: TensorParallel | None) -> nn.Linear:

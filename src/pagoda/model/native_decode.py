@@ -14,6 +14,7 @@ through its own group's block tables.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -71,25 +72,20 @@ class NativeDecode:
         self.kernels = kernels
         placement = config.norm_placement  # backends.decode_stack_takes_layers: pre, post or sandwich
 
-        def weight(module: RMSNorm) -> torch.Tensor:
-            """A norm's weight as the stack applies it: (1 + weight) in fp32 where the model's norms offset it
-            (Gemma), computed as RMSNorm.forward does, so that the stack's products are the module's."""
-            return 1.0 + module.weight.float() if config.norm_unit_offset else module.weight
-
-        def optional(module: RMSNorm | None) -> torch.Tensor | None:
-            return None if module is None else weight(module)
+        def scale(module: RMSNorm | None) -> torch.Tensor | None:
+            return None if module is None else module.scale()
 
         self.stack = kernels.DecodeStack(config.num_heads, config.num_kv_heads, config.head_dim, norm.eps,
-                                         layers[0].self_attn.scale, weight(norm), placement,
+                                         layers[0].self_attn.scale, norm.scale(), placement,
                                          config.norm_unit_offset, config.hidden_act != "silu")
         for layer in layers:
             attention = layer.self_attn
             qkv, o, gate_up, down = (cast("LinearSpec", _linear_spec(linear)) for linear in _layer_linears(layer))
-            self.stack.add_layer(optional(getattr(layer, "input_layernorm", None)),
-                                 weight(layer.post_attention_layernorm),
-                                 optional(getattr(layer, "pre_feedforward_layernorm", None)),
-                                 optional(getattr(layer, "post_feedforward_layernorm", None)),
-                                 optional(attention.q_norm), optional(attention.k_norm),
+            self.stack.add_layer(scale(getattr(layer, "input_layernorm", None)),
+                                 layer.post_attention_layernorm.scale(),
+                                 scale(getattr(layer, "pre_feedforward_layernorm", None)),
+                                 scale(getattr(layer, "post_feedforward_layernorm", None)),
+                                 scale(attention.q_norm), scale(attention.k_norm),
                                  qkv, o, gate_up, down, attention.window or 0, layer.sliding_rope)
         # The most tokens a step may have: every dense linear's GEMV bound, as the modules apply it.
         dense = [linear for layer in layers for linear in _layer_linears(layer) if isinstance(linear, DenseLinear)]
@@ -99,17 +95,12 @@ class NativeDecode:
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
         return not meta.prefills and num_tokens <= self.max_rows
 
-    def _groups(self, meta: AttentionMetadata) -> tuple[list[GroupInputs], list[int]]:
-        """Each KV cache group's attention inputs, and each layer's group (one group unless the metadata has
-        each layer's)."""
-        metas = meta.layer_metas or [meta]
-        index: dict[int, int] = {}
-        groups: list[GroupInputs] = []
-        for group in metas:
-            if id(group) not in index:
-                index[id(group)] = len(groups)
-                groups.append((group.slot_mapping, group.decode_key_slots, group.decode_seq_lens))
-        return groups, self._one_group if meta.layer_metas is None else [index[id(group)] for group in metas]
+    def _groups(self, meta: AttentionMetadata) -> tuple[list[GroupInputs], Sequence[int]]:
+        """Each KV cache group's attention inputs, and each layer's group."""
+        if not meta.layer_groups:
+            return [(meta.slot_mapping, meta.decode_key_slots, meta.decode_seq_lens)], self._one_group
+        return ([(group.slot_mapping, group.decode_key_slots, group.decode_seq_lens) for group in meta.group_metas],
+                meta.layer_groups)
 
     def __call__(self, x: torch.Tensor, ropes: list[RopeTables], kv_caches: list[LayerKV],
                  meta: AttentionMetadata) -> torch.Tensor:
