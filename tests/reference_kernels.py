@@ -77,12 +77,15 @@ def _rotary_write_kv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """q [B, heads, Q, D] against keys/values [B, L, kv_heads, D] under mask [B, 1, Q, L], in fp32."""
+            scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """q [B, heads, Q, D] against keys/values [B, L, kv_heads, D] under mask [B, 1, Q, L], in fp32; scores capped
+    at softcap (0: not)."""
     batch, heads, queries, head_dim = q.shape
     kv_heads = keys.shape[2]
     query = q.float().reshape(batch, kv_heads, heads // kv_heads * queries, head_dim)
     scores = torch.matmul(query, keys.float().permute(0, 2, 3, 1)) * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.reshape(batch, heads, queries, -1).masked_fill(~mask, float("-inf"))
     probs = scores.softmax(dim=-1).reshape(batch, kv_heads, heads // kv_heads * queries, -1)
     return torch.matmul(probs, values.float().transpose(1, 2)).reshape(batch, heads, queries, head_dim).to(q.dtype)
@@ -95,10 +98,10 @@ def _window_mask(query_pos: torch.Tensor, key_pos: torch.Tensor, window: int) ->
 
 def _paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
                             seq_lens: torch.Tensor, window: int, scale: float, k_scale: torch.Tensor | None = None,
-                            v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            v_scale: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     mask = _window_mask(seq_lens[:, None] - 1, torch.arange(key_slots.shape[1])[None], window)
     keys, values = LayerKV(k_cache, v_cache, k_scale, v_scale).gather(key_slots, q.dtype)
-    attended = _attend(q[:, :, None], keys, values, mask[:, None, None], scale)
+    attended = _attend(q[:, :, None], keys, values, mask[:, None, None], scale, softcap)
     return attended[:, :, 0]
 
 
@@ -131,9 +134,11 @@ class ReferenceDecodeStack:
     """kernels/cpu_decode.cpp's DecodeStack, op for op."""
 
     def __init__(self, log: list[tuple[str, tuple[Any, ...]]], heads: int, kv_heads: int, head_dim: int, eps: float,
-                 scale: float, final_norm: torch.Tensor, placement: str, unit_offset: bool, gelu: bool) -> None:
+                 scale: float, softcap: float, final_norm: torch.Tensor, placement: str, unit_offset: bool,
+                 gelu: bool) -> None:
         self.log = log
         self.heads, self.kv_heads, self.head_dim, self.eps, self.scale = heads, kv_heads, head_dim, eps, scale
+        self.softcap = softcap
         self.final_norm, self.placement, self.gelu = final_norm, placement, gelu
         assert placement in ("pre", "post", "sandwich")
         self.norm_scale = "in_fp32" if unit_offset or placement == "post" else "fused"
@@ -203,7 +208,7 @@ class ReferenceDecodeStack:
                     self._norm_heads_(qkv[:, heads : heads + kv_heads], k_norm)
             _rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads, k_scale, v_scale)
             attended = _paged_decode_attention(qkv[:, :heads], k_cache, v_cache, key_slots, seq_lens, window,
-                                               self.scale, k_scale, v_scale)
+                                               self.scale, k_scale, v_scale, self.softcap)
             attended = o_proj(attended.reshape(-1, heads * head_dim))
             if self.placement == "pre":
                 delta = self._mlp(gate_up_proj, down_proj, self._norm(x, attended, post_norm))
@@ -271,11 +276,12 @@ class ReferenceKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int, scale: float,
-                               k_scale: torch.Tensor | None = None,
-                               v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                               softcap: float = 0.0) -> torch.Tensor:
         self._logged("paged_decode_attention", (q, k_cache, v_cache, key_slots, seq_lens, window, scale, k_scale,
-                                                v_scale))
-        return _paged_decode_attention(q, k_cache, v_cache, key_slots, seq_lens, window, scale, k_scale, v_scale)
+                                                v_scale, softcap))
+        return _paged_decode_attention(q, k_cache, v_cache, key_slots, seq_lens, window, scale, k_scale, v_scale,
+                                       softcap)
 
     def paged_prefill_attention_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor,
@@ -283,8 +289,9 @@ class ReferenceKernels:
         self._logged("paged_prefill_attention_", (q, k_cache, v_cache, key_slots, window, scale, out))
         _paged_prefill_attention_(q, k_cache, v_cache, key_slots, window, scale, out)
 
-    def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float,
+    def DecodeStack(self, heads: int, kv_heads: int, head_dim: int, eps: float, scale: float, softcap: float,
                     final_norm: torch.Tensor, placement: str, unit_offset: bool, gelu: bool) -> ReferenceDecodeStack:
-        self._logged("DecodeStack", (heads, kv_heads, head_dim, eps, scale, final_norm, placement, unit_offset, gelu))
-        return ReferenceDecodeStack(self.log, heads, kv_heads, head_dim, eps, scale, final_norm, placement,
+        self._logged("DecodeStack", (heads, kv_heads, head_dim, eps, scale, softcap, final_norm, placement,
+                                     unit_offset, gelu))
+        return ReferenceDecodeStack(self.log, heads, kv_heads, head_dim, eps, scale, softcap, final_norm, placement,
                                     unit_offset, gelu)

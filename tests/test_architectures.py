@@ -59,21 +59,20 @@ def test_config_fields_of_each_family(checkpoint):
 
 
 def test_each_family_runs_its_implementation(checkpoint, hf_reference, make_llm):
-    """Phi-3 (Llama's layers once its checkpoint is adapted), OLMo 2 (post-norms) and Gemma 3 (sandwich norms,
-    GeGLU, full and sliding layers in KV cache groups of their own) decode through the native stack; Gemma 2's
-    capped scores run the soft-capped backend."""
-    expected = {"gemma2": "SoftCappedAttentionBackend", "gemma3": "CpuAttentionBackend",
-                "olmo2": "CpuAttentionBackend", "phi3": "CpuAttentionBackend"}
-    for arch, backend_name in expected.items():
+    """Phi-3 (Llama's layers once its checkpoint is adapted), OLMo 2 (post-norms), Gemma 2 (sandwich norms, GeGLU,
+    soft-capped scores, full and sliding layers in KV cache groups of their own) and Gemma 3 (q/k norms, a rope of
+    their own for the sliding layers) decode through the native stack; without kernels, the torch backends."""
+    expected = {"gemma2": ("SoftCappedCpuAttentionBackend", "SoftCappedAttentionBackend"),
+                "gemma3": ("CpuAttentionBackend", "TorchAttentionBackend"),
+                "olmo2": ("CpuAttentionBackend", "TorchAttentionBackend"),
+                "phi3": ("CpuAttentionBackend", "TorchAttentionBackend")}
+    for arch, (with_kernels, without_kernels) in expected.items():
         model_dir = checkpoint(arch)
         llm = make_llm(model_dir, **MODES["chunked"])
         backend = llm.engine.model.backend
         counter = None
-        if arch != "gemma2" and cpu_kernels() is None:
-            assert type(backend).__name__ == "TorchAttentionBackend"
-        else:
-            assert type(backend).__name__ == backend_name
-        if arch in ("phi3", "olmo2", "gemma3") and cpu_kernels() is not None:
+        assert type(backend).__name__ == (without_kernels if cpu_kernels() is None else with_kernels)
+        if cpu_kernels() is not None:
             counter = backend.decode_runner.stack = CountingStack(backend.decode_runner.stack)
         else:
             assert backend.decode_runner is None

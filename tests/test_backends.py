@@ -101,10 +101,12 @@ def test_kernels_reach_every_module_at_construction(checkpoint, stand_in, dtype,
 def test_decode_stack_is_built_from_the_loaded_weights_in_layer_order(checkpoint, stand_in):
     model, config = load_model(checkpoint("qwen2-swa"), dtype=torch.bfloat16, quantization="int8")
     assert isinstance(model.backend.decode_runner, NativeDecode)
-    (name, (heads, kv_heads, head_dim, eps, scale, final_norm, placement, unit_offset, gelu)), *layers = stand_in.log
+    (name, (heads, kv_heads, head_dim, eps, scale, softcap, final_norm, placement, unit_offset, gelu)), *layers = \
+        stand_in.log
     assert name == "DecodeStack" and (heads, kv_heads, head_dim) == (config.num_heads, config.num_kv_heads,
                                                                       config.head_dim)
     assert eps == config.rms_norm_eps and scale == config.head_dim**-0.5 and final_norm is model.norm.weight
+    assert softcap == 0.0
     assert (placement, unit_offset, gelu) == ("pre", False, False)
     assert len(layers) == config.num_layers
     for layer, (name, args) in zip(model.layers, layers):
@@ -126,7 +128,7 @@ def test_no_decode_stack_where_a_linear_is_no_gemv(checkpoint, stand_in):
     assert stand_in.called("DecodeStack") == 0
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2-swa", "olmo2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2-swa", "olmo2", "gemma2", "gemma3"])
 def test_decode_stack_step_is_bit_identical_to_the_module_path(checkpoint, stand_in, arch):
     """With the stand-ins, the module path and the stack (which follows cpu_decode.cpp) call the same ops
     in the same order: equal hidden states and caches, as the compiled stack promises."""

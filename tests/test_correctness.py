@@ -111,7 +111,7 @@ def test_greedy_matches_transformers(arch, mode, checkpoint, hf_reference, make_
 
 
 @pytest.mark.parametrize("target", available_targets())
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "phi3", "olmo2", "gemma2", "gemma3"])
 def test_native_decode_on_each_kernel_target_matches_transformers(arch, target, checkpoint, hf_reference, make_llm,
                                                                    monkeypatch):
     """Every kernel target the CPU has (the test above runs the best one) decodes through its native stack, and

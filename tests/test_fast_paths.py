@@ -268,11 +268,14 @@ def test_paged_attention_kernel_matches_reference_backend(make_llm, checkpoint, 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(4, 4, 16), (9, 3, 64), (16, 2, 128), (8, 1, 32)])
 @pytest.mark.parametrize("window", [None, 13])
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8", "fp8_e4m3"])
-def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_heads, head_dim, window, cache_dtype):
+@pytest.mark.parametrize("softcap", [None, 1.5])  # 1.5: below the scores' spread, so tanh bends them
+def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_heads, head_dim, window, cache_dtype,
+                                                  softcap):
     """The kernel against the reference decode on scattered slots, lengths on and off 16-key blocks, on a cache in
     the model's dtype or quantized (the kernel widening codes in registers, the reference dequantizing the keys
-    it gathers)."""
+    it gathers), with scores soft-capped or not."""
     from pagoda.model.attention import CpuAttentionBackend, TorchAttentionBackend, build_metadata
+    from pagoda.model.softcap_attention import SoftCappedAttentionBackend, SoftCappedCpuAttentionBackend
 
     gen = torch.Generator().manual_seed(heads * head_dim)
     block_size, seq_lens = 4, [1, 15, 16, 17, 40, 75]
@@ -292,8 +295,12 @@ def test_paged_decode_kernel_matches_torch_decode(kernels, dtype, heads, kv_head
     kv.write(torch.arange(num_blocks * block_size), k_cache, v_cache)
     q = torch.randn(len(seq_lens), heads, head_dim, generator=gen).to(dtype)
     args = (q, kv, meta, head_dim**-0.5, window)
-    fast = CpuAttentionBackend(kernels).forward(*args).float()
-    reference = TorchAttentionBackend().forward(*args).float()
+    if softcap is None:
+        fast = CpuAttentionBackend(kernels).forward(*args).float()
+        reference = TorchAttentionBackend().forward(*args).float()
+    else:
+        fast = SoftCappedCpuAttentionBackend(kernels, softcap).forward(*args).float()
+        reference = SoftCappedAttentionBackend(softcap).forward(*args).float()
     # bf16: the output's own rounding. int8 on the avx512 target: each query rounded to int16 for the integer dot
     # products (2^-16 of its largest element), far below the codes' own error but above fp32's.
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4 if cache_dtype == "int8" else 1e-5

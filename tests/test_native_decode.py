@@ -93,15 +93,16 @@ def _checkpoint(checkpoint, arch: str):
     return checkpoint(arch, **SLIDING_EVERY_LAYER) if arch == "qwen2-swa" else checkpoint(arch)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2-swa", "qwen2-swa-mixed", "llama-mqa", "qwen3", "olmo2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2-swa", "qwen2-swa-mixed", "llama-mqa", "qwen3", "olmo2", "gemma2",
+                                  "gemma3"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_engine_output_is_bit_identical_to_module_path(make_llm, checkpoint, arch, config, target):
     """Greedy tokens and their logprobs, exactly equal, with chunking and preemption in the mix."""
     model_dir = _checkpoint(checkpoint, arch)
     prompts = random_prompts([3, 30, 47, 12, 9], seed=11)
-    # A sliding group holds its window only: a smaller pool keeps preemption in the mix. (Gemma 3's groups share
-    # the pool otherwise: it takes more blocks to hold its longest sequence.)
-    blocks = {"qwen2-swa": 14, "gemma3": 48}.get(arch, 28)
+    # A sliding group holds its window only: a smaller pool keeps preemption in the mix. (Gemma's groups share
+    # the pool otherwise: they take more blocks to hold their longest sequence.)
+    blocks = {"qwen2-swa": 14, "gemma2": 48, "gemma3": 48}.get(arch, 28)
     options = {"max_num_batched_tokens": 9, "num_kv_blocks": blocks, **CONFIGS[config]}
     native_llm, module_llm = make_llm(model_dir, **options), make_llm(model_dir, **options)
     assert native_llm.engine.model.backend.kernels.target == target
@@ -123,7 +124,7 @@ def _scattered_tables(seq_lens: list[int], gen: torch.Generator) -> list[list[in
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize(("arch", "batch"), [("qwen2-swa", 4), ("qwen3", 1), ("qwen3", 4), ("olmo2", 4),
-                                             ("gemma3", 1), ("gemma3", 4)])
+                                             ("gemma2", 4), ("gemma3", 1), ("gemma3", 4)])
 def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, config, arch, batch):
     """One decode step at scattered blocks, from the same cache: equal outputs and caches. (qwen3's head
     norms take the fused kernel for one token and torch's ops for more, in both paths.) Where full and sliding
@@ -135,7 +136,7 @@ def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, co
     seq_lens = [1, 6, 17, 33, 60][-batch:]
     windows = model.config.sliding_windows
     meta = build_metadata([1] * batch, seq_lens, _scattered_tables(seq_lens, gen), 4, set(windows) or {None})
-    if arch in ("qwen2-swa", "gemma3"):  # their test checkpoints mix full and sliding layers
+    if arch in ("qwen2-swa", "gemma2", "gemma3"):  # their test checkpoints mix full and sliding layers
         assert None in windows and len(set(windows)) == 2
         sliding = build_metadata([1] * batch, seq_lens, _scattered_tables(seq_lens, gen), 4, set(windows))
         meta.group_metas, meta.layer_groups = [meta, sliding], [0 if window is None else 1 for window in windows]

@@ -254,7 +254,7 @@ const char* format_name(KVFormat format) {
 
 template <typename T>
 void check_attention(std::mt19937& rng, int64_t H, int64_t KVH, int64_t D, int64_t window,
-                     KVFormat format = KVFormat::kModel) {
+                     KVFormat format = KVFormat::kModel, float softcap = 0) {
   const int64_t B = 3, L = 40, num_slots = B * L + 5;
   const std::vector<int64_t> lens = {1, 17, L};
   const std::vector<T> q = random_values<T>(rng, B * H * D);
@@ -267,9 +267,9 @@ void check_attention(std::mt19937& rng, int64_t H, int64_t KVH, int64_t D, int64
   kernels::dispatch_kv_format<T>(format, [&](auto element) {
     using KV = decltype(element);
     kernels::attend_tasks<T, KV>(q.data(), cache.view, slots.data(), lens.data(), out.data(), H, KVH, L, D, window,
-                                 scale, 0, tasks / 2);
+                                 scale, softcap, 0, tasks / 2);
     kernels::attend_tasks<T, KV>(q.data(), cache.view, slots.data(), lens.data(), out.data(), H, KVH, L, D, window,
-                                 scale, tasks / 2, tasks);
+                                 scale, softcap, tasks / 2, tasks);
   });
   std::vector<double> want(B * H * D);
   for (int64_t b = 0; b < B; ++b)
@@ -280,7 +280,7 @@ void check_attention(std::mt19937& rng, int64_t H, int64_t KVH, int64_t D, int64
         double dot = 0;
         for (int64_t d = 0; d < D; ++d)
           dot += double(to_float(q[(b * H + h) * D + d])) * cache.key((slots[b * L + i] * KVH + kvh) * D + d, D);
-        scores.push_back(dot * scale);
+        scores.push_back(softcap > 0 ? softcap * std::tanh(dot * scale / softcap) : dot * scale);
       }
       const double top = *std::max_element(scores.begin(), scores.end());
       double total = 0;
@@ -295,7 +295,8 @@ void check_attention(std::mt19937& rng, int64_t H, int64_t KVH, int64_t D, int64
   // Outputs are convex combinations of values in [-1, 1]: fp32 sums of <= 128 terms, or bf16's rounding on store.
   // Against the dequantized values: the kernel applies each scale once per score or weight instead of per element.
   check(std::string("paged_decode_attention ") + type_name<T>() + " H=" + std::to_string(H) + " KVH=" +
-            std::to_string(KVH) + " D=" + std::to_string(D) + " window=" + std::to_string(window) + format_name(format),
+            std::to_string(KVH) + " D=" + std::to_string(D) + " window=" + std::to_string(window) + format_name(format) +
+            (softcap > 0 ? " softcap" : ""),
         out, want, std::is_same_v<T, float> ? 2e-6 : 0x1p-8, 0);
 }
 
@@ -343,6 +344,9 @@ void check_type(std::mt19937& rng) {
       check_attention<T>(rng, 8, 2, D, 0, format);
       check_attention<T>(rng, 4, 4, D, 8, format);
     }
+    // A cap below the scores' spread, so tanh bends them (Gemma 2 caps at 50 scores that reach hundreds).
+    check_attention<T>(rng, 8, 2, D, 8, KVFormat::kModel, 0.3f);
+    check_attention<T>(rng, 8, 2, D, 0, KVFormat::kInt8, 0.3f);
   }
   for (int64_t M : {1, 2, 3, 4, 5, 9})
     for (int64_t K : {32, 96}) check_gemv<std::conditional_t<std::is_same_v<T, float>, float, bf16>>(rng, M, K, 37);

@@ -3,9 +3,10 @@
 //
 // q: [B, H, D]; the cache (kv_quant.h's view): K, V [num_slots, KVH, D] in q's dtype, int8 codes with their
 // scales [num_slots, KVH], or e4m3 codes with the layer's scales; slots: [B, L] int64 (padded); seq_lens: [B]
-// int64; window: 0 for none, else keys at positions >= seq_len - window. Codes are widened in registers: a key's
-// score is its codes' dot product times its scale, a value's weight its probability times its scale (fp8's layer
-// scales fold into the query's scale and the normalisation); nothing is dequantized to memory.
+// int64; window: 0 for none, else keys at positions >= seq_len - window; softcap: 0 for none, else each score s
+// becomes softcap * tanh(s / softcap) before the softmax (Gemma 2). Codes are widened in registers: a key's score
+// is its codes' dot product times its scale, a value's weight its probability times its scale (fp8's layer scales
+// fold into the query's scale and the normalisation); nothing is dequantized to memory.
 // Work is split over (sequence, kv head); each task handles the G = H / KVH query heads sharing that
 // kv head, so every key and value row is read from memory once and used G times: keys widened to fp32 once
 // per block of 16 into an L1 tile that every head scores from (widening int8 or e4m3 codes costs more than
@@ -29,6 +30,7 @@
 #include "cpu_attention_int8.h"
 #include "cpu_kv_cache.h"
 #include "cpu_ops.h"
+#include "cpu_simd.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -64,7 +66,7 @@ inline void prefetch_rows(const T* cache, const TaskRows& rows, int64_t from, in
 // scales of the task's rows).
 template <typename T, typename KV, int C>
 void attend_task(const T* q, const KVCacheView& cache, const int64_t* slots, int64_t first, int64_t len, T* out,
-                 int64_t G, int64_t KVH, int64_t kvh, float scale, float* scores, float* row_scales,
+                 int64_t G, int64_t KVH, int64_t kvh, float scale, float softcap, float* scores, float* row_scales,
                  const TaskRows& next) {
   constexpr int64_t D = 16 * C;
   constexpr bool kPerToken = std::is_same_v<KV, int8_t>;
@@ -138,6 +140,7 @@ void attend_task(const T* q, const KVCacheView& cache, const int64_t* slots, int
   }
   for (int64_t g = 0; g < G; ++g) {
     float* row = scores + g * n;
+    if (softcap > 0) pagoda::simd::soft_cap(row, n, softcap);
     // Softmax weights in place: exp(score - max), and their sum.
     __m512 maxv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (i = 0; i + 16 <= n; i += 16) maxv = _mm512_max_ps(maxv, _mm512_loadu_ps(row + i));
@@ -180,7 +183,7 @@ void attend_task(const T* q, const KVCacheView& cache, const int64_t* slots, int
 
 template <typename T, typename KV, int C>
 void attend(const T* q, const KVCacheView& cache, const int64_t* slots, const int64_t* seq_lens, T* out, int64_t B,
-            int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
+            int64_t H, int64_t KVH, int64_t L, int64_t window, float scale, float softcap) {
   constexpr int64_t D = 16 * C;
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -196,36 +199,39 @@ void attend(const T* q, const KVCacheView& cache, const int64_t* slots, const in
       const int64_t b = task / KVH, kvh = task % KVH;
       const int64_t head = b * H + kvh * G;
       attend_task<T, KV, C>(q + head * D, cache, slots + b * L, first_key(b), seq_lens[b], out + head * D, G, KVH,
-                            kvh, scale, scores.data(), row_scales.data(), rows_of(task + 1));
+                            kvh, scale, softcap, scores.data(), row_scales.data(), rows_of(task + 1));
     }
   });
 }
 
 template <typename T, typename KV>
 void dispatch_head_dim(int64_t D, const T* q, const KVCacheView& cache, const int64_t* slots, const int64_t* lens,
-                       T* out, int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
+                       T* out, int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale,
+                       float softcap) {
   switch (D / 16) {
-    case 1: return attend<T, KV, 1>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
-    case 2: return attend<T, KV, 2>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
-    case 3: return attend<T, KV, 3>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
-    case 4: return attend<T, KV, 4>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
-    case 5: return attend<T, KV, 5>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
-    case 6: return attend<T, KV, 6>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
-    case 7: return attend<T, KV, 7>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
-    case 8: return attend<T, KV, 8>(q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case 1: return attend<T, KV, 1>(q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
+    case 2: return attend<T, KV, 2>(q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
+    case 3: return attend<T, KV, 3>(q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
+    case 4: return attend<T, KV, 4>(q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
+    case 5: return attend<T, KV, 5>(q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
+    case 6: return attend<T, KV, 6>(q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
+    case 7: return attend<T, KV, 7>(q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
+    case 8: return attend<T, KV, 8>(q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
     default: TORCH_CHECK(false, "head_dim must be 16..128, a multiple of 16");
   }
 }
 
 template <typename T>
 void dispatch_format(int64_t D, const T* q, const KVCacheView& cache, const int64_t* slots, const int64_t* lens,
-                     T* out, int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale) {
+                     T* out, int64_t B, int64_t H, int64_t KVH, int64_t L, int64_t window, float scale,
+                       float softcap) {
   switch (cache.format) {
-    case KVFormat::kModel: return dispatch_head_dim<T, T>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+    case KVFormat::kModel:
+      return dispatch_head_dim<T, T>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
     case KVFormat::kInt8:
-      return dispatch_head_dim<T, int8_t>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+      return dispatch_head_dim<T, int8_t>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
     case KVFormat::kFp8:
-      return dispatch_head_dim<T, fp8_e4m3>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale);
+      return dispatch_head_dim<T, fp8_e4m3>(D, q, cache, slots, lens, out, B, H, KVH, L, window, scale, softcap);
   }
 }
 
@@ -235,7 +241,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_cache, const torch::Tensor& slots,
                                      const torch::Tensor& seq_lens, int64_t window, double scale,
                                      const std::optional<torch::Tensor>& k_scale,
-                                     const std::optional<torch::Tensor>& v_scale) {
+                                     const std::optional<torch::Tensor>& v_scale, double softcap) {
   TORCH_CHECK(q.dim() == 3, "q [B,H,D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "fp32 or bf16 only");
   const KVCacheView cache = pagoda::kv_cache_view(k_cache, v_cache, k_scale, v_scale, q.scalar_type());
@@ -251,11 +257,12 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   const int64_t L = slot_rows.size(1);
   if (q.scalar_type() == at::kFloat) {
     dispatch_format<float>(D, qc.data_ptr<float>(), cache, slot_rows.data_ptr<int64_t>(), lens.data_ptr<int64_t>(),
-                           out.data_ptr<float>(), B, H, KVH, L, window, static_cast<float>(scale));
+                           out.data_ptr<float>(), B, H, KVH, L, window, static_cast<float>(scale),
+                           static_cast<float>(softcap));
   } else {
     dispatch_format<at::BFloat16>(D, qc.data_ptr<at::BFloat16>(), cache, slot_rows.data_ptr<int64_t>(),
                                   lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH, L, window,
-                                  static_cast<float>(scale));
+                                  static_cast<float>(scale), static_cast<float>(softcap));
   }
   return out;
 }

@@ -8,9 +8,9 @@ inline void define_shared_ops(pybind11::module& m) {
   namespace py = pybind11;
   m.def("paged_decode_attention", &paged_decode_attention,
         "one query per sequence attending to its keys in the paged KV cache (window 0: none; scales: a quantized "
-        "cache's, int8 [slots, kv_heads] or fp8 [1] each)",
+        "cache's, int8 [slots, kv_heads] or fp8 [1] each; softcap > 0: scores s become softcap * tanh(s / softcap))",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("seq_lens"), py::arg("window"),
-        py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none());
+        py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("softcap") = 0.0);
   m.def("gemv_fp32", &gemv_fp32, "y = x @ w.T for fp32 w and 1..64 rows of x (x's dtype out)");
   m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for bf16 w and 1..64 rows of x (x's dtype out)");
   m.def("gemv_int8", &gemv_int8, "y = (x @ w.T) * scale for int8 w and 1..64 rows of x (x's dtype out)");

@@ -147,10 +147,10 @@ Placement parse_placement(const std::string& name) {
 class DecodeStack {
  public:
   // placement: ModelConfig.norm_placement. unit_offset: every norm's weight given is (1 + weight) in fp32 (Gemma).
-  // gelu: the MLP's gate is GeGLU's tanh-approximated GELU, else SiLU.
-  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, torch::Tensor final_norm,
-              const std::string& placement, bool unit_offset, bool gelu)
-      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale),
+  // gelu: the MLP's gate is GeGLU's tanh-approximated GELU, else SiLU. softcap: attention scores' cap (0: none).
+  DecodeStack(int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, double softcap,
+              torch::Tensor final_norm, const std::string& placement, bool unit_offset, bool gelu)
+      : heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), eps_(eps), scale_(scale), softcap_(softcap),
         final_norm_(std::move(final_norm)), placement_(parse_placement(placement)),
         norm_scale_(unit_offset || placement_ == Placement::kPost ? NormScale::kInFp32 : NormScale::kFused),
         gelu_(gelu) {}
@@ -258,7 +258,8 @@ class DecodeStack {
       }
       rotary_write_kv_(qkv, cos, sin, k_cache, v_cache, slot_mapping, heads_, k_scale, v_scale);
       torch::Tensor attended = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, key_slots,
-                                                      seq_lens, layer.window, scale_, k_scale, v_scale);
+                                                      seq_lens, layer.window, scale_, k_scale, v_scale,
+                                                      softcap_);
       attended = layer.run(kO, attended.reshape({-1, heads_ * head_dim_}), lora);
       switch (placement_) {
         case Placement::kPre:
@@ -278,7 +279,7 @@ class DecodeStack {
   }
 
   int64_t heads_, kv_heads_, head_dim_;
-  double eps_, scale_;  // RMSNorm's epsilon; attention's score scale
+  double eps_, scale_, softcap_;  // RMSNorm's epsilon; attention's score scale and cap (0: none)
   torch::Tensor final_norm_;
   Placement placement_;
   NormScale norm_scale_;
@@ -290,8 +291,10 @@ class DecodeStack {
 
 void define_decode_stack(pybind11::module& m) {
   pybind11::class_<DecodeStack>(m, "DecodeStack")
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, const std::string&, bool, bool>(),
-           "heads, kv_heads, head_dim, eps, attention scale, final_norm, norm placement (pre, post or sandwich), "
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, double, torch::Tensor, const std::string&, bool,
+                          bool>(),
+           "heads, kv_heads, head_dim, eps, attention scale, attention softcap (0: none), final_norm, norm placement "
+           "(pre, post or sandwich), "
            "unit_offset (norm weights given as 1 + weight, fp32), gelu (GeGLU, else SiLU)")
       .def("add_layer", &DecodeStack::add_layer,
            "input_norm, post_norm, pre_ff_norm, post_ff_norm (each None where the placement has none), q_norm and "

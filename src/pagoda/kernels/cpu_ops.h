@@ -21,12 +21,13 @@ torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, i
 int64_t matmul_int4_max_rows();
 
 // cpu_attention.cpp, cpu_prefill_attention*.cpp: paged attention reading the cache in place. The decode takes a
-// cache in q's dtype (no scales), or quantized with its scales (cpu_kv_cache.h); the prefill q's dtype only.
+// cache in q's dtype (no scales), or quantized with its scales (cpu_kv_cache.h), and caps its scores where softcap
+// > 0 (Gemma 2); the prefill q's dtype only.
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                                      const torch::Tensor& v_cache, const torch::Tensor& slots,
                                      const torch::Tensor& seq_lens, int64_t window, double scale,
                                      const std::optional<torch::Tensor>& k_scale,
-                                     const std::optional<torch::Tensor>& v_scale);
+                                     const std::optional<torch::Tensor>& v_scale, double softcap);
 // use_amx: bf16 on AMX tiles where prefill_attention_amx_available() (cpu_prefill_attention_amx.cpp).
 void paged_prefill_attention_(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                               const torch::Tensor& key_slots, int64_t window, double scale, torch::Tensor& out,

@@ -340,4 +340,16 @@ inline Vec exp_nonpositive(Vec x) {
   return p * exp2_integer(n);
 }
 
+// cap * tanh(score / cap) on each of a row's n scores, in place (Gemma 2's soft-capped attention scores):
+// tanh(t) = (1 - e) / (1 + e) signed as t, e = exp(-2|t|) <= 1; off from tanh by ~2e-7 absolute (exp's error).
+inline void soft_cap(float* row, int64_t n, float cap) {
+  const Vec c = Vec::broadcast(cap), one = Vec::broadcast(1.0f), minus_two = Vec::broadcast(-2.0f);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const Vec t = load_at(row, i, n) / c;
+    const Vec e = exp_nonpositive(minus_two * abs(t));
+    const Vec magnitude = (one - e) / (one + e) * c;
+    store_at(row, i, n, where_negative(t, Vec::zero() - magnitude, magnitude));
+  }
+}
+
 }  // namespace pagoda::simd

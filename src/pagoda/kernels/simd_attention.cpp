@@ -14,7 +14,7 @@ namespace kernels = pagoda::simd_kernels;
 
 template <typename T>
 void attend(const torch::Tensor& q, const pagoda::kv_quant::KVCacheView& cache, int64_t KVH, const torch::Tensor& slots,
-            const torch::Tensor& seq_lens, torch::Tensor& out, int64_t window, float scale) {
+            const torch::Tensor& seq_lens, torch::Tensor& out, int64_t window, float scale, float softcap) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), L = slots.size(1);
   const auto* q_data = kernels::core_data<T>(q);
   auto* out_data = kernels::core_data<T>(out);
@@ -24,8 +24,8 @@ void attend(const torch::Tensor& q, const pagoda::kv_quant::KVCacheView& cache, 
   kernels::dispatch_kv_format<Core>(cache.format, [&](auto element) {
     using KV = decltype(element);
     at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-      kernels::attend_tasks<Core, KV>(q_data, cache, slot_data, len_data, out_data, H, KVH, L, D, window, scale, begin,
-                                      end);
+      kernels::attend_tasks<Core, KV>(q_data, cache, slot_data, len_data, out_data, H, KVH, L, D, window, scale,
+                                      softcap, begin, end);
     });
   });
 }
@@ -36,7 +36,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
                                      const torch::Tensor& v_cache, const torch::Tensor& slots,
                                      const torch::Tensor& seq_lens, int64_t window, double scale,
                                      const std::optional<torch::Tensor>& k_scale,
-                                     const std::optional<torch::Tensor>& v_scale) {
+                                     const std::optional<torch::Tensor>& v_scale, double softcap) {
   TORCH_CHECK(q.dim() == 3, "q [B,H,D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "fp32 or bf16 only");
   const auto cache = pagoda::kv_cache_view(k_cache, v_cache, k_scale, v_scale, q.scalar_type());
@@ -50,9 +50,11 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(qc);
   if (q.scalar_type() == at::kFloat) {
-    attend<float>(qc, cache, KVH, slot_rows, lens, out, window, static_cast<float>(scale));
+    attend<float>(qc, cache, KVH, slot_rows, lens, out, window, static_cast<float>(scale),
+                  static_cast<float>(softcap));
   } else {
-    attend<at::BFloat16>(qc, cache, KVH, slot_rows, lens, out, window, static_cast<float>(scale));
+    attend<at::BFloat16>(qc, cache, KVH, slot_rows, lens, out, window, static_cast<float>(scale),
+                         static_cast<float>(softcap));
   }
   return out;
 }

@@ -4,7 +4,8 @@
 //
 // q: [B, H, D]; the cache (kv_quant.h's view): K, V [num_slots, KVH, D] in q's dtype, int8 codes with their
 // scales [num_slots, KVH], or e4m3 codes with the layer's scales; slots: [B, L] int64 (padded); seq_lens: [B]
-// int64; window: 0 for none, else keys at positions >= seq_len - window. Codes are widened to fp32 in registers:
+// int64; window: 0 for none, else keys at positions >= seq_len - window; softcap: 0 for none, else each score s
+// becomes softcap * tanh(s / softcap) before the softmax (Gemma 2). Codes are widened to fp32 in registers:
 // a key's score is its codes' dot product times its scale, a value's weight is its probability times its scale
 // (fp8's layer scales fold into the query's scale and the normalisation), so nothing is dequantized to memory.
 // Work is split over (sequence, kv head) tasks; each handles the G = H / KVH query heads sharing that kv head,
@@ -42,7 +43,7 @@ struct Scratch {
 // fp8_e4m3).
 template <typename T, typename KV>
 void attend_task(const T* q, const kv_quant::KVCacheView& cache, const int64_t* slots, int64_t first, int64_t len,
-                 T* out, int64_t G, int64_t KVH, int64_t kvh, int64_t D, float scale, Scratch& scratch) {
+                 T* out, int64_t G, int64_t KVH, int64_t kvh, int64_t D, float scale, float softcap, Scratch& scratch) {
   const int64_t n = len - first, stride = KVH * D;
   const KV* k_cache = static_cast<const KV*>(cache.k);
   const KV* v_cache = static_cast<const KV*>(cache.v);
@@ -67,8 +68,9 @@ void attend_task(const T* q, const kv_quant::KVCacheView& cache, const int64_t* 
       for (int64_t d = kLanes; d < D; d += kLanes) acc = fmadd(Vec::load(query + d), Vec::load(key + d), acc);
       row[i] = acc.reduce_add();
       if constexpr (kPerToken) row[i] *= scratch.key_scales[i];
-      max_score = std::max(max_score, row[i]);
     }
+    if (softcap > 0) simd::soft_cap(row, n, softcap);
+    for (int64_t i = 0; i < n; ++i) max_score = std::max(max_score, row[i]);
     // Softmax weights in place: exp(score - max), then divided by their sum.
     Vec total = Vec::zero();
     const Vec shift = Vec::broadcast(max_score);
@@ -120,8 +122,8 @@ void dispatch_kv_format(kv_quant::KVFormat format, Body body) {
 // H / KVH <= kMaxGroup; D a multiple of 16, at most kMaxHeadDim.
 template <typename T, typename KV>
 void attend_tasks(const T* q, const kv_quant::KVCacheView& cache, const int64_t* slots, const int64_t* seq_lens,
-                  T* out, int64_t H, int64_t KVH, int64_t L, int64_t D, int64_t window, float scale, int64_t begin,
-                  int64_t end) {
+                  T* out, int64_t H, int64_t KVH, int64_t L, int64_t D, int64_t window, float scale, float softcap,
+                  int64_t begin, int64_t end) {
   const int64_t G = H / KVH;
   Scratch scratch(G, L, D);
   for (int64_t task = begin; task < end; ++task) {
@@ -129,7 +131,7 @@ void attend_tasks(const T* q, const kv_quant::KVCacheView& cache, const int64_t*
     const int64_t first = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
     const int64_t head = b * H + kvh * G;
     attend_task<T, KV>(q + head * D, cache, slots + b * L, first, seq_lens[b], out + head * D, G, KVH, kvh, D,
-                       scale, scratch);
+                       scale, softcap, scratch);
   }
 }
 

@@ -16,7 +16,7 @@ from pagoda.model.kernel_protocols import CpuKernels, QuantizedKernels
 from pagoda.model.parallel import TensorParallel
 from pagoda.model.pipeline import PipelineStage
 from pagoda.model.quantization import gemv_takes
-from pagoda.model.softcap_attention import SoftCappedAttentionBackend
+from pagoda.model.softcap_attention import SoftCappedAttentionBackend, SoftCappedCpuAttentionBackend
 
 
 @dataclass(frozen=True)
@@ -45,40 +45,38 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     - and where the attention kernels take the shape (head_dim 16..128 in steps of 16, at most 16 query
       heads per kv head), attend through the native backend: paged attention, rope + KV write in one call;
     - and where every layer's linear runs as a GEMV too (input widths a multiple of 32) and the layers are
-      Llama's, OLMo 2's or Gemma 3's (`decode_stack_takes_layers`), run decode-only steps through the native
+      Llama's, OLMo 2's or Gemma's (`decode_stack_takes_layers`), run decode-only steps through the native
       decode stack, which `native_decode.bind_decode_stack` builds once the weights are final (and only if they
       are what it takes: `decode_stack_covers`).
 
-    Soft-capped attention (Gemma 2) runs `SoftCappedAttentionBackend` whatever the kernels: neither SDPA nor the
-    paged kernels cap scores. The other families' layers run through the modules, with the kernels above.
+    Soft-capped attention (Gemma 2) runs the `softcap_attention` backends: the paged decode kernel (and the stack)
+    cap scores, prefills attend as the reference does.
     """
     # The AVX2 target's int8 GEMV is its integer matmul, which the layers then run up to its own row bound.
     int8_matmul = kernels is None or kernels.target == "avx2"
     integer = quantized_kernels if quantization == "int4" or (quantization == "int8" and int8_matmul) else None
     fused = kernels if dtype in (torch.float32, torch.bfloat16) else None
-    if config.attn_logit_softcapping is not None:
-        return ModelRuntime(SoftCappedAttentionBackend(config.attn_logit_softcapping), kernels=fused,
-                            gemv_kernels=kernels, quantized_kernels=integer)
-    if fused is None:
-        return ModelRuntime(gemv_kernels=kernels, quantized_kernels=integer)
+    softcap = config.attn_logit_softcapping
     group = config.num_heads // config.num_kv_heads
-    if not (config.head_dim % 16 == 0 and config.head_dim <= 128 and group <= 16):  # the attention kernels' shapes
-        return ModelRuntime(kernels=fused, gemv_kernels=kernels, quantized_kernels=integer)
+    attention_kernels = config.head_dim % 16 == 0 and config.head_dim <= 128 and group <= 16  # the kernels' shapes
+    if fused is None or not attention_kernels:
+        reference = TorchAttentionBackend() if softcap is None else SoftCappedAttentionBackend(softcap)
+        return ModelRuntime(reference, kernels=fused, gemv_kernels=kernels, quantized_kernels=integer)
     linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
     # A mixture of experts decodes through its modules: the stack has no routed layer.
     decode_stack = config.moe is None and all(gemv_takes(width) for width in linear_widths) \
         and decode_stack_takes_layers(config)
-    return ModelRuntime(CpuAttentionBackend(fused, decode_stack), kernels=fused, gemv_kernels=kernels,
-                        quantized_kernels=integer)
+    attention = CpuAttentionBackend(fused, decode_stack) if softcap is None else \
+        SoftCappedCpuAttentionBackend(fused, softcap, decode_stack)
+    return ModelRuntime(attention, kernels=fused, gemv_kernels=kernels, quantized_kernels=integer)
 
 
 def decode_stack_takes_layers(config: ModelConfig) -> bool:
     """Whether every layer is one the native decode stack computes: Llama's (pre-norms, optional per-head q/k
     norms), OLMo 2's (post-norms scaled in fp32, q/k norms across the heads) or Gemma's (sandwich norms scaled by
     1 + weight, per-head q/k norms in Gemma 3, a rope table of their own for Gemma 3's sliding layers), with a SiLU
-    or GeGLU gate. Embedding multipliers and logit soft-capping run outside it; soft-capped attention scores
-    (Gemma 2) do not: its attention kernels do not cap them."""
+    or GeGLU gate. Embedding multipliers and logit soft-capping run outside it; its attention caps scores where the
+    model does (Gemma 2)."""
     placement, per_head = config.norm_placement, config.qk_norm_per_head
-    norms = (placement in ("pre", "sandwich") and (per_head or not config.qk_norm)) or (
+    return (placement in ("pre", "sandwich") and (per_head or not config.qk_norm)) or (
         placement == "post" and config.qk_norm and not per_head)
-    return norms and config.attn_logit_softcapping is None

@@ -58,7 +58,7 @@ class CpuKernels(QuantizedKernels, Protocol):
     cpu_avx2_module.cpp: "avx2", which has no prefill attention), as model/ calls it."""
 
     target: str
-    DecodeStack: Callable[[int, int, int, float, float, torch.Tensor, str, bool, bool], CompiledDecodeStack]
+    DecodeStack: Callable[[int, int, int, float, float, float, torch.Tensor, str, bool, bool], CompiledDecodeStack]
     prefill_attention_amx: bool  # bf16 prefill attention runs on AMX tiles (the CPU has them, Linux granted them)
 
     def gemv_fp32(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor: ...
@@ -74,8 +74,8 @@ class CpuKernels(QuantizedKernels, Protocol):
                          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None: ...
     def paged_decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                key_slots: torch.Tensor, seq_lens: torch.Tensor, window: int, scale: float,
-                               k_scale: torch.Tensor | None = None,
-                               v_scale: torch.Tensor | None = None) -> torch.Tensor: ...
+                               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                               softcap: float = 0.0) -> torch.Tensor: ...
     # the "avx512" target only
     def paged_prefill_attention_(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  key_slots: torch.Tensor, window: int, scale: float, out: torch.Tensor,

@@ -76,7 +76,8 @@ class NativeDecode:
             return None if module is None else module.scale()
 
         self.stack = kernels.DecodeStack(config.num_heads, config.num_kv_heads, config.head_dim, norm.eps,
-                                         layers[0].self_attn.scale, norm.scale(), placement,
+                                         layers[0].self_attn.scale, config.attn_logit_softcapping or 0.0,
+                                         norm.scale(), placement,
                                          config.norm_unit_offset, config.hidden_act != "silu")
         for layer in layers:
             attention = layer.self_attn
