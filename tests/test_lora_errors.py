@@ -152,9 +152,10 @@ def test_lora_request_fields_and_one_per_prompt(llm, good):
                      lora_request=[LoRARequest("good", 1, str(good))])
 
 
-def test_tensor_parallel_refuses_lora(base):
+def test_pipeline_stages_refuse_lora(base):
+    """Tensor parallelism serves adapters (test_lora_tensor_parallel.py); pipeline stages do not yet."""
     from pagoda import LLM
     from pagoda.model_dir import ModelLoadError
 
-    with pytest.raises(ModelLoadError, match="--enable-lora"):
-        LLM(str(base), enable_lora=True, tensor_parallel_size=2, num_kv_blocks=16)
+    with pytest.raises(ModelLoadError, match="--enable-lora .*with pipeline stages"):
+        LLM(str(base), enable_lora=True, pipeline_parallel_size=2, num_kv_blocks=16)

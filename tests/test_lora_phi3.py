@@ -63,3 +63,12 @@ def test_adapters_in_the_other_layout_are_refused_by_name(base, paths, checkpoin
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False,
                          lora_request=LoRARequest("other", 1, str(path)))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_fused_adapters_split_across_two_ranks_match_peft(base, paths, make_llm):
+    """Each rank takes its q, k and v rows (and gate and up rows) of a fused module's B."""
+    with make_llm(base, tensor_parallel_size=2, enable_lora=True, max_loras=2, max_cpu_loras=2,
+                  **MODES["chunked"]) as llm:
+        requests = mixed_requests(paths)
+        outputs = llm.generate(PROMPTS, greedy(), use_tqdm=False, lora_request=requests)
+    check_against_peft(base, paths, requests, outputs, "phi3/TP=2")

@@ -28,14 +28,13 @@ from pagoda.engine.kv_connector.base import KVConnector
 from pagoda.engine.kv_connector.factory import build_kv_connector
 from pagoda.engine.kv_pool import KVPoolSize, kv_pool_size
 from pagoda.engine.lora_manager import LoRAManager
-from pagoda.engine.model_step import ModelExecution, kv_layer_tensors, load_engine_model
+from pagoda.engine.model_step import ModelExecution, attach_engine_lora, kv_layer_tensors, load_engine_model
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
 from pagoda.kv_groups import KVCacheGroup, blocks_per_sequence, is_hybrid, kv_cache_groups
 from pagoda.model.expert_parallel import check_experts_divisible
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import load_model_config
-from pagoda.model.lora import attach_lora
 from pagoda.model.parallel import check_divisible, kv_heads_per_rank
 from pagoda.model.pipeline import stage_layer_counts
 from pagoda.model.quantized_shards import check_quantized_split
@@ -151,8 +150,8 @@ def build_executor(config: EngineConfig, num_blocks: int, block_size: int, struc
     groups when there are several or a sliding one (none: one block table over every layer)."""
     if config.parallel.executor_backend == "uni":
         model = load_engine_model(config)
-        lora = None if config.lora is None else LoRAManager(
-            config.lora, attach_lora(model, config.lora.max_loras, config.lora.max_lora_rank), model.config)
+        stack = attach_engine_lora(config, model)
+        lora = None if config.lora is None or stack is None else LoRAManager(config.lora, stack, stack.base_config)
         execution = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
                                    config.cache.calculate_kv_scales, groups=groups)
         connector = None if config.kv_transfer_config is None else build_kv_connector(
@@ -210,7 +209,8 @@ def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
             ("a draft model (speculative decoding with method draft_model)",
              config.speculative_config is not None and config.speculative_config.method == "draft_model"),
             (f"--device {config.device} (the ranks run on the CPU, over gloo)", config.device != "cpu"),
-            ("--enable-lora (LoRA adapters)", config.lora is not None),
+            ("--enable-lora (LoRA adapters) with pipeline stages",
+             config.lora is not None and config.parallel.pipeline_parallel_size > 1),
             (f"the {_connector_name(config)} (only the OffloadingConnector, --kv-offloading-size, runs split)",
              config.kv_transfer_config is not None
              and config.kv_transfer_config.kv_connector != "OffloadingConnector"),

@@ -89,13 +89,13 @@ def run_if_worker_rank(config: EngineConfig) -> None:
     connection = Client((place.master_addr, offer.port), authkey=offer.authkey)
     connection.send(place.rank)
     try:
-        execution, connector, loaded_bytes = load_share(offer.config, place.rank, offer.num_blocks,
-                                                        offer.block_size, offer.kv_groups)
+        share, loaded_bytes = load_share(offer.config, place.rank, offer.num_blocks, offer.block_size,
+                                         offer.kv_groups)
         connection.send(("ok", loaded_bytes))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
         raise
-    serve_steps(execution, connection, connector)
+    serve_steps(share, connection)
     dist.destroy_process_group()
     raise SystemExit(0)
 

@@ -7,7 +7,8 @@ KV blocks never mix with the old one's. Up to `max_cpu_loras` adapters stay load
 dropped beyond (and read again from their directory if a request still needs them). `begin_step` runs before
 each forward: the step's adapters (at most max_loras: the scheduler's bound) are put in the model's slots,
 reusing a slot that already holds one, else an empty one, else the least recently used, and every row is told
-its slot.
+its slot. Under tensor parallelism every rank has slots of its own (`AdapterSlots`): rank 0's manager makes each
+call on its own and sends it, as an `AdapterSlotsCall` down the workers' pipes before the step, to theirs.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from pagoda.config import LoRAConfig, ModelConfig
 from pagoda.engine.core.lora import AdapterId, distinct_adapters
 from pagoda.engine.core.scheduler import ScheduledRequest
 from pagoda.lora_request import LoRARequest
-from pagoda.model.lora import LoRAStack
 from pagoda.model.lora_checkpoint import CONFIG_FILE, WEIGHTS_FILE, LoRAAdapter, LoRALoadError, load_lora_adapter
 
 Fingerprint = tuple[tuple[int, int, int], ...]
@@ -41,6 +42,25 @@ def _fingerprint(path: str) -> Fingerprint:
     return tuple(stamps)
 
 
+class AdapterSlots(Protocol):
+    """Where adapters are placed for a forward: a model's `LoRAStack`, or rank 0's and the other ranks' together."""
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None: ...
+
+    def begin_step(self, token_slots: Sequence[int] | None) -> None: ...
+
+
+@dataclass(frozen=True)
+class AdapterSlotsCall:
+    """A call rank 0 made on its adapter slots, for a worker rank to make on its own (in order with the steps)."""
+
+    method: str  # "load" (args: slot, adapter) or "begin_step" (args: the rows' slots or None)
+    args: tuple[object, ...]
+
+    def apply(self, slots: AdapterSlots) -> None:
+        getattr(slots, self.method)(*self.args)
+
+
 @dataclass(frozen=True)
 class _Source:
     path: str
@@ -48,7 +68,8 @@ class _Source:
 
 
 class LoRAManager:
-    def __init__(self, config: LoRAConfig, stack: LoRAStack, model_config: ModelConfig) -> None:
+    def __init__(self, config: LoRAConfig, stack: AdapterSlots, model_config: ModelConfig) -> None:
+        """stack: where the step's adapters go; model_config: the whole model's (adapters are checked against it)."""
         self.config = config
         self.stack = stack
         self.model_config = model_config

@@ -22,7 +22,8 @@ from pagoda.kv_groups import KVCacheGroup, layer_tensor_index
 from pagoda.model.attention import QueryLayout
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.llama import LlamaModel
-from pagoda.model.loader import TORCH_DTYPES, load_model
+from pagoda.model.loader import TORCH_DTYPES, load_model, load_model_config
+from pagoda.model.lora import LoRAStack, attach_lora
 from pagoda.model.parallel import TensorParallel
 from pagoda.model.pipeline import PipelineStage
 
@@ -126,6 +127,14 @@ def load_engine_model(config: EngineConfig, parallel: TensorParallel | None = No
         pipeline=stage,
     )
     return model
+
+
+def attach_engine_lora(config: EngineConfig, model: LlamaModel) -> LoRAStack | None:
+    """The adapter slots config.lora asks for on this rank's model (None: LoRA is off); a tensor-parallel rank's
+    hold its share of each adapter."""
+    if config.lora is None:
+        return None
+    return attach_lora(model, config.lora.max_loras, config.lora.max_lora_rank, load_model_config(config.model))
 
 
 def weight_bytes(model: LlamaModel) -> int:

@@ -22,6 +22,7 @@ import logging
 import multiprocessing.connection
 import pickle
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -43,9 +44,11 @@ from pagoda.engine.grammar_masks import StructuredOutputs
 from pagoda.engine.kv_connector.base import KVConnector
 from pagoda.engine.kv_connector.offload import BlockHashes
 from pagoda.engine.kv_connector.split import build_split_connector
+from pagoda.engine.lora_manager import AdapterSlots, AdapterSlotsCall, LoRAManager
 from pagoda.engine.model_step import (
     ModelExecution,
     ModelStep,
+    attach_engine_lora,
     kv_bytes,
     kv_layer_tensors,
     load_engine_model,
@@ -59,6 +62,7 @@ from pagoda.engine.tp_worker import STARTUP_TIMEOUT_S, STOP, WorkerSpec, run_wor
 from pagoda.kv_groups import KVCacheGroup
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.loader import TORCH_DTYPES
+from pagoda.model.lora_checkpoint import LoRAAdapter
 
 logger = logging.getLogger(__name__)
 
@@ -113,12 +117,15 @@ class MultiprocExecutor(Executor):
         local = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
                                config.cache.calculate_kv_scales, placement.links, kv_groups)
         execution = BroadcastExecution(local, [worker.connection for worker in self._workers])
+        stack = attach_engine_lora(config, model)
+        lora = None if stack is None or config.lora is None else LoRAManager(
+            config.lora, BroadcastAdapterSlots(stack, execution.send), stack.base_config)
         self.kv_connector: KVConnector | None = None
         if config.kv_transfer_config is not None:
             assert block_hashes is not None
             self.kv_connector = build_split_connector(config, kv_layer_tensors(local.kv_caches), block_size,
                                                       block_hashes, kv_events, execution.send)
-        super().__init__(ModelRunner(execution, structured, draft, trace=trace,
+        super().__init__(ModelRunner(execution, structured, draft, lora=lora, trace=trace,
                                      kv_connector=None if self.kv_connector is None else self.kv_connector.worker))
         self._watchdog.processes = {worker.rank: worker.process for worker in self._workers
                                     if worker.process is not None}
@@ -215,6 +222,27 @@ class BroadcastExecution:
         """A pickled message to every worker, in order with the steps."""
         for connection in self.connections:
             connection.send_bytes(message)
+
+
+class BroadcastAdapterSlots:
+    """Rank 0's adapter slots: each call made on its own model's and sent to the workers', ahead of the step."""
+
+    def __init__(self, local: AdapterSlots, send: Callable[[bytes], None]) -> None:
+        self.local, self.send = local, send
+        self._rows_sent = False  # whether the workers' last step had adapter rows
+
+    def _broadcast(self, call: AdapterSlotsCall) -> None:
+        self.send(pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        self._broadcast(AdapterSlotsCall("load", (slot, adapter)))
+        self.local.load(slot, adapter)
+
+    def begin_step(self, token_slots: Sequence[int] | None) -> None:
+        if token_slots is not None or self._rows_sent:  # base-only after base-only: nothing for the workers to do
+            self._broadcast(AdapterSlotsCall("begin_step", (None if token_slots is None else list(token_slots),)))
+        self._rows_sent = token_slots is not None
+        self.local.begin_step(token_slots)
 
 
 def _receive(worker: Worker, doing: str) -> Any:

@@ -25,9 +25,11 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in 
 from pagoda.config import EngineConfig
 from pagoda.engine.kv_connector.offload_worker import OffloadingWorker
 from pagoda.engine.kv_connector.split import KVConnectorCall, build_rank_worker
+from pagoda.engine.lora_manager import AdapterSlots, AdapterSlotsCall
 from pagoda.engine.model_step import (
     ModelExecution,
     ModelStep,
+    attach_engine_lora,
     kv_bytes,
     kv_layer_tensors,
     load_engine_model,
@@ -71,20 +73,28 @@ def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None
         store = TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
-        execution, connector, loaded_bytes = load_share(spec.config, spec.rank, spec.num_blocks, spec.block_size,
-                                                        spec.kv_groups)
+        share, loaded_bytes = load_share(spec.config, spec.rank, spec.num_blocks, spec.block_size, spec.kv_groups)
         connection.send(("ok", loaded_bytes))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
         raise
-    serve_steps(execution, connection, connector)
+    serve_steps(share, connection)
     dist.destroy_process_group()
 
 
+@dataclass
+class RankShare:
+    """What a worker rank holds: its share of the model and of the KV pool, its part of the KV connector, and its
+    adapter slots (each None where the engine has none)."""
+
+    execution: ModelExecution
+    connector: OffloadingWorker | None = None
+    adapters: AdapterSlots | None = None
+
+
 def load_share(config: EngineConfig, rank: int, num_blocks: int, block_size: int,
-               kv_groups: tuple[KVCacheGroup, ...] = ()) -> tuple[ModelExecution, OffloadingWorker | None,
-                                                                   tuple[int, int]]:
-    """A worker rank's share of the model and of the KV pool (and of the KV connector), in a process that has
+               kv_groups: tuple[KVCacheGroup, ...] = ()) -> tuple[RankShare, tuple[int, int]]:
+    """A worker rank's share of the model, the KV pool, the KV connector and the adapters, in a process that has
     joined the group; with (its weight bytes, its KV cache's bytes) for the engine's report."""
     placement = place_rank(config, rank, TORCH_DTYPES[config.dtype])
     model = load_engine_model(config, placement.parallel, placement.stage)
@@ -93,22 +103,23 @@ def load_share(config: EngineConfig, rank: int, num_blocks: int, block_size: int
                                cache.calculate_kv_scales, placement.links, kv_groups)
     connector = None if config.kv_transfer_config is None else build_rank_worker(
         config, kv_layer_tensors(execution.kv_caches), block_size, rank)
-    return execution, connector, (weight_bytes(model), kv_bytes(execution.kv_caches))
+    share = RankShare(execution, connector, attach_engine_lora(config, model))
+    return share, (weight_bytes(model), kv_bytes(execution.kv_caches))
 
 
-def serve_steps(execution: ModelExecution, connection: Connection, connector: OffloadingWorker | None) -> None:
+def serve_steps(share: RankShare, connection: Connection) -> None:
     """Runs what the engine sends until it says stop or goes away, then lets go of the connector's resources."""
     try:
-        run_steps(execution, connection, connector)
+        run_steps(share, connection)
     finally:
-        if connector is not None:
-            connector.shutdown()
+        if share.connector is not None:
+            share.connector.shutdown()
 
 
-def run_steps(execution: ModelExecution, connection: Connection, connector: OffloadingWorker | None = None) -> None:
-    """Runs the steps (and the KV connector's calls on this rank's share) the engine sends until it says stop or
-    goes away. A step that raises ends the process (the exception propagates): its sockets close, so rank 0's
-    collective fails at once instead of waiting."""
+def run_steps(share: RankShare, connection: Connection) -> None:
+    """Runs the steps (and the KV connector's and the adapter slots' calls on this rank's share) the engine sends
+    until it says stop or goes away. A step that raises ends the process (the exception propagates): its sockets
+    close, so rank 0's collective fails at once instead of waiting."""
     while True:
         try:
             message = pickle.loads(connection.recv_bytes())
@@ -117,8 +128,12 @@ def run_steps(execution: ModelExecution, connection: Connection, connector: Offl
         if message is None:
             return
         if isinstance(message, KVConnectorCall):
-            assert connector is not None, "a KV connector call to a rank built without one"
-            message.apply(connector)
+            assert share.connector is not None, "a KV connector call to a rank built without one"
+            message.apply(share.connector)
+            continue
+        if isinstance(message, AdapterSlotsCall):
+            assert share.adapters is not None, "an adapter call to a rank built without LoRA"
+            message.apply(share.adapters)
             continue
         assert isinstance(message, ModelStep)
-        execution.run(message)
+        share.execution.run(message)

@@ -18,6 +18,12 @@ ours). Two ways, by the number of rows, as the base linears choose theirs:
   then against every slot's B, the row scaled by its adapter's scaling; the price is the other slots' rank in
   flops, small beside the base projection at these sizes.
 Both compute what PEFT does, `W x + B(A x) * scaling`, up to the order of rounding.
+
+Under tensor parallelism each rank's stack holds its share of every adapter (`parallel.shard_lora_module`): the
+rows of B its column-parallel projections compute, the columns of A its row-parallel ones read. There the shrink
+x A^T is a partial sum, added up across the ranks (a [rows, slots * max_rank] all-reduce) before B, so every
+rank adds the whole delta after the base's own all-reduce. Split models run no native decode stack, so their
+deltas are the matmuls'.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from pagoda.model.attention import AttentionMetadata
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.lora_checkpoint import LoRAAdapter, module_shape
 from pagoda.model.native_decode import NativeDecode
+from pagoda.model.parallel import ROW_PARALLEL_PROJECTIONS, TensorParallel, shard_lora_module
 
 if TYPE_CHECKING:
     from pagoda.model.kernel_protocols import CpuKernels
@@ -48,10 +55,15 @@ class LoRAStack:
     """Every slot's adapter weights, and which rows of the current step use which slot."""
 
     def __init__(self, config: ModelConfig, max_loras: int, max_rank: int, dtype: torch.dtype,
-                 device: torch.device, kernels: CpuKernels | None = None, kernel_max_rows: int = 0) -> None:
+                 device: torch.device, kernels: CpuKernels | None = None, kernel_max_rows: int = 0,
+                 parallel: TensorParallel | None = None, base_config: ModelConfig | None = None) -> None:
         """kernels: the compiled kernels whose `lora_add_` takes inputs of up to `kernel_max_rows` rows (the native
-        decode stack's bound, so that its steps and the modules' agree); None: torch's matmuls for every input."""
+        decode stack's bound, so that its steps and the modules' agree); None: torch's matmuls for every input.
+        parallel: this rank's place when the model is split (config: its share; base_config: the whole model's,
+        whose shapes adapters have; None: config)."""
+        assert parallel is None or kernels is None, "a split model's deltas are the matmuls' (no native stack)"
         self.config, self.max_loras, self.max_rank = config, max_loras, max_rank
+        self.parallel, self.base_config = parallel, base_config or config
         self.dtype, self.device = dtype, device
         self.kernels = kernels if dtype in (torch.float32, torch.bfloat16) else None
         self.kernel_max_rows = kernel_max_rows
@@ -77,6 +89,8 @@ class LoRAStack:
             self.a[module][:, slot].zero_()
             self.bt[module][:, slot].zero_()
         for (layer, module), (a, b) in adapter.weights.items():
+            if self.parallel is not None:
+                a, b = shard_lora_module(module, a, b, self.base_config, self.parallel)
             if module not in self.a:
                 fan_in, fan_out = module_shape(self.config, module)
                 layers, slots, rank = self.config.num_layers, self.max_loras, self.max_rank
@@ -122,6 +136,8 @@ class LoRAStack:
                 continue
             mask, scaling = self._dense_rows()
             shrunk = F.linear(x, a.view(-1, x.shape[-1])) * mask  # [rows, slots * max_rank]
+            if self.parallel is not None and module in ROW_PARALLEL_PROJECTIONS:
+                self.parallel.all_reduce(shrunk)  # each rank's columns of x: a partial sum
             out[:, start:end].add_(shrunk @ bt.view(-1, end - start) * scaling)
 
 
@@ -178,18 +194,23 @@ class AdapterDecode:
                                        [MODULE_IDS[name] for name in self.stack.targeted])
 
 
-def attach_lora(model: LlamaModel, max_loras: int, max_rank: int) -> LoRAStack:
+def attach_lora(model: LlamaModel, max_loras: int, max_rank: int, base_config: ModelConfig | None = None
+                ) -> LoRAStack:
     """Wraps the model's q/k/v/o/gate/up/down linears with `max_loras` adapter slots of rank up to `max_rank`.
-    Called once the weights are final (after `load_model`): the linears wrapped are the prepared ones."""
-    if model.parallel is not None:
-        raise ValueError("LoRA adapters are not served on a model split across ranks yet")
+    Called once the weights are final (after `load_model`): the linears wrapped are the prepared ones. A tensor-
+    parallel rank's model gives `base_config`, the whole model's architecture; a pipeline stage is refused."""
+    if model.embed_tokens is None or model.norm is None:
+        raise ValueError("LoRA adapters are not served on a pipeline stage yet")
+    if model.parallel is not None and base_config is None:
+        raise ValueError("a tensor-parallel rank's adapters need the whole model's config")
     if model.config.moe is not None:
         raise ValueError("LoRA adapters are not served on a mixture-of-experts model yet")
     config = model.config
     runner = model.backend.decode_runner
     assert runner is None or isinstance(runner, NativeDecode), "the native stack is the one decode runner"
     stack = LoRAStack(config, max_loras, max_rank, model.dtype, next(model.parameters()).device,
-                      None if runner is None else runner.kernels, 0 if runner is None else runner.max_rows)
+                      None if runner is None else runner.kernels, 0 if runner is None else runner.max_rows,
+                      model.parallel, base_config)
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     wrapped: list[tuple[LoRALinear, ...]] = []  # each layer's, in STACK_LINEARS' order

@@ -127,6 +127,33 @@ def shard_rows(hf_name: str, config: ModelConfig, parallel: TensorParallel) -> t
     return None if kind == "bias" else (1, rank * columns, (rank + 1) * columns)
 
 
+# The projections whose input features are split across ranks: a LoRA delta's shrink is a partial sum there.
+ROW_PARALLEL_PROJECTIONS = ("o_proj", "down_proj")
+
+
+def shard_lora_module(module: str, a: torch.Tensor, b: torch.Tensor, config: ModelConfig,
+                      parallel: TensorParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's part of a LoRA module's A [rank, in] and B [out, rank] (`config`: the full model's). A
+    column-parallel projection (q/k/v, gate/up, and Phi-3's fused forms) keeps A whole and its own rows of B, as
+    `shard_rows` gives the base weight's; a row-parallel one (o, down) keeps its columns of A and B whole, so each
+    rank's x A^T is a partial sum that the ranks add up before B."""
+    size, rank, head_dim = parallel.world_size, parallel.rank, config.head_dim
+    if module in ROW_PARALLEL_PROJECTIONS:
+        columns = a.shape[1] // size
+        return a[:, rank * columns:(rank + 1) * columns], b
+    q_full, kv_full = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    q_rows, inter_rows = q_full // size, config.intermediate_size // size
+    kv_start = first_kv_head(config, parallel) * head_dim
+    kv_rows = kv_heads_per_rank(config.num_kv_heads, size) * head_dim
+    q, k = (rank * q_rows, q_rows), (kv_start, kv_rows)
+    gate = (rank * inter_rows, inter_rows)
+    spans = {"q_proj": [q], "k_proj": [k], "v_proj": [k],
+             "qkv_proj": [q, (q_full + kv_start, kv_rows), (q_full + kv_full + kv_start, kv_rows)],
+             "gate_proj": [gate], "up_proj": [gate],
+             "gate_up_proj": [gate, (config.intermediate_size + gate[0], inter_rows)]}[module]
+    return a, torch.cat([b[start:start + rows] for start, rows in spans])
+
+
 class RowParallelLinear(nn.Linear):
     """A linear whose input features are split across the ranks: each computes a partial sum of every output,
     one all-reduce adds them up, and the bias (held whole by every rank) is added once, after it."""
