@@ -41,6 +41,8 @@ FILE = {
     ({"tenants": {"a": {"api_keys": ["k"]}, "b": {"api_keys": ["k"]}}}, "share an API key"),
     ({"tenants": {"a": {"api_keys": [" k"]}}}, "api_keys must be a list"),
     ({"tenants": {"a": {"share_prefix_cache": "yes"}}}, "share_prefix_cache must be true or false"),
+    ({"tenants": {"a": {"request_burst": 5}}}, "request_burst needs requests_per_minute"),
+    ({"tenants": {"a": {"requests_per_minute": 5, "request_burst": 0}}}, "request_burst must be a positive integer"),
     ([], "must hold a JSON object"),
 ])
 def test_a_bad_tenants_file_is_refused_naming_what_is_wrong(document, message):
@@ -69,6 +71,19 @@ def test_requests_per_minute_refill_continuously_and_say_when():
                                          "x-ratelimit-reset-requests": "60s"}
     assert limits.admit(acme, 29.0) is not None
     assert limits.admit(acme, 30.0) is None  # one request refilled after half a minute
+
+
+def test_a_burst_smaller_than_a_minute_admits_that_many_at_once_then_the_rate():
+    table = TenantTable.parse({"tenants": {"a": {"requests_per_minute": 60, "request_burst": 3}}})
+    tenant, limits = table.tenants["a"], TenantLimits()
+    assert [limits.admit(tenant, 0.0) is None for _ in range(4)] == [True, True, True, False]
+    assert limits.headers(tenant, 0.0) == {"x-ratelimit-limit-requests": "60", "x-ratelimit-remaining-requests": "0",
+                                           "x-ratelimit-reset-requests": "3s"}
+    assert limits.admit(tenant, 1.0) is None and limits.admit(tenant, 1.0) is not None  # one a second
+    assert [limits.admit(tenant, 100.0) is None for _ in range(4)] == [True, True, True, False]  # never above 3
+    # a reload that changes the burst starts the bucket afresh
+    wider = TenantTable.parse({"tenants": {"a": {"requests_per_minute": 60, "request_burst": 5}}}).tenants["a"]
+    assert [limits.admit(wider, 100.0) is None for _ in range(6)] == [True] * 5 + [False]
 
 
 def test_tokens_are_a_debt_that_later_requests_wait_out():

@@ -1,7 +1,8 @@
 """Tenants: who a request is for, and the limits that tenant's requests meet at the door.
 
 A tenants file (`--tenant-config`, JSON, reloaded on SIGHUP) names each tenant with its API keys, or a header a
-trusted gateway in front sets (`tenant_header`), and per tenant: requests and tokens per minute (token buckets),
+trusted gateway in front sets (`tenant_header`), and per tenant: requests and tokens per minute (token buckets;
+the request bucket holds a minute's worth unless `request_burst` makes it smaller),
 its weight in the engine's fair queuing among tenants, the LoRA adapters it may name (absent: all), and whether
 it shares the prefix cache with the others (by default its blocks are its own: its requests' cache salt is
 prefixed with its name, so no other tenant can hit them or time them). A tenant's keys are API keys beside
@@ -23,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TENANT = "default"
-_TENANT_KEYS = ("api_keys", "requests_per_minute", "tokens_per_minute", "weight", "max_kv_blocks", "adapters",
-                "share_prefix_cache")
+_TENANT_KEYS = ("api_keys", "requests_per_minute", "request_burst", "tokens_per_minute", "weight", "max_kv_blocks",
+                "adapters", "share_prefix_cache")
 _FILE_KEYS = ("tenants", "tenant_header")
 
 
@@ -38,6 +39,7 @@ class Tenant:
     max_kv_blocks: int | None = None  # holding more, its requests are the first preempted; None: no quota
     adapters: tuple[str, ...] | None = None  # the LoRA adapters it may name; None: every one
     share_prefix_cache: bool = False
+    request_burst: int | None = None  # the most requests admitted at once (None: requests_per_minute)
 
     def cache_salt(self, salt: str | None) -> str | None:
         """The salt its requests' prefix-cache blocks are keyed with: its own namespace unless it shares."""
@@ -58,10 +60,12 @@ def _tenant(name: str, options: Any) -> Tenant:
     keys = options.get("api_keys", [])
     if not isinstance(keys, list) or any(not isinstance(k, str) or not k or k != k.strip() for k in keys):
         raise ValueError(f"tenant {name!r}: api_keys must be a list of non-empty keys without surrounding spaces")
-    for limit in ("requests_per_minute", "tokens_per_minute", "max_kv_blocks"):
+    for limit in ("requests_per_minute", "request_burst", "tokens_per_minute", "max_kv_blocks"):
         value = options.get(limit)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ValueError(f"tenant {name!r}: {limit} must be a positive integer, got {value!r}")
+    if options.get("request_burst") is not None and options.get("requests_per_minute") is None:
+        raise ValueError(f"tenant {name!r}: request_burst needs requests_per_minute (the rate its bucket refills at)")
     weight = options.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < math.inf:
         raise ValueError(f"tenant {name!r}: weight must be a positive number, got {weight!r}")
@@ -72,7 +76,8 @@ def _tenant(name: str, options: Any) -> Tenant:
     if not isinstance(share, bool):
         raise ValueError(f"tenant {name!r}: share_prefix_cache must be true or false")
     return Tenant(name, tuple(keys), options.get("requests_per_minute"), options.get("tokens_per_minute"),
-                  float(weight), options.get("max_kv_blocks"), None if adapters is None else tuple(adapters), share)
+                  float(weight), options.get("max_kv_blocks"), None if adapters is None else tuple(adapters), share,
+                  options.get("request_burst"))
 
 
 def _digest(key: bytes) -> bytes:
@@ -142,15 +147,16 @@ class TenantTable:
 
 
 class TokenBucket:
-    """`per_minute` units a minute, refilled continuously, holding at most a minute's worth. Its level may go
-    below zero: what a request is charged only after it is admitted (its generated tokens) is a debt that later
-    requests wait out."""
+    """`per_minute` units a minute, refilled continuously, holding at most `capacity` (a minute's worth unless
+    smaller): what may be taken at once. Its level may go below zero: what a request is charged only after it is
+    admitted (its generated tokens) is a debt that later requests wait out."""
 
-    def __init__(self, per_minute: int, now: float) -> None:
-        self.per_minute, self.level, self.stamp = per_minute, float(per_minute), now
+    def __init__(self, per_minute: int, now: float, capacity: int | None = None) -> None:
+        self.per_minute, self.capacity = per_minute, per_minute if capacity is None else capacity
+        self.level, self.stamp = float(self.capacity), now
 
     def refill(self, now: float) -> float:
-        self.level = min(float(self.per_minute), self.level + (now - self.stamp) * self.per_minute / 60.0)
+        self.level = min(float(self.capacity), self.level + (now - self.stamp) * self.per_minute / 60.0)
         self.stamp = now
         return self.level
 
@@ -171,7 +177,7 @@ class Refusal:
 
 
 class TenantLimits:
-    """Every tenant's two buckets. Reloading the file keeps the buckets of tenants whose limit is unchanged."""
+    """Every tenant's two buckets. Reloading the file keeps the buckets of tenants whose limits are unchanged."""
 
     def __init__(self) -> None:
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
@@ -180,9 +186,10 @@ class TenantLimits:
         per_minute = tenant.requests_per_minute if limit == "requests" else tenant.tokens_per_minute
         if per_minute is None:
             return None
+        capacity = tenant.request_burst if limit == "requests" else None
         bucket = self._buckets.get((tenant.name, limit))
-        if bucket is None or bucket.per_minute != per_minute:
-            bucket = self._buckets[(tenant.name, limit)] = TokenBucket(per_minute, now)
+        if bucket is None or (bucket.per_minute, bucket.capacity) != (per_minute, capacity or per_minute):
+            bucket = self._buckets[(tenant.name, limit)] = TokenBucket(per_minute, now, capacity)
         bucket.refill(now)
         return bucket
 
@@ -212,5 +219,5 @@ class TenantLimits:
                 continue
             headers[f"x-ratelimit-limit-{limit}"] = str(bucket.per_minute)
             headers[f"x-ratelimit-remaining-{limit}"] = str(max(0, math.floor(bucket.level)))
-            headers[f"x-ratelimit-reset-{limit}"] = f"{bucket.seconds_until(bucket.per_minute):.3g}s"
+            headers[f"x-ratelimit-reset-{limit}"] = f"{bucket.seconds_until(bucket.capacity):.3g}s"
         return headers
