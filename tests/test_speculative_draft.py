@@ -107,6 +107,26 @@ def spy_kept_alternatives(monkeypatch) -> list[bool]:
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+@pytest.mark.parametrize("draft", ["self", "small"])
+def test_a_whole_draft_beside_a_split_target_leaves_greedy_output_unchanged(make_llm, target_dir, drafts, draft,
+                                                                            split):
+    """The target split across two ranks (tensor or pipeline), the draft whole in rank 0's process, its KV
+    following the target's block tables: greedy output is the split target's own, under chunked prefill (with
+    preemption, for the draft that is often wrong)."""
+    options = dict(block_size=4, num_kv_blocks=20, max_num_batched_tokens=7, **split)
+    with make_llm(target_dir, **options) as llm:
+        expected = generate(llm, PROMPTS, GREEDY)
+    with with_draft(make_llm, target_dir, drafts[draft], 3, **options) as llm:
+        actual = generate(llm, PROMPTS, GREEDY)
+        assert spec_stats(llm).num_drafts > 0
+        if draft == "self":
+            assert_accepts_everything(llm)
+        else:  # (the self-draft's accepted runs take fewer steps, which this pool holds without preempting)
+            assert llm.engine.scheduler.num_preemptions > 0
+    assert_same_outputs(expected, actual)
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("draft", ["self", "int8-self", "int4-self", "small", "int4-branches"])
 def test_greedy_output_is_unchanged_beside_requests_that_do_not_speculate(make_llm, target_dir, drafts, draft, k):

@@ -206,8 +206,6 @@ def _check_splittable(config: EngineConfig, model_config: ModelConfig) -> None:
     check_quantized_split(config.model, model_config, size, config.quantization, config.quantization_config)
     unsupported = [
         reason for reason, applies in (
-            ("a draft model (speculative decoding with method draft_model)",
-             config.speculative_config is not None and config.speculative_config.method == "draft_model"),
             (f"--device {config.device} (the ranks run on the CPU, over gloo)", config.device != "cpu"),
             ("--enable-lora (LoRA adapters) with pipeline stages",
              config.lora is not None and config.parallel.pipeline_parallel_size > 1),
