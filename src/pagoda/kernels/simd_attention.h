@@ -68,9 +68,13 @@ void attend_task(const T* q, const kv_quant::KVCacheView& cache, const int64_t* 
       for (int64_t d = kLanes; d < D; d += kLanes) acc = fmadd(Vec::load(query + d), Vec::load(key + d), acc);
       row[i] = acc.reduce_add();
       if constexpr (kPerToken) row[i] *= scratch.key_scales[i];
+      max_score = std::max(max_score, row[i]);
     }
-    if (softcap > 0) simd::soft_cap(row, n, softcap);
-    for (int64_t i = 0; i < n; ++i) max_score = std::max(max_score, row[i]);
+    if (softcap > 0) {  // the capped scores' max, as the softmax below sees them
+      simd::soft_cap(row, n, softcap);
+      max_score = -std::numeric_limits<float>::infinity();
+      for (int64_t i = 0; i < n; ++i) max_score = std::max(max_score, row[i]);
+    }
     // Softmax weights in place: exp(score - max), then divided by their sum.
     Vec total = Vec::zero();
     const Vec shift = Vec::broadcast(max_score);
