@@ -3,8 +3,10 @@
 Each layout runs in a fresh process (a process holds one split engine): one process with all `--threads`, TP = 2
 and PP = 2 with the threads split across the ranks. For each it measures batch-1 decode (tok/s of one stream,
 its prefill subtracted), offline throughput at `--streams` streams (output tok/s), and per rank the bytes of its
-weight and KV tensors and its resident memory. Prints a table and writes JSON; the figures of merit are the
-ratios to one process, measured in one run.
+weight and KV tensors (beside `pagoda calc`'s prediction for the layout) and its resident memory. Under TP it
+times rank 0's all-reduces per decode step (waiting for the other rank included: what the split costs beyond
+its arithmetic); under PP, the share of each step rank 0's stage computes (the rest it waits: the pipeline's
+bubble). Prints a table and writes JSON; the figures of merit are the ratios to one process, measured in one run.
 
     python benchmarks/parallel.py --model models/bench-1b --threads 2
     python benchmarks/parallel.py --model /tmp/tiny --streams 4 --prompt-len 16 --output-len 8   # a smoke run
@@ -31,6 +33,42 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
+class Stopwatch:
+    """Seconds spent in a method of a class, in this process, however it is called (wrapped on the class)."""
+
+    def __init__(self, owner: type, name: str) -> None:
+        self.seconds = 0.0
+        original = getattr(owner, name)
+
+        def timed(*args: object, **kwargs: object) -> object:
+            started = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        setattr(owner, name, timed)
+
+
+def calc_prediction(args: argparse.Namespace, options: dict, kv_tokens: int) -> dict:
+    """What `pagoda calc` predicts one rank holds: its weights' bytes and, for a pool of `kv_tokens` tokens, its KV
+    bytes. (calc splits across tensor-parallel GPUs; a pipeline stage holds its share of the layers.)"""
+    from pagoda.calc.deployment import CalcInputs, derive
+    from pagoda.calc.presets import resolve_gpu
+    from pagoda.calc.shapes import shape_from_path
+
+    ranks = options.get("tensor_parallel_size", 1) * options.get("pipeline_parallel_size", 1)
+    dtype = {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
+    one_gpu = derive(CalcInputs(model=shape_from_path(Path(args.model)), gpu=resolve_gpu("h100"), dtype=dtype))
+    assert one_gpu.kv_bytes_per_token is not None
+    split = derive(CalcInputs(model=one_gpu.inputs.model, gpu=one_gpu.inputs.gpu, dtype=dtype,
+                              num_gpus=options.get("tensor_parallel_size", 1)))
+    stages = options.get("pipeline_parallel_size", 1)
+    assert split.kv_bytes_per_token_per_gpu is not None
+    return {"ranks": ranks, "weight_bytes_per_rank": split.weight_bytes_per_gpu / stages,
+            "kv_bytes_per_rank": split.kv_bytes_per_token_per_gpu * kv_tokens / stages}
+
+
 def measure(args: argparse.Namespace, options: dict) -> dict:
     """One layout, in this process: the child's side of `run_layout`."""
     import os
@@ -38,8 +76,13 @@ def measure(args: argparse.Namespace, options: dict) -> dict:
     import torch
 
     from pagoda import LLM, SamplingParams
+    from pagoda.model.llama import LlamaModel
+    from pagoda.model.parallel import TensorParallel
 
     torch.set_num_threads(args.threads)
+    # Rank 0's (this process's): the workers' are theirs.
+    all_reduce = Stopwatch(TensorParallel, "all_reduce")
+    stage = Stopwatch(LlamaModel, "forward_stage")
     with LLM(args.model, dtype=args.dtype, max_num_seqs=max(args.streams, 1), max_model_len=args.max_model_len,
              **options) as llm:
         vocab = llm.engine.model_config.vocab_size
@@ -52,14 +95,31 @@ def measure(args: argparse.Namespace, options: dict) -> dict:
             llm.generate(prompts, params, use_tqdm=False)
             return time.perf_counter() - started
 
+        def decode_step_seconds() -> tuple[float, float, float]:
+            """A batch-1 decode step's seconds, and rank 0's seconds in all-reduces and in its stage within it."""
+            spent = (all_reduce.seconds, stage.seconds)
+            short = seconds(one, 1)
+            middle = (all_reduce.seconds, stage.seconds)
+            long = seconds(one, args.output_len)
+            steps = args.output_len - 1
+            return ((long - short) / steps,
+                    ((all_reduce.seconds - middle[0]) - (middle[0] - spent[0])) / steps,
+                    ((stage.seconds - middle[1]) - (middle[1] - spent[1])) / steps)
+
         seconds(one, 2)  # warm-up
-        decode = (seconds(one, args.output_len) - seconds(one, 1)) / (args.output_len - 1)
+        decode, reducing, staging = decode_step_seconds()
         streams = make_prompts(args.streams, args.prompt_len, vocab, seed=2)
         throughput = args.streams * args.output_len / seconds(streams, args.output_len)
         pids = [os.getpid(), *getattr(executor, "worker_pids", list)()]
+        kv_cache = llm.engine.kv_cache
         return {
             "batch1_decode_tok_s": 1 / decode,
             "streams_output_tok_s": throughput,
+            "allreduce_ms_per_decode_step": reducing * 1e3,
+            "allreduce_share_of_decode_step": reducing / decode,
+            "rank0_stage_share_of_decode_step": staging / decode if staging else None,
+            "native_decode_per_rank": [report.native_decode for report in executor.rank_reports()],
+            "calc": calc_prediction(args, options, kv_cache.num_blocks * kv_cache.block_size),
             "weight_bytes_per_rank": executor.weight_bytes_per_rank(),
             "kv_bytes_per_rank": executor.kv_bytes_per_rank(),
             "rss_bytes_per_rank": [rss_bytes(pid) for pid in pids],
@@ -95,15 +155,19 @@ def main() -> None:
         results[label] = run_layout(args, label)
         log(f"{label}: {json.dumps(results[label])}")
     base = results["one process"]
-    print(f"{'layout':<12} {'batch-1 tok/s':>14} {'x':>6} {f'{args.streams} streams tok/s':>18} {'x':>6}  "
-          "weights / KV / RSS MiB per rank")
+    print(f"{'layout':<12} {'batch-1 tok/s':>14} {'x':>6} {f'{args.streams} streams tok/s':>18} {'x':>6} "
+          f"{'all-reduce ms/step':>19} {'stage share':>12}  weights / KV / RSS MiB per rank (calc: weights / KV)")
     for label, row in results.items():
         per_rank = ", ".join(f"{w / 2**20:.1f}/{k / 2**20:.1f}/{r / 2**20:.0f}" for w, k, r in zip(
             row["weight_bytes_per_rank"], row["kv_bytes_per_rank"], row["rss_bytes_per_rank"]))
-        print(f"{label:<12} {row['batch1_decode_tok_s']:>14.1f} "
-              f"{row['batch1_decode_tok_s'] / base['batch1_decode_tok_s']:>6.2f} "
-              f"{row['streams_output_tok_s']:>18.1f} {row['streams_output_tok_s'] / base['streams_output_tok_s']:>6.2f}"
-              f"  {per_rank}")
+        calc = row["calc"]
+        share = row["rank0_stage_share_of_decode_step"]
+        decode, streams = row["batch1_decode_tok_s"], row["streams_output_tok_s"]
+        print(f"{label:<12} {decode:>14.1f} {decode / base['batch1_decode_tok_s']:>6.2f} "
+              f"{streams:>18.1f} {streams / base['streams_output_tok_s']:>6.2f} "
+              f"{row['allreduce_ms_per_decode_step']:>19.2f} {'-' if share is None else f'{share:.2f}':>12}  "
+              f"{per_rank} (calc {calc['weight_bytes_per_rank'] / 2**20:.1f} / "
+              f"{calc['kv_bytes_per_rank'] / 2**20:.1f})")
     write_json(args.out, {"args": {k: v for k, v in vars(args).items() if k != "child"}, "results": results,
                           "environment": environment(load_at_start)})
 

@@ -22,8 +22,10 @@ import pytest
 from conftest import compare_with_reference
 from safetensors import safe_open
 from test_correctness import MAX_NEW_TOKENS, PROMPTS, observe_schedules, run_greedy, same_bytes_pool
+from test_native_decode import CountingStack
 
 from pagoda.config import ParallelConfig
+from pagoda.kernels import available_targets
 from pagoda.model.loader import load_model_config, safetensors_files
 from pagoda.model_dir import ModelLoadError
 
@@ -98,6 +100,24 @@ def test_tp4_shares_each_kv_head_between_two_ranks_and_matches_transformers(chec
         tokens = run_greedy(llm, PROMPTS[:5])
     for index, (output, prompt) in enumerate(zip(tokens, PROMPTS)):
         compare_with_reference(output, hf_reference(model_dir, prompt, MAX_NEW_TOKENS), f"llama TP=4/prompt {index}")
+
+
+@pytest.mark.skipif(not available_targets(), reason="this CPU has neither AVX2 + FMA nor AVX-512")
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_every_rank_decodes_through_the_native_stack(quantization, checkpoint, hf_reference, make_llm):
+    """Each rank's decode steps run its share through the native stack, which all-reduces o's and down's partial
+    sums itself: rank 0's stack runs the decode steps, and the workers report theirs."""
+    model_dir = checkpoint("llama")
+    with make_llm(model_dir, tensor_parallel_size=2, quantization=quantization,
+                  **MODES["chunked+preemption"]) as llm:
+        assert [report.native_decode for report in llm.engine.executor.rank_reports()] == [True, True]
+        runner = llm.engine.model.backend.decode_runner
+        runner.stack = counter = CountingStack(runner.stack)
+        tokens = run_greedy(llm, PROMPTS)
+        assert counter.calls > MAX_NEW_TOKENS
+    if quantization is None:
+        for index, (output, prompt) in enumerate(zip(tokens, PROMPTS)):
+            compare_with_reference(output, hf_reference(model_dir, prompt, MAX_NEW_TOKENS), f"prompt {index}")
 
 
 def checkpoint_bytes(model_dir: Path, tensor_parallel_size: int) -> tuple[int, int]:

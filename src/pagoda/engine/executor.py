@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import SchedulerOutput
-from pagoda.engine.model_step import kv_bytes, weight_bytes
+from pagoda.engine.model_step import RankReport, rank_report
 from pagoda.engine.runner import ModelRunner
 
 
@@ -31,13 +31,16 @@ class Executor:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute_model(scheduler_output)
 
+    def rank_reports(self) -> list[RankReport]:
+        """What each rank holds (its weights' bytes, its KV cache's: its layers' and KV heads') and whether it decodes
+        through the native stack, in rank order."""
+        return [rank_report(self.runner.model, self.runner.kv_caches)]
+
     def weight_bytes_per_rank(self) -> list[int]:
-        """The bytes of the weights each rank holds, in rank order."""
-        return [weight_bytes(self.runner.model)]
+        return [report.weight_bytes for report in self.rank_reports()]
 
     def kv_bytes_per_rank(self) -> list[int]:
-        """The bytes of the KV cache each rank holds (its layers' and KV heads'), in rank order."""
-        return [kv_bytes(self.runner.kv_caches)]
+        return [report.kv_bytes for report in self.rank_reports()]
 
     def check_health(self) -> None:
         """Raises EngineDeadError when the executor can run no step any more (a rank has gone)."""

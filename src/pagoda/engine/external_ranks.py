@@ -89,9 +89,9 @@ def run_if_worker_rank(config: EngineConfig) -> None:
     connection = Client((place.master_addr, offer.port), authkey=offer.authkey)
     connection.send(place.rank)
     try:
-        share, loaded_bytes = load_share(offer.config, place.rank, offer.num_blocks, offer.block_size,
+        share, report = load_share(offer.config, place.rank, offer.num_blocks, offer.block_size,
                                          offer.kv_groups)
-        connection.send(("ok", loaded_bytes))
+        connection.send(("ok", report))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
         raise

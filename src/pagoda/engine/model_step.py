@@ -137,12 +137,28 @@ def attach_engine_lora(config: EngineConfig, model: LlamaModel) -> LoRAStack | N
     return attach_lora(model, config.lora.max_loras, config.lora.max_lora_rank, load_model_config(config.model))
 
 
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank holds and runs, for the engine's report: its weights' and KV cache's bytes, and whether its
+    decode steps run through the native decode stack (model/native_decode.py) rather than the modules."""
+
+    weight_bytes: int
+    kv_bytes: int
+    native_decode: bool
+
+
+def rank_report(model: LlamaModel, kv_caches: list[LayerKV]) -> RankReport:
+    return RankReport(weight_bytes(model), kv_bytes(kv_caches), model.backend.decode_runner is not None)
+
+
 def weight_bytes(model: LlamaModel) -> int:
     """The bytes of the model's weights as held: its parameters (a tied embedding and LM head counted once) and
     persistent buffers (quantized layers' codes and scales; not rotary's cos/sin tables, which are computed)."""
     buffers = [buffer for module in model.modules() for name, buffer in module.named_buffers(recurse=False)
                if name not in module._non_persistent_buffers_set]
-    return sum(tensor.numel() * tensor.element_size() for tensor in [*model.parameters(), *buffers])
+    # By storage: a kernel layer wrapping a tied LM head holds the embedding's very bytes as a parameter of its own.
+    held = {(tensor.data_ptr(), tensor.numel() * tensor.element_size()) for tensor in [*model.parameters(), *buffers]}
+    return sum(size for _, size in held)
 
 
 def weight_bytes_read_per_step(model: nn.Module) -> int:

@@ -48,11 +48,10 @@ from pagoda.engine.lora_manager import AdapterSlots, AdapterSlotsCall, LoRAManag
 from pagoda.engine.model_step import (
     ModelExecution,
     ModelStep,
+    RankReport,
     attach_engine_lora,
-    kv_bytes,
     kv_layer_tensors,
     load_engine_model,
-    weight_bytes,
 )
 from pagoda.engine.rank_placement import place_rank
 from pagoda.engine.rank_watchdog import RankWatchdog
@@ -107,8 +106,9 @@ class MultiprocExecutor(Executor):
                 self._spawn_workers(config, num_blocks, block_size, kv_groups, threads, heartbeats)
             placement = place_rank(config, 0, TORCH_DTYPES[config.dtype])
             model = load_engine_model(config, placement.parallel, placement.stage)
-            # (weight bytes, KV bytes) of each worker, in rank order.
-            self._worker_bytes = [_receive(worker, "loading its share") for worker in self._workers]
+            # What each worker holds and runs, in rank order.
+            self._worker_reports: list[RankReport] = [_receive(worker, "loading its share")
+                                                      for worker in self._workers]
         except BaseException:
             self.shutdown()
             raise
@@ -161,11 +161,8 @@ class MultiprocExecutor(Executor):
     def pipeline_parallel_size(self) -> int:
         return self._parallel.pipeline_parallel_size
 
-    def weight_bytes_per_rank(self) -> list[int]:
-        return [weight_bytes(self.runner.model), *(int(weights) for weights, _ in self._worker_bytes)]
-
-    def kv_bytes_per_rank(self) -> list[int]:
-        return [kv_bytes(self.runner.kv_caches), *(int(kv) for _, kv in self._worker_bytes)]
+    def rank_reports(self) -> list[RankReport]:
+        return [*super().rank_reports(), *self._worker_reports]
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         try:

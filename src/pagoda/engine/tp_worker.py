@@ -29,11 +29,11 @@ from pagoda.engine.lora_manager import AdapterSlots, AdapterSlotsCall
 from pagoda.engine.model_step import (
     ModelExecution,
     ModelStep,
+    RankReport,
     attach_engine_lora,
-    kv_bytes,
     kv_layer_tensors,
     load_engine_model,
-    weight_bytes,
+    rank_report,
 )
 from pagoda.engine.rank_placement import place_rank
 from pagoda.engine.rank_watchdog import start_heartbeat
@@ -73,8 +73,8 @@ def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None
         store = TCPStore(spec.master_addr, spec.master_port, spec.world_size, is_master=False,
                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
         dist.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.world_size)
-        share, loaded_bytes = load_share(spec.config, spec.rank, spec.num_blocks, spec.block_size, spec.kv_groups)
-        connection.send(("ok", loaded_bytes))
+        share, report = load_share(spec.config, spec.rank, spec.num_blocks, spec.block_size, spec.kv_groups)
+        connection.send(("ok", report))
     except BaseException:
         connection.send(("error", traceback.format_exc()))
         raise
@@ -93,9 +93,9 @@ class RankShare:
 
 
 def load_share(config: EngineConfig, rank: int, num_blocks: int, block_size: int,
-               kv_groups: tuple[KVCacheGroup, ...] = ()) -> tuple[RankShare, tuple[int, int]]:
+               kv_groups: tuple[KVCacheGroup, ...] = ()) -> tuple[RankShare, RankReport]:
     """A worker rank's share of the model, the KV pool, the KV connector and the adapters, in a process that has
-    joined the group; with (its weight bytes, its KV cache's bytes) for the engine's report."""
+    joined the group; with what it holds and runs, for the engine's report."""
     placement = place_rank(config, rank, TORCH_DTYPES[config.dtype])
     model = load_engine_model(config, placement.parallel, placement.stage)
     cache = config.cache
@@ -104,7 +104,7 @@ def load_share(config: EngineConfig, rank: int, num_blocks: int, block_size: int
     connector = None if config.kv_transfer_config is None else build_rank_worker(
         config, kv_layer_tensors(execution.kv_caches), block_size, rank)
     share = RankShare(execution, connector, attach_engine_lora(config, model))
-    return share, (weight_bytes(model), kv_bytes(execution.kv_caches))
+    return share, rank_report(model, execution.kv_caches)
 
 
 def serve_steps(share: RankShare, connection: Connection) -> None:

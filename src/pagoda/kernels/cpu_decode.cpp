@@ -39,16 +39,14 @@ struct Linear {
   explicit Linear(const LinearSpec& spec)
       : weight(std::get<0>(spec)), scale(std::get<1>(spec)), bias(std::get<2>(spec)) {}
 
-  // As DenseLinear / Int8Linear / Int4Linear.forward take a decode-sized input.
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    torch::Tensor y;
-    if (weight.scalar_type() == at::kByte) {
-      y = matmul_int4(x, weight, weight.size(1) * 2 / scale->size(1), *scale);
-    } else if (scale) {
-      y = gemv_int8(x, weight, *scale);
-    } else {
-      y = weight.scalar_type() == at::kBFloat16 ? gemv_bf16(x, weight) : gemv_fp32(x, weight);
-    }
+  // x W^T, without the bias: as DenseLinear / Int8Linear / Int4Linear.forward take a decode-sized input.
+  torch::Tensor product(const torch::Tensor& x) const {
+    if (weight.scalar_type() == at::kByte) return matmul_int4(x, weight, weight.size(1) * 2 / scale->size(1), *scale);
+    if (scale) return gemv_int8(x, weight, *scale);
+    return weight.scalar_type() == at::kBFloat16 ? gemv_bf16(x, weight) : gemv_fp32(x, weight);
+  }
+
+  torch::Tensor with_bias(const torch::Tensor& y) const {
     return bias ? y + bias->to(y.scalar_type()) : y;  // int4 keeps an fp32 bias for every model dtype
   }
 };
@@ -117,10 +115,20 @@ struct Layer {
   int64_t rope;  // which of the step's rope tables it rotates with (Gemma 3's sliding layers have their own)
   std::vector<LoRAPart> lora[4];  // by LinearIndex
 
-  // The linear's output with the step's adapter deltas added, as model/lora.py's LoRALinear computes it.
-  torch::Tensor run(LinearIndex index, const torch::Tensor& x, const LoRAStep* step) const {
+  // The linear's output with the step's adapter deltas added, as model/lora.py's LoRALinear computes it. A
+  // row-parallel linear's partial sums are all-reduced (`reduce`) before its bias is added, as
+  // model/parallel.py's QuantizedRowParallel does; the stack takes no adapter rows then (native_decode.py).
+  torch::Tensor run(LinearIndex index, const torch::Tensor& x, const LoRAStep* step,
+                    const std::optional<pybind11::function>& reduce) const {
     static constexpr Linear Layer::*linears[4] = {&Layer::qkv, &Layer::o, &Layer::gate_up, &Layer::down};
-    torch::Tensor y = (this->*linears[index])(x);
+    const Linear& linear = this->*linears[index];
+    torch::Tensor y = linear.product(x);
+    if (reduce && (index == kO || index == kDown)) {
+      TORCH_CHECK(step == nullptr, "a tensor-parallel stack takes no adapter rows");
+      pybind11::gil_scoped_acquire gil;  // the collective is torch.distributed's, called from Python
+      (*reduce)(y);
+    }
+    y = linear.with_bias(y);
     if (step == nullptr) return y;
     for (const LoRAPart& part : lora[index]) {
       if (part.module < static_cast<int64_t>(step->targeted.size()) && step->targeted[part.module]) {
@@ -170,6 +178,10 @@ class DecodeStack {
                        window, sliding_rope ? 1 : 0});
   }
 
+  // Makes o and down row-parallel: `all_reduce(y)` sums their partial outputs across the ranks, in place, before
+  // their bias (a tensor-parallel rank's stack; called with the GIL held).
+  void set_all_reduce(pybind11::function all_reduce) { all_reduce_ = std::move(all_reduce); }
+
   // Adds (or, for the same layer, linear and module, replaces) an adapter module's part of a linear's output.
   void add_lora_part(int64_t layer, int64_t linear, int64_t module, int64_t start, int64_t end, torch::Tensor a,
                      torch::Tensor bt) {
@@ -214,14 +226,14 @@ class DecodeStack {
   }
 
   torch::Tensor mlp(const Layer& layer, const torch::Tensor& x, const LoRAStep* lora) const {
-    torch::Tensor gate_up = layer.run(kGateUp, x, lora), gated;
+    torch::Tensor gate_up = layer.run(kGateUp, x, lora, all_reduce_), gated;
     if (gelu_) {  // as GatedMLP.forward: torch's ops
       const std::vector<torch::Tensor> parts = gate_up.split(gate_up.size(1) / 2, 1);
       gated = at::gelu(parts[0], "tanh") * parts[1];
     } else {
       gated = silu_mul(gate_up);
     }
-    return layer.run(kDown, gated, lora);
+    return layer.run(kDown, gated, lora, all_reduce_);
   }
 
   torch::Tensor run(torch::Tensor x, const std::vector<RopeSpec>& ropes, const std::vector<KVSpec>& kv_caches,
@@ -243,13 +255,13 @@ class DecodeStack {
       torch::Tensor qkv;
       if (post) {
         if (delta) x.add_(*delta);
-        qkv = layer.run(kQKV, x, lora);
+        qkv = layer.run(kQKV, x, lora, all_reduce_);
         const int64_t q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
         torch::Tensor q = qkv.slice(1, 0, q_size), k = qkv.slice(1, q_size, q_size + kv_size);
         q.copy_(norm_(q.contiguous(), std::nullopt, *layer.q_norm));
         k.copy_(norm_(k.contiguous(), std::nullopt, *layer.k_norm));
       } else {
-        qkv = layer.run(kQKV, norm_(x, delta, *layer.input_norm), lora);
+        qkv = layer.run(kQKV, norm_(x, delta, *layer.input_norm), lora, all_reduce_);
       }
       qkv = qkv.view({-1, heads_ + 2 * kv_heads_, head_dim_});
       if (layer.q_norm && !post) {
@@ -260,7 +272,7 @@ class DecodeStack {
       torch::Tensor attended = paged_decode_attention(qkv.slice(1, 0, heads_), k_cache, v_cache, key_slots,
                                                       seq_lens, layer.window, scale_, k_scale, v_scale,
                                                       softcap_);
-      attended = layer.run(kO, attended.reshape({-1, heads_ * head_dim_}), lora);
+      attended = layer.run(kO, attended.reshape({-1, heads_ * head_dim_}), lora, all_reduce_);
       switch (placement_) {
         case Placement::kPre:
           delta = mlp(layer, norm_(x, attended, layer.post_norm), lora);
@@ -285,6 +297,8 @@ class DecodeStack {
   NormScale norm_scale_;
   bool gelu_;
   std::vector<Layer> layers_;
+  // Under tensor parallelism: sums a row-parallel linear's partial outputs across the ranks, in place.
+  std::optional<pybind11::function> all_reduce_;
 };
 
 }  // namespace
@@ -300,6 +314,8 @@ void define_decode_stack(pybind11::module& m) {
            "input_norm, post_norm, pre_ff_norm, post_ff_norm (each None where the placement has none), q_norm and "
            "k_norm (or None), then qkv, o, gate_up, down as (weight, scale or None, bias or None), window, "
            "sliding_rope (rotate with the step's second rope table)")
+      .def("set_all_reduce", &DecodeStack::set_all_reduce,
+           "all_reduce(y): sums o's and down's partial outputs across tensor-parallel ranks, in place, before bias")
       .def("add_lora_part", &DecodeStack::add_lora_part,
            "layer, linear (0 qkv, 1 o, 2 gate_up, 3 down), module id, start, end, A [slots, rank, in], "
            "B transposed [slots, rank, out]")

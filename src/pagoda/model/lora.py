@@ -173,6 +173,10 @@ class AdapterDecode:
         self._handed_over: set[str] = set()  # the modules whose parts the native stack holds
 
     def takes(self, meta: AttentionMetadata, num_tokens: int) -> bool:
+        # Under tensor parallelism o's and down's shrinks are partial sums, all-reduced before B (LoRAStack);
+        # the stack's lora_add_ shrinks and expands in one kernel, so adapter rows run through the modules.
+        if self.stack.active and self.stack.parallel is not None:
+            return False
         return self.inner.takes(meta, num_tokens)
 
     def _hand_over(self) -> None:
@@ -208,9 +212,12 @@ def attach_lora(model: LlamaModel, max_loras: int, max_rank: int, base_config: M
     config = model.config
     runner = model.backend.decode_runner
     assert runner is None or isinstance(runner, NativeDecode), "the native stack is the one decode runner"
+    # Under tensor parallelism the deltas are the matmuls' (the row-parallel shrinks are all-reduced before B),
+    # and steps with adapter rows run through the modules (`AdapterDecode.takes`).
+    kernel_runner = None if model.parallel is not None else runner
     stack = LoRAStack(config, max_loras, max_rank, model.dtype, next(model.parameters()).device,
-                      None if runner is None else runner.kernels, 0 if runner is None else runner.max_rows,
-                      model.parallel, base_config)
+                      None if kernel_runner is None else kernel_runner.kernels,
+                      0 if kernel_runner is None else kernel_runner.max_rows, model.parallel, base_config)
     q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     inter = config.intermediate_size
     wrapped: list[tuple[LoRALinear, ...]] = []  # each layer's, in STACK_LINEARS' order

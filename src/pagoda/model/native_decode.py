@@ -23,6 +23,7 @@ from torch import nn
 from pagoda.model.attention import AttentionMetadata, CpuAttentionBackend
 from pagoda.model.int4 import Int4Linear
 from pagoda.model.kv_cache import LayerKV
+from pagoda.model.parallel import QuantizedRowParallel
 from pagoda.model.quantization import KERNEL_MAX_ROWS, DenseLinear, Int8Linear
 
 if TYPE_CHECKING:
@@ -32,7 +33,12 @@ if TYPE_CHECKING:
 
 
 def _linear_spec(linear: nn.Module) -> LinearSpec | None:
-    """(weight, scale, bias) of a linear that runs decode inputs straight through a kernel, else None."""
+    """(weight, scale, bias) of a linear that runs decode inputs straight through a kernel, else None. A
+    tensor-parallel rank's row-parallel linear gives its shard's weight and the whole bias, which the stack adds
+    after the all-reduce."""
+    if isinstance(linear, QuantizedRowParallel):
+        local = _linear_spec(linear.local)
+        return None if local is None else (local[0], local[1], linear.bias)
     if isinstance(linear, DenseLinear) and linear.gemv is not None:
         return linear.weight, None, linear.bias
     if isinstance(linear, Int8Linear) and linear.kernels is not None:
@@ -79,6 +85,8 @@ class NativeDecode:
                                          layers[0].self_attn.scale, config.attn_logit_softcapping or 0.0,
                                          norm.scale(), placement,
                                          config.norm_unit_offset, config.hidden_act != "silu")
+        if model.parallel is not None:  # o and down are row-parallel: their partial sums are added across ranks
+            self.stack.set_all_reduce(model.parallel.all_reduce)
         for layer in layers:
             attention = layer.self_attn
             qkv, o, gate_up, down = (cast("LinearSpec", _linear_spec(linear)) for linear in _layer_linears(layer))

@@ -84,7 +84,7 @@ class DenseLinear(nn.Module):
             self.max_rows = gemv_max_rows(usable, self.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is None or x.shape[0] > self.max_rows:
+        if self.gemv is None or not 0 < x.shape[0] <= self.max_rows:  # (an expert-parallel rank's slice may be empty)
             return F.linear(x, self.weight, self.bias)
         y = self.gemv(x, self.weight)
         return y if self.bias is None else y + self.bias
