@@ -8,7 +8,7 @@ times rank 0's all-reduces per decode step (waiting for the other rank included:
 its arithmetic); under PP, the share of each step rank 0's stage computes (the rest it waits: the pipeline's
 bubble). Prints a table and writes JSON; the figures of merit are the ratios to one process, measured in one run.
 
-    python benchmarks/parallel.py --model models/bench-1b --threads 2
+    python benchmarks/parallel.py --model models/bench-1b --threads 2 --repeats 3
     python benchmarks/parallel.py --model /tmp/tiny --streams 4 --prompt-len 16 --output-len 8   # a smoke run
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -52,14 +53,15 @@ class Stopwatch:
 
 def calc_prediction(args: argparse.Namespace, options: dict, kv_tokens: int) -> dict:
     """What `pagoda calc` predicts one rank holds: its weights' bytes and, for a pool of `kv_tokens` tokens, its KV
-    bytes. (calc splits across tensor-parallel GPUs; a pipeline stage holds its share of the layers.)"""
+    bytes. (calc splits across tensor-parallel GPUs; a pipeline stage holds its share of the layers. The GPU preset
+    does not enter the bytes.)"""
     from pagoda.calc.deployment import CalcInputs, derive
     from pagoda.calc.presets import resolve_gpu
     from pagoda.calc.shapes import shape_from_path
 
     ranks = options.get("tensor_parallel_size", 1) * options.get("pipeline_parallel_size", 1)
     dtype = {"float32": "fp32", "bfloat16": "bf16"}[args.dtype]
-    one_gpu = derive(CalcInputs(model=shape_from_path(Path(args.model)), gpu=resolve_gpu("h100"), dtype=dtype))
+    one_gpu = derive(CalcInputs(model=shape_from_path(Path(args.model)), gpu=resolve_gpu("h100-sxm"), dtype=dtype))
     assert one_gpu.kv_bytes_per_token is not None
     split = derive(CalcInputs(model=one_gpu.inputs.model, gpu=one_gpu.inputs.gpu, dtype=dtype,
                               num_gpus=options.get("tensor_parallel_size", 1)))
@@ -143,6 +145,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every layout, interleaved; medians reported")
     parser.add_argument("--out", default="benchmarks/results/parallel.json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -151,9 +154,16 @@ def main() -> None:
         return
     load_at_start = load_average()
     results = {}
-    for label in LAYOUTS:
-        results[label] = run_layout(args, label)
-        log(f"{label}: {json.dumps(results[label])}")
+    runs: dict[str, list[dict]] = {label: [] for label in LAYOUTS}
+    for repeat in range(args.repeats):  # interleaved: a slow spell of the host falls on every layout alike
+        for label in LAYOUTS:
+            runs[label].append(run_layout(args, label))
+            log(f"{label} (run {repeat + 1} of {args.repeats}): {json.dumps(runs[label][-1])}")
+    timed = ("batch1_decode_tok_s", "streams_output_tok_s", "allreduce_ms_per_decode_step",
+             "allreduce_share_of_decode_step", "rank0_stage_share_of_decode_step")
+    for label, rows in runs.items():  # each timing the median of its runs; bytes are the same in every run
+        medians = {key: statistics.median(row[key] for row in rows) for key in timed if rows[0][key] is not None}
+        results[label] = {**rows[0], **medians, "runs": rows}
     base = results["one process"]
     print(f"{'layout':<12} {'batch-1 tok/s':>14} {'x':>6} {f'{args.streams} streams tok/s':>18} {'x':>6} "
           f"{'all-reduce ms/step':>19} {'stage share':>12}  weights / KV / RSS MiB per rank (calc: weights / KV)")

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pagoda.config import EngineConfig
+from pagoda.model import shm_all_reduce
 from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import TensorParallel
 from pagoda.model.pipeline import PipelineStage, StageActivations, pipeline_stage
@@ -106,8 +107,11 @@ def place_rank(config: EngineConfig, rank: int, dtype: torch.dtype) -> RankPlace
             stage_group = dist.new_group(layout.stage_ranks(stage))
             if stage == stage_index:
                 group = stage_group
-    parallel = None if tensor_size == 1 else TensorParallel(tensor_rank, tensor_size, group,
-                                                            config.parallel.enable_expert_parallel)
+    parallel = None
+    if tensor_size > 1:
+        native = config.use_kernels and torch.device(config.device).type == "cpu"
+        local = shm_all_reduce.connect(tensor_rank, tensor_size, group, f"stage{stage_index}") if native else None
+        parallel = TensorParallel(tensor_rank, tensor_size, group, config.parallel.enable_expert_parallel, local)
     if pipeline_size == 1:
         return RankPlacement(parallel, None, None)
     model_config = load_model_config(config.model)

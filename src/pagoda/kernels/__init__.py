@@ -50,7 +50,8 @@ _LINK_FLAGS = ["-lgomp"]
 _AVX512 = _Build(
     "pagoda_cpu_kernels",
     ("cpu_gemv.cpp", "cpu_int8.cpp", "cpu_int4.cpp", "cpu_attention.cpp", "cpu_prefill_attention.cpp",
-     "cpu_prefill_attention_amx.cpp", "cpu_fused.cpp", "cpu_decode.cpp", "simd_lora.cpp", "cpu_module.cpp"),
+     "cpu_prefill_attention_amx.cpp", "cpu_fused.cpp", "cpu_decode.cpp", "cpu_shm_reduce.cpp", "simd_lora.cpp",
+     "cpu_module.cpp"),
     ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx512vbmi", "-mfma",
      "-fopenmp", "-ffp-contract=off"),
     frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512vbmi"}),
@@ -60,7 +61,7 @@ _AVX512 = _Build(
 _AVX2 = _Build(
     "pagoda_cpu_avx2_kernels",
     ("simd_gemv.cpp", "simd_fused.cpp", "simd_attention.cpp", "cpu_int8.cpp", "cpu_int4.cpp", "cpu_decode.cpp",
-     "simd_lora.cpp", "cpu_avx2_module.cpp"),
+     "cpu_shm_reduce.cpp", "simd_lora.cpp", "cpu_avx2_module.cpp"),
     ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"),
     frozenset({"avx2", "fma"}),
 )

@@ -30,4 +30,5 @@ inline void define_shared_ops(pybind11::module& m) {
         "y += (row_scaling * x @ a[slot].T) @ bt[slot] per row, slot from row_slots (< 0: the base, nothing added)",
         py::arg("y"), py::arg("x"), py::arg("a"), py::arg("bt"), py::arg("row_slots"), py::arg("row_scaling"));
   define_decode_stack(m);
+  define_shm_all_reduce(m);
 }

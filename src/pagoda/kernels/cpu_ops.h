@@ -50,3 +50,5 @@ void lora_add_(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& a,
 
 // cpu_decode.cpp: registers the DecodeStack class on the module.
 void define_decode_stack(pybind11::module& m);
+// cpu_shm_reduce.cpp: the shared-memory all-reduce between one machine's tensor-parallel ranks.
+void define_shm_all_reduce(pybind11::module& m);

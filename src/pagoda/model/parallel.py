@@ -10,7 +10,8 @@ along the vocabulary before sampling). Norms are replicated. `shard_rows` says w
 a rank reads, so that each rank reads only its own bytes.
 
 The collectives run on the rank's tensor-parallel group (torch.distributed's default group without pipeline
-stages), which the executor sets up.
+stages), which the executor sets up; where its ranks share a machine, the all-reduces that fit go through shared
+memory instead (model/shm_all_reduce.py).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda.config import ModelConfig
+from pagoda.model.shm_all_reduce import SharedMemoryAllReduce
 from pagoda.model_dir import ModelLoadError
 
 
@@ -37,9 +39,13 @@ class TensorParallel:
     world_size: int
     group: dist.ProcessGroup | None = None
     expert_parallel: bool = False
+    # Where every rank is on one machine: the shared-memory sum for what fits it (model/shm_all_reduce.py).
+    local: SharedMemoryAllReduce | None = None
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """The sum over ranks, in place."""
+        if self.local is not None and self.local.takes(tensor):
+            return self.local(tensor)
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
