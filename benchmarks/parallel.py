@@ -136,6 +136,21 @@ def run_layout(args: argparse.Namespace, label: str) -> dict:
     return dict(json.loads(result.stdout.strip().splitlines()[-1]))
 
 
+def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Each layout's runs: each timing the median of its runs (bytes are the same in every run), and the rates'
+    ratios to one process's."""
+    timed = ("batch1_decode_tok_s", "streams_output_tok_s", "allreduce_ms_per_decode_step",
+             "allreduce_share_of_decode_step", "rank0_stage_share_of_decode_step")
+    results = {}
+    for label, rows in runs.items():
+        medians = {key: statistics.median(row[key] for row in rows) for key in timed if rows[0][key] is not None}
+        results[label] = {**rows[0], **medians, "runs": rows}
+    base = results["one process"]
+    for row in results.values():
+        row["vs_one_process"] = {key: row[key] / base[key] for key in ("batch1_decode_tok_s", "streams_output_tok_s")}
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True)
@@ -153,17 +168,12 @@ def main() -> None:
         print(json.dumps(measure(args, LAYOUTS[args.child])))
         return
     load_at_start = load_average()
-    results = {}
     runs: dict[str, list[dict]] = {label: [] for label in LAYOUTS}
     for repeat in range(args.repeats):  # interleaved: a slow spell of the host falls on every layout alike
         for label in LAYOUTS:
             runs[label].append(run_layout(args, label))
             log(f"{label} (run {repeat + 1} of {args.repeats}): {json.dumps(runs[label][-1])}")
-    timed = ("batch1_decode_tok_s", "streams_output_tok_s", "allreduce_ms_per_decode_step",
-             "allreduce_share_of_decode_step", "rank0_stage_share_of_decode_step")
-    for label, rows in runs.items():  # each timing the median of its runs; bytes are the same in every run
-        medians = {key: statistics.median(row[key] for row in rows) for key in timed if rows[0][key] is not None}
-        results[label] = {**rows[0], **medians, "runs": rows}
+    results = summarise(runs)
     base = results["one process"]
     print(f"{'layout':<12} {'batch-1 tok/s':>14} {'x':>6} {f'{args.streams} streams tok/s':>18} {'x':>6} "
           f"{'all-reduce ms/step':>19} {'stage share':>12}  weights / KV / RSS MiB per rank (calc: weights / KV)")

@@ -52,6 +52,7 @@ ENGINE_PATHS: dict[str, dict[str, Any]] = {
     # A quantized KV cache is judged against its model dtype's path, item by item (paired_loss).
     "fp32+kv-int8": {"dtype": "float32", "kv_cache_dtype": "int8"},
     "fp32+kv-fp8": {"dtype": "float32", "kv_cache_dtype": "fp8"},
+    "fp32+kv-fp8-scaled": {"dtype": "float32", "kv_cache_dtype": "fp8", "calculate_kv_scales": True},
 }
 SPECULATIVE_BASE = "fp32"
 # The chance, over all families together, that the gate fails a quantized KV cache that costs nothing.
@@ -82,7 +83,7 @@ def kv_base(path: str) -> str | None:
     options = ENGINE_PATHS[path]
     if "kv_cache_dtype" not in options:
         return None
-    rest = {k: v for k, v in options.items() if k != "kv_cache_dtype"}
+    rest = {k: v for k, v in options.items() if k not in ("kv_cache_dtype", "calculate_kv_scales")}
     return next(p for p, o in ENGINE_PATHS.items() if o == rest)
 
 

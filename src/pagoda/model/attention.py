@@ -315,6 +315,9 @@ class CpuAttentionBackend(AttentionBackend):
     `native_decode.bind_decode_stack` makes the native decode stack its decode runner, which runs decode-only
     steps whole."""
 
+    # The scores' cap (0: none), which the decode kernel applies (model/softcap_attention.py's subclass sets it).
+    softcap: float = 0.0
+
     def __init__(self, kernels: CpuKernels, decode_stack: bool = False) -> None:
         self.kernels = kernels
         self.decode_stack = decode_stack
@@ -340,4 +343,4 @@ class CpuAttentionBackend(AttentionBackend):
     def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
                window: int | None) -> torch.Tensor:
         return self.kernels.paged_decode_attention(q, kv.k, kv.v, meta.decode_key_slots, meta.decode_seq_lens,
-                                                   window or 0, scale, kv.k_scale, kv.v_scale)
+                                                   window or 0, scale, kv.k_scale, kv.v_scale, self.softcap)

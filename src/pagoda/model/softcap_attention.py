@@ -56,7 +56,8 @@ class SoftCappedAttentionBackend(TorchAttentionBackend):
 
 
 class SoftCappedCpuAttentionBackend(CpuAttentionBackend):
-    """pagoda's kernels with capped scores: the paged decode kernel caps them; prefills are the reference's."""
+    """pagoda's kernels with capped scores: the paged decode kernel caps them (`CpuAttentionBackend.softcap`);
+    prefills are the reference's."""
 
     def __init__(self, kernels: CpuKernels, softcap: float, decode_stack: bool = False) -> None:
         super().__init__(kernels, decode_stack)
@@ -65,8 +66,3 @@ class SoftCappedCpuAttentionBackend(CpuAttentionBackend):
     def prefill(self, q: torch.Tensor, kv: LayerKV, seq: PrefillSeq, scale: float, window: int | None,
                 out: torch.Tensor) -> None:
         capped_prefill(q, kv, seq, scale, window, out, self.softcap)
-
-    def decode(self, q: torch.Tensor, kv: LayerKV, meta: AttentionMetadata, scale: float,
-               window: int | None) -> torch.Tensor:
-        return self.kernels.paged_decode_attention(q, kv.k, kv.v, meta.decode_key_slots, meta.decode_seq_lens,
-                                                   window or 0, scale, kv.k_scale, kv.v_scale, self.softcap)
