@@ -291,18 +291,14 @@ def load_model(
         model_config = stage_config(model_config, pipeline)
         in_stage = partial(stage_reads, config=config, stage=pipeline)
         reads = in_stage if reads is None else _both(reads, in_stage)
-    # A tensor-parallel rank runs the kernels as one process does: its shards are layers of its shapes, and its
-    # decode stack all-reduces o's and down's partial sums (native_decode.py). A pipeline stage runs the torch
-    # reference, but for its quantized linears, whose kernels take a stage's layers as they take a whole model's
-    # (the native decode stack runs a whole model).
-    native = use_kernels and torch.device(device).type == "cpu" and (pipeline is None or quantization is not None)
+    # A split model runs the kernels as one process does: a tensor-parallel rank's shards are layers of its shapes
+    # (its decode stack all-reduces o's and down's partial sums: native_decode.py), and a pipeline stage's layers
+    # run through the modules' kernels (the decode stack runs a whole model: `bind_decode_stack` leaves a stage).
+    native = use_kernels and torch.device(device).type == "cpu"
     kernels = cpu_kernels() if native else None
     # `create_runtime` decides which quantized layers take these; an unquantized model needs no AVX2 module.
     quantized_kernels = (kernels if kernels is not None else avx2_kernels()) if native and quantization else None
     runtime = create_runtime(model_config, dtype, kernels, quantization, quantized_kernels)
-    if pipeline is not None:
-        runtime = replace(create_runtime(model_config, dtype, None, quantization, None),
-                          gemv_kernels=runtime.gemv_kernels, quantized_kernels=runtime.quantized_kernels)
     runtime = replace(runtime, parallel=parallel, pipeline=pipeline)
     with torch.device("meta"):
         model = LlamaModel(model_config, runtime)

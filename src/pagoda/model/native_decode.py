@@ -65,7 +65,8 @@ def bind_decode_stack(model: LlamaModel) -> None:
     stack (`CpuAttentionBackend.decode_stack`) and the weights are what it takes, it becomes the attention
     backend's decode runner."""
     backend = model.backend
-    if isinstance(backend, CpuAttentionBackend) and backend.decode_stack and decode_stack_covers(model):
+    whole = model.embed_tokens is not None and model.norm is not None  # not a pipeline stage
+    if isinstance(backend, CpuAttentionBackend) and backend.decode_stack and whole and decode_stack_covers(model):
         backend.decode_runner = NativeDecode(model, backend.kernels)
 
 
