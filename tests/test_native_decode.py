@@ -114,6 +114,22 @@ def test_engine_output_is_bit_identical_to_module_path(make_llm, checkpoint, arc
     assert native_llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3-moe", "qwen2-moe"])
+@pytest.mark.parametrize("config", ["fp32", "bf16", "int8", "int4-bf16"])
+def test_sparse_layers_decode_in_the_stack_as_in_the_modules(make_llm, checkpoint, arch, config):
+    """A mixture of experts (Qwen3-MoE's dense layer beside sparse ones, Qwen2-MoE's shared expert) decodes through
+    the stack with the modules' tokens and logprobs, bit for bit, and routes the same load per expert."""
+    model_dir = checkpoint(arch)
+    options = {"max_num_batched_tokens": 9, "num_kv_blocks": 28, **CONFIGS[config]}
+    native_llm, module_llm = make_llm(model_dir, **options), make_llm(model_dir, **options)
+    prompts = random_prompts([3, 30, 47, 12, 9], seed=11)
+    native, counter = _generate(native_llm, prompts, native=True)
+    module, _ = _generate(module_llm, prompts, native=False)
+    assert native == module
+    assert counter.calls > 10, "the stack must have run the decode steps"
+    assert native_llm.engine.stats().experts == module_llm.engine.stats().experts
+
+
 def _scattered_tables(seq_lens: list[int], gen: torch.Generator) -> list[list[int]]:
     order, tables = torch.randperm(64, generator=gen).tolist(), []
     for n in seq_lens:
@@ -124,7 +140,7 @@ def _scattered_tables(seq_lens: list[int], gen: torch.Generator) -> list[list[in
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize(("arch", "batch"), [("qwen2-swa", 4), ("qwen3", 1), ("qwen3", 4), ("olmo2", 4),
-                                             ("gemma2", 4), ("gemma3", 1), ("gemma3", 4)])
+                                             ("gemma2", 4), ("gemma3", 1), ("gemma3", 4), ("qwen2-moe", 4)])
 def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, config, arch, batch):
     """One decode step at scattered blocks, from the same cache: equal outputs and caches. (qwen3's head
     norms take the fused kernel for one token and torch's ops for more, in both paths.) Where full and sliding

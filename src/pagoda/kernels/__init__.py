@@ -40,7 +40,7 @@ class _Build:
 _HEADERS = (
     "cpu_vec.h", "cpu_simd.h", "cpu_ops.h", "cpu_bindings.h", "cpu_x_codes.h", "cpu_prefill_attention.h", "simd_gemv.h",
     "simd_fused.h", "simd_attention.h", "simd_lora.h", "simd_tensors.h", "kv_quant.h", "cpu_kv_cache.h",
-    "cpu_attention_int8.h",
+    "cpu_attention_int8.h", "cpu_decode_linear.h", "cpu_decode_moe.h",
 )
 # -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
 _LINK_FLAGS = ["-lgomp"]

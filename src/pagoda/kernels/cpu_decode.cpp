@@ -10,7 +10,8 @@
 // It takes decode-only steps whose every linear is a GEMV (model/native_decode.py decides), over one KV cache
 // group or several (each layer reads through its group's block tables); anything else runs through the
 // modules. LoRA adapters' deltas run inside it through lora_add_, the kernel the modules call for decode-sized
-// inputs (forward_lora), so a step with adapter rows is also the module path's bit for bit.
+// inputs (forward_lora), so a step with adapter rows is also the module path's bit for bit. A mixture of experts'
+// sparse layers run in it too (cpu_decode_moe.h: the chosen experts' GEMVs only).
 #include <c10/core/InferenceMode.h>
 
 #include <optional>
@@ -19,37 +20,19 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_ops.h"
+#include "cpu_decode_linear.h"
+#include "cpu_decode_moe.h"
 
 namespace {
 
-using OptionalTensor = std::optional<torch::Tensor>;
-// A linear layer as Python hands it over: (weight, scale, bias). The weight is fp32/bf16 [N, K] (no scale), int8
-// [N, K] with its per-channel scale [N], or int4 codes uint8 [N, K / 2] (pagoda's int4 layout) with their bf16
-// (scale, offset) pairs, block-major [N / 32, K / group, 32, 2].
-using LinearSpec = std::tuple<torch::Tensor, OptionalTensor, OptionalTensor>;
+using decode_stack::Linear;
+using decode_stack::LinearSpec;
+using decode_stack::OptionalTensor;
+using decode_stack::RoutedExperts;
+using decode_stack::optional_linear;
 // A layer's KV cache as Python hands it over (model/kv_cache.py's LayerKV.kernel_args): k, v, and their scales
 // (int8: per token and head; fp8: the layer's; None: the model's dtype).
 using KVSpec = std::tuple<torch::Tensor, torch::Tensor, OptionalTensor, OptionalTensor>;
-
-struct Linear {
-  torch::Tensor weight;
-  OptionalTensor scale, bias;
-
-  explicit Linear(const LinearSpec& spec)
-      : weight(std::get<0>(spec)), scale(std::get<1>(spec)), bias(std::get<2>(spec)) {}
-
-  // x W^T, without the bias: as DenseLinear / Int8Linear / Int4Linear.forward take a decode-sized input.
-  torch::Tensor product(const torch::Tensor& x) const {
-    if (weight.scalar_type() == at::kByte) return matmul_int4(x, weight, weight.size(1) * 2 / scale->size(1), *scale);
-    if (scale) return gemv_int8(x, weight, *scale);
-    return weight.scalar_type() == at::kBFloat16 ? gemv_bf16(x, weight) : gemv_fp32(x, weight);
-  }
-
-  torch::Tensor with_bias(const torch::Tensor& y) const {
-    return bias ? y + bias->to(y.scalar_type()) : y;  // int4 keeps an fp32 bias for every model dtype
-  }
-};
 
 // One adapter module's share of a linear's output: columns [start, end) get each row's delta from its own slot
 // (lora_add_). a: [slots, max_rank, in] and bt: [slots, max_rank, out] are views of model/lora.py's LoRAStack, so
@@ -110,18 +93,28 @@ struct Layer {
   OptionalTensor pre_ff_norm;  // sandwich layers': the MLP's input norm
   OptionalTensor post_ff_norm;  // post-norm and sandwich layers': the MLP output's
   OptionalTensor q_norm, k_norm;  // before rope: per head (Qwen3, Gemma 3), or across the projection (OLMo 2)
-  Linear qkv, o, gate_up, down;
+  Linear qkv, o;
+  std::optional<Linear> gate_up, down;  // a dense MLP's; a sparse layer has `experts` instead
   int64_t window;  // 0: full attention
   int64_t rope;  // which of the step's rope tables it rotates with (Gemma 3's sliding layers have their own)
   std::vector<LoRAPart> lora[4];  // by LinearIndex
+  std::optional<RoutedExperts> experts;  // a sparse layer's MLP
+
+  const Linear& linear(LinearIndex index) const {
+    switch (index) {
+      case kQKV: return qkv;
+      case kO: return o;
+      case kGateUp: return *gate_up;
+      default: return *down;
+    }
+  }
 
   // The linear's output with the step's adapter deltas added, as model/lora.py's LoRALinear computes it. A
   // row-parallel linear's partial sums are all-reduced (`reduce`) before its bias is added, as
   // model/parallel.py's QuantizedRowParallel does; the stack takes no adapter rows then (native_decode.py).
   torch::Tensor run(LinearIndex index, const torch::Tensor& x, const LoRAStep* step,
                     const std::optional<pybind11::function>& reduce) const {
-    static constexpr Linear Layer::*linears[4] = {&Layer::qkv, &Layer::o, &Layer::gate_up, &Layer::down};
-    const Linear& linear = this->*linears[index];
+    const Linear& linear = this->linear(index);
     torch::Tensor y = linear.product(x);
     if (reduce && (index == kO || index == kDown)) {
       TORCH_CHECK(step == nullptr, "a tensor-parallel stack takes no adapter rows");
@@ -165,17 +158,28 @@ class DecodeStack {
 
   void add_layer(OptionalTensor input_norm, torch::Tensor post_norm, OptionalTensor pre_ff_norm,
                  OptionalTensor post_ff_norm, OptionalTensor q_norm, OptionalTensor k_norm, const LinearSpec& qkv,
-                 const LinearSpec& o, const LinearSpec& gate_up, const LinearSpec& down, int64_t window,
-                 bool sliding_rope) {
+                 const LinearSpec& o, const std::optional<LinearSpec>& gate_up, const std::optional<LinearSpec>& down,
+                 int64_t window, bool sliding_rope) {
     const bool pre = placement_ == Placement::kPre, post = placement_ == Placement::kPost;
     TORCH_CHECK(input_norm.has_value() != post && pre_ff_norm.has_value() == (placement_ == Placement::kSandwich) &&
                     post_ff_norm.has_value() != pre && q_norm.has_value() == k_norm.has_value() &&
                     (!post || q_norm),
                 "a layer's norms are its placement's: an input norm unless post, a pre-MLP norm in a sandwich, an "
                 "MLP output norm unless pre, q and k norms together (post: always)");
+    TORCH_CHECK(gate_up.has_value() == down.has_value(), "a dense MLP has both gate_up and down, a sparse one neither");
     layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(pre_ff_norm), std::move(post_ff_norm),
-                       std::move(q_norm), std::move(k_norm), Linear(qkv), Linear(o), Linear(gate_up), Linear(down),
-                       window, sliding_rope ? 1 : 0});
+                       std::move(q_norm), std::move(k_norm), Linear(qkv), Linear(o), optional_linear(gate_up),
+                       optional_linear(down), window, sliding_rope ? 1 : 0});
+  }
+
+  // Makes a layer added without an MLP a sparse one: model/moe.py's SparseMoeBlock (the rank's every expert).
+  void set_experts(int64_t layer, torch::Tensor router, int64_t top_k, bool renormalise, torch::Tensor routed_tokens,
+                   const std::vector<LinearSpec>& gate_ups, const std::vector<LinearSpec>& downs,
+                   const std::optional<std::tuple<LinearSpec, LinearSpec, torch::Tensor>>& shared) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && !layers_[layer].gate_up,
+                "set_experts takes a layer added without a dense MLP");
+    layers_[layer].experts.emplace(std::move(router), top_k, renormalise, std::move(routed_tokens), gate_ups, downs,
+                                   shared);
   }
 
   // Makes o and down row-parallel: `all_reduce(y)` sums their partial outputs across the ranks, in place, before
@@ -226,6 +230,10 @@ class DecodeStack {
   }
 
   torch::Tensor mlp(const Layer& layer, const torch::Tensor& x, const LoRAStep* lora) const {
+    if (layer.experts) {
+      TORCH_CHECK(lora == nullptr && !all_reduce_, "a sparse layer takes no adapter rows and no tensor parallelism");
+      return layer.experts->forward(x);
+    }
     torch::Tensor gate_up = layer.run(kGateUp, x, lora, all_reduce_), gated;
     if (gelu_) {  // as GatedMLP.forward: torch's ops
       const std::vector<torch::Tensor> parts = gate_up.split(gate_up.size(1) / 2, 1);
@@ -246,6 +254,7 @@ class DecodeStack {
     const bool post = placement_ == Placement::kPost;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
+      TORCH_CHECK(layer.gate_up || layer.experts, "layer ", i, " has no MLP (set_experts)");
       auto [k_cache, v_cache, k_scale, v_scale] = kv_caches[i];
       const int64_t group = layer_groups[i];
       TORCH_CHECK(group >= 0 && group < static_cast<int64_t>(groups.size()) &&
@@ -313,7 +322,11 @@ void define_decode_stack(pybind11::module& m) {
       .def("add_layer", &DecodeStack::add_layer,
            "input_norm, post_norm, pre_ff_norm, post_ff_norm (each None where the placement has none), q_norm and "
            "k_norm (or None), then qkv, o, gate_up, down as (weight, scale or None, bias or None), window, "
-           "sliding_rope (rotate with the step's second rope table)")
+           "sliding_rope (rotate with the step's second rope table); gate_up and down None for a sparse layer, "
+           "whose experts set_experts then gives")
+      .def("set_experts", &DecodeStack::set_experts,
+           "layer, router weight [E, hidden], top_k, renormalise, routed_tokens (int64 [E], added to in place), "
+           "each expert's gate_up and down, then the shared expert's (gate_up, down, gate weight) or None")
       .def("set_all_reduce", &DecodeStack::set_all_reduce,
            "all_reduce(y): sums o's and down's partial outputs across tensor-parallel ranks, in place, before bias")
       .def("add_lora_part", &DecodeStack::add_lora_part,

@@ -87,14 +87,16 @@ void shm_all_reduce_(torch::Tensor x, torch::Tensor region, int64_t rank, int64_
   }
   std::vector<const float*> slots(ranks);
   for (int64_t of = 0; of < ranks; ++of) slots[of] = slot(of);
+  at::BFloat16* out_bf16 = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
+  float* out_fp32 = bf16 ? nullptr : x.data_ptr<float>();
   at::parallel_for(0, n, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       float sum = slots[0][i];
       for (int64_t of = 1; of < ranks; ++of) sum += slots[of][i];
       if (bf16)
-        x.data_ptr<at::BFloat16>()[i] = static_cast<at::BFloat16>(sum);
+        out_bf16[i] = static_cast<at::BFloat16>(sum);
       else
-        x.data_ptr<float>()[i] = sum;
+        out_fp32[i] = sum;
     }
   });
 }

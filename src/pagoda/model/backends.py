@@ -62,10 +62,10 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     if fused is None or not attention_kernels:
         reference = TorchAttentionBackend() if softcap is None else SoftCappedAttentionBackend(softcap)
         return ModelRuntime(reference, kernels=fused, gemv_kernels=kernels, quantized_kernels=integer)
-    linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size)
-    # A mixture of experts decodes through its modules: the stack has no routed layer.
-    decode_stack = config.moe is None and all(gemv_takes(width) for width in linear_widths) \
-        and decode_stack_takes_layers(config)
+    linear_widths = (config.hidden_size, config.num_heads * config.head_dim, config.intermediate_size,
+                     *(() if config.moe is None else (config.moe.expert_intermediate_size,
+                                                      config.moe.shared_expert_intermediate_size or 32)))
+    decode_stack = all(gemv_takes(width) for width in linear_widths) and decode_stack_takes_layers(config)
     attention = CpuAttentionBackend(fused, decode_stack) if softcap is None else \
         SoftCappedCpuAttentionBackend(fused, softcap, decode_stack)
     return ModelRuntime(attention, kernels=fused, gemv_kernels=kernels, quantized_kernels=integer)

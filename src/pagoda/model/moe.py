@@ -193,8 +193,15 @@ class SparseMoeBlock(nn.Module):
 
     def count(self, counts: torch.Tensor) -> None:
         """Adds a step's pairs per expert (all the model's experts) to the block's load."""
-        # Out of place: a total made under the engine's inference mode may be added to outside it (tests call blocks).
-        self.routed_tokens = counts.clone() if self.routed_tokens is None else self.routed_tokens + counts
+        self.routed_counter().add_(counts)
+
+    def routed_counter(self) -> torch.Tensor:
+        """The block's pairs per expert (int64 [num_experts]), which each step adds to in place (the native decode
+        stack's too). Made outside inference mode, so that steps inside it and calls outside it both add to it."""
+        if self.routed_tokens is None:
+            with torch.inference_mode(False):
+                self.routed_tokens = torch.zeros(self.num_experts, dtype=torch.int64)
+        return self.routed_tokens
 
 
 def routed_token_counts(model: nn.Module) -> list[int] | None:

@@ -8,13 +8,14 @@ prefills and larger batches run through the modules. LoRA adapters' deltas run i
 `AdapterDecode` hands it their weights and each step's rows). `backends.create_runtime` offers it to models whose
 shapes it takes (the native attention backend, every linear's width a GEMV's), and `bind_decode_stack` builds
 it once the weights are final if `decode_stack_covers` them (every linear runs decode inputs straight through a
-kernel). A step over several KV cache groups (sliding and full layers apart) runs in it too: each layer reads
-through its own group's block tables.
+kernel). A mixture of experts' sparse layers run in it as the modules run them, reading only the chosen experts
+(not under expert parallelism, whose rows travel between ranks). A step over several KV cache groups (sliding
+and full layers apart) runs in it too: each layer reads through its own group's block tables.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -23,11 +24,12 @@ from torch import nn
 from pagoda.model.attention import AttentionMetadata, CpuAttentionBackend
 from pagoda.model.int4 import Int4Linear
 from pagoda.model.kv_cache import LayerKV
+from pagoda.model.moe import SparseMoeBlock
 from pagoda.model.parallel import QuantizedRowParallel
 from pagoda.model.quantization import KERNEL_MAX_ROWS, DenseLinear, Int8Linear
 
 if TYPE_CHECKING:
-    from pagoda.model.kernel_protocols import CpuKernels, GroupInputs, LinearSpec
+    from pagoda.model.kernel_protocols import CompiledDecodeStack, CpuKernels, GroupInputs, LinearSpec
     from pagoda.model.layers import GatedMLP, RMSNorm
     from pagoda.model.llama import DecoderLayer, LlamaModel, RopeTables
 
@@ -48,16 +50,40 @@ def _linear_spec(linear: nn.Module) -> LinearSpec | None:
     return None
 
 
+def _mlp_linears(mlp: GatedMLP) -> tuple[nn.Module, nn.Module]:
+    return mlp.gate_up_proj, mlp.down_proj
+
+
 def _layer_linears(layer: DecoderLayer) -> tuple[nn.Module, ...]:
-    attention, mlp = layer.self_attn, cast("GatedMLP", layer.mlp)  # dense: the stack takes no routed layer
-    return attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj
+    """The layer's linears: attention's qkv and o, then a dense MLP's gate_up and down, or every expert's (and a
+    shared expert's)."""
+    attention, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, SparseMoeBlock):
+        return attention.qkv_proj, attention.o_proj, *_mlp_linears(mlp)
+    shared = () if mlp.shared_expert is None else _mlp_linears(mlp.shared_expert)
+    return attention.qkv_proj, attention.o_proj, *mlp.experts.gate_up, *mlp.experts.down, *shared
 
 
 def decode_stack_covers(model: LlamaModel) -> bool:
     """Whether every layer's linears run decode inputs straight through a kernel (a prequantized int4 checkpoint
-    with act-order or ragged shapes may not)."""
+    with act-order or ragged shapes may not), and every sparse layer holds all its experts (under expert
+    parallelism the rows travel between ranks: the modules' all-to-all)."""
     layers = cast("list[DecoderLayer]", list(model.layers))
+    if model.parallel is not None and any(isinstance(layer.mlp, SparseMoeBlock) for layer in layers):
+        return False
     return all(_linear_spec(linear) is not None for layer in layers for linear in _layer_linears(layer))
+
+
+def _set_experts(stack: CompiledDecodeStack, index: int, block: SparseMoeBlock) -> None:
+    """Gives the stack's layer `index` the block's experts (all of them: the stack takes no expert parallelism)."""
+    spec = cast("Callable[[nn.Module], LinearSpec]", _linear_spec)
+    shared = None
+    if block.shared_expert is not None and block.shared_expert_gate is not None:
+        gate_up, down = map(spec, _mlp_linears(block.shared_expert))
+        shared = (gate_up, down, block.shared_expert_gate.weight)
+    stack.set_experts(index, block.gate.weight, block.gate.top_k, block.gate.renormalise, block.routed_counter(),
+                      [spec(linear) for linear in block.experts.gate_up],
+                      [spec(linear) for linear in block.experts.down], shared)
 
 
 def bind_decode_stack(model: LlamaModel) -> None:
@@ -88,15 +114,18 @@ class NativeDecode:
                                          config.norm_unit_offset, config.hidden_act != "silu")
         if model.parallel is not None:  # o and down are row-parallel: their partial sums are added across ranks
             self.stack.set_all_reduce(model.parallel.all_reduce)
-        for layer in layers:
-            attention = layer.self_attn
-            qkv, o, gate_up, down = (cast("LinearSpec", _linear_spec(linear)) for linear in _layer_linears(layer))
+        for index, layer in enumerate(layers):
+            attention, sparse = layer.self_attn, isinstance(layer.mlp, SparseMoeBlock)
+            qkv, o, *mlp = (cast("LinearSpec", _linear_spec(linear)) for linear in _layer_linears(layer))
+            gate_up, down = (None, None) if sparse else (mlp[0], mlp[1])
             self.stack.add_layer(scale(getattr(layer, "input_layernorm", None)),
                                  layer.post_attention_layernorm.scale(),
                                  scale(getattr(layer, "pre_feedforward_layernorm", None)),
                                  scale(getattr(layer, "post_feedforward_layernorm", None)),
                                  scale(attention.q_norm), scale(attention.k_norm),
                                  qkv, o, gate_up, down, attention.window or 0, layer.sliding_rope)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                _set_experts(self.stack, index, layer.mlp)
         # The most tokens a step may have: every dense linear's GEMV bound, as the modules apply it.
         dense = [linear for layer in layers for linear in _layer_linears(layer) if isinstance(linear, DenseLinear)]
         self.max_rows = min((linear.max_rows for linear in dense), default=KERNEL_MAX_ROWS)
