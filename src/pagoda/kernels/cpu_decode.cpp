@@ -313,6 +313,9 @@ class DecodeStack {
 }  // namespace
 
 void define_decode_stack(pybind11::module& m) {
+  m.def("moe_route", &decode_stack::moe_route, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "x [rows, hidden], router [experts, hidden], top_k, renormalise -> (weights fp32, experts int64), each "
+        "[rows, top_k]: a mixture of experts' routing (softmax of the logits, top k, renormalised if asked)");
   pybind11::class_<DecodeStack>(m, "DecodeStack")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, double, torch::Tensor, const std::string&, bool,
                           bool>(),

@@ -59,12 +59,17 @@ class RowGate(nn.Module):
 
 
 class TopKRouter(RowGate):
-    def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
+    def __init__(self, hidden_size: int, moe: MoEConfig, kernels: CpuKernels | None = None) -> None:
+        """kernels: pagoda's CPU kernels, if the model runs them: the routing in one call (`moe_route`, which the
+        native decode stack calls too, so that both route alike to the bit)."""
         super().__init__(hidden_size, moe.num_experts)
         self.top_k, self.renormalise = moe.top_k, moe.norm_topk_prob
+        self.kernels = kernels
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, experts), each [num_tokens, top_k]: the chosen experts and their fp32 routing weights."""
+        if self.kernels is not None:
+            return self.kernels.moe_route(x, self.weight, self.top_k, self.renormalise)
         probabilities = torch.softmax(self(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probabilities, self.top_k, dim=-1)
         if self.renormalise:
@@ -164,7 +169,7 @@ class SparseMoeBlock(nn.Module):
         moe = config.moe
         assert moe is not None
         self.num_experts = moe.num_experts
-        self.gate = TopKRouter(config.hidden_size, moe)
+        self.gate = TopKRouter(config.hidden_size, moe, kernels)
         self.experts = GroupedExperts(config.hidden_size, moe.expert_intermediate_size,
                                       experts_held or moe.num_experts, kernels)
         self.shared_expert: GatedMLP | None = None
