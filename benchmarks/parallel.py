@@ -9,6 +9,7 @@ its arithmetic); under PP, the share of each step rank 0's stage computes (the r
 bubble). Prints a table and writes JSON; the figures of merit are the ratios to one process, measured in one run.
 
     python benchmarks/parallel.py --model models/bench-1b --threads 2 --repeats 3
+    python benchmarks/parallel.py --model models/bench-1b --layouts "TP=2,TP=2 unbound" --out ...   # binding
     python benchmarks/parallel.py --model /tmp/tiny --streams 4 --prompt-len 16 --output-len 8   # a smoke run
 """
 
@@ -24,7 +25,10 @@ from pathlib import Path
 
 from common import environment, load_average, log, make_prompts, write_json
 
-LAYOUTS = {"one process": {}, "TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2}}
+# The split layouts bind each rank to CPUs of its own (cpu_threads_bind "auto", the default) where the machine has
+# enough; "TP=2 unbound" leaves the ranks' threads to the OS, to measure what binding changes.
+LAYOUTS = {"one process": {}, "TP=2": {"tensor_parallel_size": 2}, "PP=2": {"pipeline_parallel_size": 2},
+           "TP=2 unbound": {"tensor_parallel_size": 2, "cpu_threads_bind": "nobind"}}
 
 
 def rss_bytes(pid: int) -> int:
@@ -162,15 +166,21 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=1, help="runs of every layout, interleaved; medians reported")
     parser.add_argument("--out", default="benchmarks/results/parallel.json")
+    parser.add_argument("--layouts", default="one process,TP=2,PP=2",
+                        help=f"comma-separated, of: {', '.join(LAYOUTS)} (one process is always run: the base)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    layouts = ["one process", *(name for name in args.layouts.split(",") if name != "one process")]
+    unknown = set(layouts) - set(LAYOUTS)
+    if unknown:
+        parser.error(f"unknown layouts {sorted(unknown)}: choose of {', '.join(LAYOUTS)}")
     if args.child is not None:
         print(json.dumps(measure(args, LAYOUTS[args.child])))
         return
     load_at_start = load_average()
-    runs: dict[str, list[dict]] = {label: [] for label in LAYOUTS}
+    runs: dict[str, list[dict]] = {label: [] for label in layouts}
     for repeat in range(args.repeats):  # interleaved: a slow spell of the host falls on every layout alike
-        for label in LAYOUTS:
+        for label in layouts:
             runs[label].append(run_layout(args, label))
             log(f"{label} (run {repeat + 1} of {args.repeats}): {json.dumps(runs[label][-1])}")
     results = summarise(runs)

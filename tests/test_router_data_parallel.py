@@ -5,13 +5,16 @@ run: two engines behind the router, answering, and all gone after SIGTERM."""
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+from pathlib import Path
 
 import httpx
 import pytest
 from server_fixtures import launch_server, make_server_checkpoint, wait_until
 
 from pagoda.cli import build_parser
+from pagoda.cpu_sets import split_cpus
 from pagoda.router import data_parallel, launcher
 from pagoda.router.data_parallel import (
     PARENT_ONLY,
@@ -59,10 +62,18 @@ def test_threads_split_evenly_and_event_ports_offset_by_rank():
     assert list(plan.event_endpoints) == plan.urls
 
 
+def engine_cpus(parent_pid: int) -> list[set[int]]:
+    """The CPUs of each process the parent started (every thread of each), in pid order."""
+    children = sorted(int(pid) for task in Path(f"/proc/{parent_pid}/task").iterdir()
+                      for pid in (task / "children").read_text().split())
+    return [set.union(*(os.sched_getaffinity(int(thread.name)) for thread in Path(f"/proc/{pid}/task").iterdir()))
+            for pid in children]
+
+
 @pytest.mark.parametrize(("flags", "replica_key"), [(["--api-key", "a", "--api-key", "b"], "a"), ([], None)])
 def test_the_engines_router_checks_their_keys_and_sends_them_one(monkeypatch, flags, replica_key):
     class NoEngines:
-        def __init__(self, commands, drain_timeout) -> None:
+        def __init__(self, commands, drain_timeout, cpus=None) -> None:
             pass
 
         def watch(self) -> None:
@@ -98,6 +109,10 @@ def test_two_engines_serve_behind_the_router_and_stop_with_it(tmp_path):
     try:
         server.wait_for_health(200)
         engines = wait_until(engines_up, 120, "both engines up")
+        # Each engine on a CPU of its own where there are two (--threads 2 splits into one thread an engine).
+        expected = split_cpus(os.sched_getaffinity(server.process.pid), 2, 1)
+        assert engine_cpus(server.process.pid) == (
+            [os.sched_getaffinity(server.process.pid)] * 2 if expected is None else [set(cpus) for cpus in expected])
         with server.client() as client:
             for _ in range(4):
                 response = client.completions.create(model="dp", prompt=[5, 6, 7], max_tokens=2)

@@ -19,12 +19,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import compare_with_reference
 from safetensors import safe_open
 from test_correctness import MAX_NEW_TOKENS, PROMPTS, observe_schedules, run_greedy, same_bytes_pool
 from test_native_decode import CountingStack
 
 from pagoda.config import ParallelConfig
+from pagoda.cpu_sets import split_cpus
 from pagoda.kernels import available_targets
 from pagoda.model.loader import load_model_config, safetensors_files
 from pagoda.model_dir import ModelLoadError
@@ -174,6 +176,26 @@ def test_closing_the_llm_stops_its_workers(checkpoint, make_llm):
     assert process_gone(pid)
 
 
+def thread_cpus(pid: int) -> set[frozenset[int]]:
+    """The distinct CPU sets of the process's threads."""
+    return {frozenset(os.sched_getaffinity(int(thread.name))) for thread in Path(f"/proc/{pid}/task").iterdir()}
+
+
+def test_each_rank_runs_on_cpus_of_its_own_until_the_engine_closes(checkpoint, make_llm):
+    everyone = frozenset(os.sched_getaffinity(0))
+    expected = split_cpus(everyone, 2, max(1, torch.get_num_threads() // 2))
+    with make_llm(checkpoint("llama"), tensor_parallel_size=2) as llm:
+        [pid] = llm.engine.executor.worker_pids()
+        ranks = [thread_cpus(os.getpid()), thread_cpus(pid)]
+        bound = run_greedy(llm, PROMPTS[:2])
+    assert ranks == ([{everyone}] * 2 if expected is None else [{frozenset(cpus)} for cpus in expected])
+    assert thread_cpus(os.getpid()) == {everyone}, "closing gives the engine's process its CPUs back"
+    with make_llm(checkpoint("llama"), tensor_parallel_size=2, cpu_threads_bind="nobind") as llm:
+        [pid] = llm.engine.executor.worker_pids()
+        assert thread_cpus(os.getpid()) == thread_cpus(pid) == {everyone}
+        assert run_greedy(llm, PROMPTS[:2]) == bound
+
+
 WORKER_OWNER = textwrap.dedent("""
     import sys, torch
     torch.set_num_threads(1)
@@ -223,6 +245,7 @@ def test_a_model_that_does_not_divide_is_refused_before_anything_starts(checkpoi
     (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), 'needs "mp"'),
     (dict(distributed_executor_backend="external_launcher"), "needs tensor_parallel_size x pipeline_parallel_size"),
     (dict(tensor_parallel_size=0), "must be positive"),
+    (dict(cpu_threads_bind="all"), "cpu_threads_bind must be one of auto, nobind"),
 ])
 def test_parallel_options_refused(options, message):
     with pytest.raises(ValueError, match=message):

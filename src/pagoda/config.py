@@ -16,6 +16,7 @@ from pagoda.int4_format import Int4Options
 from pagoda.kv_format import is_quantized, kv_bytes_per_head, kv_cache_dtype_name
 from pagoda.kv_transfer_config import KVTransferConfig
 from pagoda.moe_config import MoEConfig
+from pagoda.parallel_config import CPU_THREADS_BIND as CPU_THREADS_BIND  # re-exported
 from pagoda.parallel_config import DISTRIBUTED_EXECUTOR_BACKENDS as DISTRIBUTED_EXECUTOR_BACKENDS  # re-exported
 from pagoda.parallel_config import ParallelConfig as ParallelConfig  # re-exported: its home is parallel_config
 from pagoda.structured.limits import GrammarLimits

@@ -59,6 +59,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     pagoda.config's defaults, and each help shows the default read from there (pagoda.config is torch-free)."""
     from pagoda.config import (
         BATCHING_MODES,
+        CPU_THREADS_BIND,
         DISTRIBUTED_EXECUTOR_BACKENDS,
         DTYPE_BYTES,
         SCHEDULING_POLICIES,
@@ -134,7 +135,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              f"processes (default {ParallelConfig.pipeline_parallel_size}; docs/parallelism.md)")
     parser.add_argument("--distributed-executor-backend", choices=DISTRIBUTED_EXECUTOR_BACKENDS,
                         help="mp: pagoda starts the ranks as processes; uni: one process (default: mp when "
-                             "there are several ranks, else uni); external_launcher is not built yet")
+                             "there are several ranks, else uni); external_launcher: torchrun or Kubernetes "
+                             "started one process a rank (docs/parallelism.md)")
+    parser.add_argument("--cpu-threads-bind", choices=CPU_THREADS_BIND,
+                        help="auto: each rank pagoda starts runs on CPUs of its own, where the machine has "
+                             "enough for every rank's threads; nobind: the OS places them (default "
+                             f"{ParallelConfig.cpu_threads_bind}; docs/parallelism.md)")
     parser.add_argument("--enable-expert-parallel", action="store_true", default=None,
                         help="a mixture of experts: its experts placed across the --tensor-parallel-size ranks, "
                              "tokens sent to them and back with all-to-all (docs/moe.md)")

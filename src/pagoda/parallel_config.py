@@ -12,6 +12,9 @@ from dataclasses import dataclass
 # this machine; "external_launcher": torchrun, Kubernetes or a script started one process a rank
 # (engine/external_ranks.py).
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "uni", "external_launcher")
+# Whether the ranks pagoda starts are bound to CPUs of their own (vLLM's VLLM_CPU_OMP_THREADS_BIND values):
+# cpu_sets.py.
+CPU_THREADS_BIND = ("auto", "nobind")
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,8 @@ class ParallelConfig:
     enable_expert_parallel: a mixture of experts' routed experts are placed across the tensor-parallel ranks, whole
     (each rank holds num_experts / tensor_parallel_size of them), and tokens travel to them (docs/moe.md).
     enable_eplb: vLLM's expert load balancing (hot experts replicated); named so that it is refused by name.
+    cpu_threads_bind: "auto": under "mp", each rank's threads bound to CPUs of its own where the machine has
+    enough (cpu_sets.py); "nobind": left to the OS.
     """
 
     tensor_parallel_size: int = 1
@@ -34,6 +39,7 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     enable_expert_parallel: bool = False
     enable_eplb: bool = False
+    cpu_threads_bind: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -47,6 +53,9 @@ class ParallelConfig:
         if backend == "external_launcher" and self.world_size == 1:
             raise ValueError('distributed_executor_backend "external_launcher" starts one process a rank: it needs '
                              'tensor_parallel_size x pipeline_parallel_size above 1')
+        if self.cpu_threads_bind not in CPU_THREADS_BIND:
+            raise ValueError(f"cpu_threads_bind must be one of {', '.join(CPU_THREADS_BIND)}, "
+                             f"got {self.cpu_threads_bind!r}")
         if self.enable_eplb:
             raise ValueError("enable_eplb (expert load balancing: hot experts replicated across ranks) is not built; "
                              "enable_expert_parallel places each expert on one rank")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing.connection
+import os
 import pickle
 import weakref
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ import torch.multiprocessing
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
 
 from pagoda.config import EngineConfig
+from pagoda.cpu_sets import BoundCpus, split_cpus
 from pagoda.engine.api import EngineDeadError, KVEventSink
 from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import SchedulerOutput
@@ -95,7 +97,9 @@ class MultiprocExecutor(Executor):
         heartbeats: dict[int, Any] = {}
         self._watchdog = RankWatchdog(heartbeats, {})
         threads_before = torch.get_num_threads()
-        self._stop = weakref.finalize(self, _stop_workers, self._workers, self._watchdog, threads_before)
+        self._bound = BoundCpus()
+        self._stop = weakref.finalize(self, _stop_workers, self._workers, self._watchdog, threads_before,
+                                      self._bound)
         threads = max(1, threads_before // world_size)
         try:
             if config.parallel.executor_backend == "external_launcher":
@@ -103,7 +107,11 @@ class MultiprocExecutor(Executor):
                 connections = connect_workers(config, num_blocks, block_size, kv_groups)
                 self._workers += [Worker(rank, None, connections[rank]) for rank in sorted(connections)]
             else:
-                self._spawn_workers(config, num_blocks, block_size, kv_groups, threads, heartbeats)
+                cpu_sets = None if config.parallel.cpu_threads_bind == "nobind" else split_cpus(
+                    os.sched_getaffinity(0), world_size, threads)
+                self._spawn_workers(config, num_blocks, block_size, kv_groups, threads, heartbeats, cpu_sets)
+                if cpu_sets is not None:  # after the spawns: a child starts on its parent's CPUs
+                    self._bound.bind(cpu_sets[0])
             placement = place_rank(config, 0, TORCH_DTYPES[config.dtype])
             model = load_engine_model(config, placement.parallel, placement.stage)
             # What each worker holds and runs, in rank order.
@@ -112,8 +120,10 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
-        logger.info("%d ranks (tensor parallel %d x pipeline parallel %d; rank 0 in this process), %d thread(s) each",
-                    world_size, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size, threads)
+        logger.info("%d ranks (tensor parallel %d x pipeline parallel %d; rank 0 in this process), %d thread(s) "
+                    "each%s", world_size, config.parallel.tensor_parallel_size,
+                    config.parallel.pipeline_parallel_size, threads,
+                    ", each rank on CPUs of its own" if self._bound.cpus else "")
         local = ModelExecution(model, num_blocks, block_size, config.device, config.cache.cache_dtype,
                                config.cache.calculate_kv_scales, placement.links, kv_groups)
         execution = BroadcastExecution(local, [worker.connection for worker in self._workers])
@@ -132,8 +142,10 @@ class MultiprocExecutor(Executor):
         self._watchdog.start()
 
     def _spawn_workers(self, config: EngineConfig, num_blocks: int, block_size: int,
-                       kv_groups: tuple[KVCacheGroup, ...], threads: int, heartbeats: dict[int, Any]) -> None:
-        """Starts ranks 1..N-1 as processes of this machine, and joins the group with them as rank 0."""
+                       kv_groups: tuple[KVCacheGroup, ...], threads: int, heartbeats: dict[int, Any],
+                       cpu_sets: list[tuple[int, ...]] | None) -> None:
+        """Starts ranks 1..N-1 as processes of this machine (each bound to its CPUs of cpu_sets, if given), and
+        joins the group with them as rank 0."""
         world_size = config.parallel.world_size
         store = TCPStore(LOOPBACK, 0, world_size, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=STARTUP_TIMEOUT_S))
@@ -141,7 +153,7 @@ class MultiprocExecutor(Executor):
         for rank in range(1, world_size):
             ours, theirs = context.Pipe()
             spec = WorkerSpec(config, rank, world_size, LOOPBACK, store.port, threads, num_blocks, block_size,
-                              kv_groups)
+                              kv_groups, None if cpu_sets is None else cpu_sets[rank])
             heartbeats[rank] = context.Value("d", 0.0, lock=False)
             process = context.Process(target=run_worker, args=(spec, theirs, heartbeats[rank]),
                                       name=f"pagoda-rank{rank}", daemon=True)
@@ -263,8 +275,9 @@ def _exit_signal(worker: Worker) -> Any:
     return worker.connection if worker.process is None else worker.process.sentinel
 
 
-def _stop_workers(workers: list[Worker], watchdog: RankWatchdog, threads_before: int) -> None:
-    """Asks every worker to stop, kills those still there after STOP_TIMEOUT_S, and leaves the process group."""
+def _stop_workers(workers: list[Worker], watchdog: RankWatchdog, threads_before: int, bound: BoundCpus) -> None:
+    """Asks every worker to stop, kills those still there after STOP_TIMEOUT_S, leaves the process group, and
+    gives this process its threads and CPUs back."""
     watchdog.stop()
     for worker in workers:
         with contextlib.suppress(OSError):  # a worker that has gone has closed its end
@@ -280,3 +293,4 @@ def _stop_workers(workers: list[Worker], watchdog: RankWatchdog, threads_before:
     if dist.is_initialized():
         dist.destroy_process_group()
     torch.set_num_threads(threads_before)
+    bound.release()

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # (not in torch's __all__)
 
 from pagoda.config import EngineConfig
+from pagoda.cpu_sets import BoundCpus
 from pagoda.engine.kv_connector.offload_worker import OffloadingWorker
 from pagoda.engine.kv_connector.split import KVConnectorCall, build_rank_worker
 from pagoda.engine.lora_manager import AdapterSlots, AdapterSlotsCall
@@ -57,6 +58,7 @@ class WorkerSpec:
     num_blocks: int
     block_size: int
     kv_groups: tuple[KVCacheGroup, ...] = ()  # several, or a sliding one: a block table each
+    cpus: tuple[int, ...] | None = None  # the CPUs this rank's threads are bound to (cpu_sets.py); None: any
 
 
 def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None:
@@ -65,6 +67,8 @@ def run_worker(spec: WorkerSpec, connection: Connection, heartbeat: Any) -> None
     value it beats while it runs (engine/rank_watchdog.py)."""
     # A terminal's Ctrl-C reaches the whole process group: the engine decides when its ranks stop, not the key.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if spec.cpus is not None:
+        BoundCpus().bind(spec.cpus)  # for the process's life: the threads it starts from here on inherit them
     start_heartbeat(heartbeat)
     try:
         torch.set_num_threads(spec.num_threads)

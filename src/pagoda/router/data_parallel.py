@@ -1,7 +1,8 @@
 """`pagoda serve --data-parallel-size N`: data parallelism on one machine without a launcher to write.
 
 N engine processes (`pagoda serve` each, on loopback ports of their own, `--threads` split evenly between
-them) behind the router on the port the user asked for. Every other serve flag given passes to each engine
+them, each bound to CPUs of its own unless `--cpu-threads-bind nobind` or the machine has too few: pagoda.cpu_sets)
+behind the router on the port the user asked for. Every other serve flag given passes to each engine
 as it was given. With --kv-events-config, engine i publishes on the endpoint's port + i (vLLM's
 convention for data-parallel ranks) and the router follows every engine's events.
 
@@ -20,6 +21,7 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -31,6 +33,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from pagoda.cpu_sets import split_cpus
 from pagoda.router.config import RouterConfig
 
 if TYPE_CHECKING:
@@ -88,22 +91,28 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _stop_with_parent() -> None:
+def _start_engine(cpus: tuple[int, ...] | None) -> None:
     """In the engine, before it runs (Linux): SIGTERM when the parent dies, however it dies (even SIGKILL),
-    so that no engine outlives the router it served."""
+    so that no engine outlives the router it served; and bound to its CPUs, if given."""
     with contextlib.suppress(OSError, AttributeError):  # not Linux: the engines outlive a killed parent
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
 
 
 class Engines:
     """The engine processes: started, watched, stopped."""
 
-    def __init__(self, commands: Sequence[list[str]], drain_timeout: float) -> None:
+    def __init__(self, commands: Sequence[list[str]], drain_timeout: float,
+                 cpus: Sequence[tuple[int, ...]] | None = None) -> None:
+        """cpus: each engine's CPUs, which it and its ranks (which split them between them) run on."""
         self.drain_timeout = drain_timeout
         # Sessions of their own: a terminal's Ctrl-C reaches the parent only, which then stops each engine once
         # (a second signal would make an engine skip its drain). Started before any thread of the parent's.
-        self.processes = [subprocess.Popen(command, start_new_session=True, preexec_fn=_stop_with_parent)
-                          for command in commands]
+        self.processes = [subprocess.Popen(command, start_new_session=True,
+                                           preexec_fn=functools.partial(_start_engine, None if cpus is None
+                                                                        else cpus[index]))
+                          for index, command in enumerate(commands)]
         self.stopping = False
 
     def watch(self) -> None:
@@ -141,6 +150,7 @@ class EnginePlan:
 
     commands: list[list[str]]
     urls: list[str]
+    cpus: list[tuple[int, ...]] | None  # each engine's CPUs (pagoda.cpu_sets), or None: the OS places them
     event_endpoints: dict[str, str]
     events_topic: str
 
@@ -151,6 +161,7 @@ def plan_engines(serve_parser: argparse.ArgumentParser, args: argparse.Namespace
 
     size = args.data_parallel_size
     threads = split_threads(args.threads or os.cpu_count() or 1, size)
+    cpus = None if args.cpu_threads_bind == "nobind" else split_cpus(os.sched_getaffinity(0), size, threads)
     shared = given_flags(serve_parser, args, PARENT_ONLY)
     events = KVEventsConfig.from_dict(args.kv_events_config) if args.kv_events_config is not None else None
     urls = [f"http://{LOOPBACK}:{free_port()}" for _ in range(size)]
@@ -166,7 +177,7 @@ def plan_engines(serve_parser: argparse.ArgumentParser, args: argparse.Namespace
             if events.publishes:
                 endpoints[url] = endpoint.replace("*", LOOPBACK)
         commands.append(command)
-    return EnginePlan(commands, urls, endpoints, events.topic if events is not None else "")
+    return EnginePlan(commands, urls, cpus, endpoints, events.topic if events is not None else "")
 
 
 def serve_data_parallel(plan: EnginePlan, args: argparse.Namespace, tenants: Tenants | None = None) -> int:
@@ -178,7 +189,7 @@ def serve_data_parallel(plan: EnginePlan, args: argparse.Namespace, tenants: Ten
     from pagoda.router.launcher import serve_router
 
     logger.info("data parallel: %d engines behind the router on %s:%d", len(plan.urls), args.host, args.port)
-    engines = Engines(plan.commands, args.shutdown_timeout)
+    engines = Engines(plan.commands, args.shutdown_timeout, plan.cpus)
     threading.Thread(target=engines.watch, name="pagoda-engines", daemon=True).start()
     api_keys = tenants.keys if tenants is not None else ApiKeys.from_args(args)
     if tenants is not None:
