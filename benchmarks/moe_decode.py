@@ -3,15 +3,16 @@ active parameters (bench-moe-dense), plus 32-stream throughput, measured in one 
 
   batch 1   one 128-token prompt, 128 new tokens, greedy; a decode step's time is the generation's time
             less the prefill's (a one-token generation), over the new tokens less one.
-            floor = the bytes the step reads / streaming-read bandwidth over a buffer of that size, the bytes
+            floor = the bytes the step reads / streaming-read bandwidth over a buffer of that size (sampled after
+            each model's run; one median over both models' samples is the machine's figure), the bytes
             being calc's (`Deployment.weights_read_at(1)`: every weight outside the routed experts and the two
             chosen experts per layer, in the model's dtype; tests/test_moe_calc.py holds it to the engine's
             counted reads) plus the KV read at the mean context.
             Targets: MoE step floor / step time >= 0.7; MoE tok/s >= 0.8 x the dense model's.
   batch 32  32 prompts 128 -> 64, greedy, ignore_eos: tokens generated / wall time.
 
-llama.cpp's server on the same weights (GGUF) is not beside it yet: benchmarks/gguf_convert.py writes Llama
-tensors only.
+llama.cpp's server on the same weights, same client, is benchmarks/vs_llama_cpp.py (llama.cpp's converter
+takes Mixtral: `benchmarks/llama_cpp.sh gguf models/bench-moe`).
 
     python scripts/make_bench_models.py --only bench-moe --only bench-moe-dense
     python benchmarks/moe_decode.py [--dtype bfloat16] [--threads N] [--repeats 3]
@@ -68,7 +69,7 @@ def measure(model_dir: str, name: str, args) -> dict:
         log(f"  {name} batch 1 repeat {repeat + 1}/{args.repeats}: {1 / step_times[-1]:.1f} tok/s")
     step_s = statistics.median(step_times)
     read = step_bytes(model_dir, args.dtype, prompt_len + new_tokens // 2)
-    bandwidth = statistics.median(read_bandwidth(int(read), args.repeats))
+    bandwidth_samples = read_bandwidth(int(read), args.repeats)
     throughput = []
     for repeat in range(args.repeats):
         prompts = make_prompts(args.streams, prompt_len, vocab, seed=100 + repeat)
@@ -76,10 +77,19 @@ def measure(model_dir: str, name: str, args) -> dict:
         log(f"  {name} {args.streams} streams repeat {repeat + 1}/{args.repeats}: {throughput[-1]:.1f} tok/s")
     del llm
     gc.collect()
-    floor_s = read / bandwidth
-    return {"model": name, "step_bytes": read, "bandwidth_bytes_per_s": bandwidth, "step_s": summary(step_times),
-            "tokens_per_s": 1 / step_s, "floor_s": floor_s, "fraction_of_floor": floor_s / step_s,
-            "streams": args.streams, "stream_tokens_per_s": summary(throughput)}
+    return {"model": name, "step_bytes": read, "bandwidth_samples": bandwidth_samples, "step_s": summary(step_times),
+            "tokens_per_s": 1 / step_s, "streams": args.streams, "stream_tokens_per_s": summary(throughput)}
+
+
+def add_floors(rows: list[dict]) -> float:
+    """One bandwidth for the machine, the median of every model's samples (their buffers differ by well under 1%,
+    and the host's bandwidth swings more between samples than between the models' measurements), and each row's
+    floor from it. Returns the bandwidth."""
+    bandwidth = statistics.median(sample for row in rows for sample in row["bandwidth_samples"])
+    for row in rows:
+        row["floor_s"] = row["step_bytes"] / bandwidth
+        row["fraction_of_floor"] = row["floor_s"] * row["tokens_per_s"]
+    return bandwidth
 
 
 def main() -> None:
@@ -100,6 +110,7 @@ def main() -> None:
     load_at_start = load_average()
     moe = measure(args.moe_model, "moe", args)
     dense = measure(args.dense_model, "dense", args)
+    bandwidth = add_floors([moe, dense])
     ratio = moe["tokens_per_s"] / dense["tokens_per_s"]
     print(f"\n{'model':<8}{'tok/s b=1':>11}{'floor':>9}{'of floor':>10}{f'tok/s x{args.streams}':>14}")
     for row in (moe, dense):
@@ -107,7 +118,8 @@ def main() -> None:
               f"{row['fraction_of_floor']:>10.2f}{row['stream_tokens_per_s']['median']:>14.1f}")
     print(f"MoE / dense at batch 1: {ratio:.2f}x (target >= 0.8); MoE of its floor: "
           f"{moe['fraction_of_floor']:.2f} (target >= 0.7)")
-    write_json(args.out, {"moe": moe, "dense": dense, "moe_over_dense": ratio, "dtype": args.dtype,
+    write_json(args.out, {"moe": moe, "dense": dense, "moe_over_dense": ratio, "bandwidth_bytes_per_s": bandwidth,
+                          "dtype": args.dtype,
                           "quick": args.quick, "environment": environment(load_at_start)})
 
 
