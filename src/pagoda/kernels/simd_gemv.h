@@ -7,8 +7,12 @@
 //   bf16 W: widened to fp32 in registers, 2 * kLanes weights from one load by a shift and a mask (bf16 is fp32's
 //           upper half), as even and odd elements against x laid out to match (lay_out_pairs); x rounded to
 //           bf16 first, as the AVX-512 form's bf16 dot products do; fp32 FMAs. Half of fp32's bytes.
-// With more rows than kRowGroup, each call walks its channels in tiles of ~kTileBytesOfW of W that stay in L2
-// while every group of rows passes over them.
+// Up to kStreamedRows rows of x (batch-1 decode) is pure streaming, where memory-level parallelism is everything:
+// a call's channels are split into kStreams contiguous runs walked side by side, so the core keeps kStreams long
+// sequential streams in flight (neighbouring rows side by side are short streams, one row each, which the
+// hardware prefetchers follow poorly).
+// With more rows, each call walks its channels in tiles of ~kTileBytesOfW of W that stay in L2 while every
+// group of rows passes over them. Either way each output is one row's sum in the same order: the same bits.
 #pragma once
 
 #include <algorithm>
@@ -27,6 +31,8 @@ constexpr int64_t kGemvKMultiple = 32;  // K's granule: one bf16 step on every t
 constexpr int64_t kTileBytesOfW = 256 << 10;
 constexpr int kRowGroup = 4;  // rows of x a weight vector serves from registers
 constexpr int64_t kPrefetchBytes = 1024;  // how far ahead of its loads each weight row is asked into L2
+constexpr int64_t kStreamedRows = 2;  // rows of x up to which the channels stream as kStreams runs
+constexpr int kStreams = 4;
 
 // Weight rows a step loads for M rows of x: R * M sums, R weight vectors and one x vector stay within AVX2's 16
 // registers; with one row of x, R rows are R sequential streams in flight.
@@ -50,26 +56,27 @@ inline void lay_out_pairs(const float* x, float* out, int64_t M, int64_t K) {
     }
 }
 
-// R weight rows (K apart, from `rows`) against M rows of x: y[m * N + r] = weight row r . row m of x.
+// R weight rows (the first at `rows`, then every `stride` elements) against M rows of x:
+// y[m * N + r * y_stride] = weight row r . row m of x.
 template <typename W, int M, int R>
-void weight_rows(const float* x, const W* rows, int64_t K, float* y, int64_t N) {
+void weight_rows(const float* x, const W* rows, int64_t stride, int64_t K, float* y, int64_t N, int64_t y_stride) {
   constexpr int64_t kStepsPerLine = std::max<int64_t>(1, 64 / (kStep<W> * int64_t(sizeof(W))));
   Vec sums[R * M];
   for (int i = 0; i < R * M; ++i) sums[i] = Vec::zero();
   for (int64_t k = 0, step = 0; k < K; k += kStep<W>, ++step) {
     if (step % kStepsPerLine == 0) {
-      for (int r = 0; r < R; ++r) simd::prefetch_line_into_l2(rows + r * K + k + kPrefetchBytes / sizeof(W));
+      for (int r = 0; r < R; ++r) simd::prefetch_line_into_l2(rows + r * stride + k + kPrefetchBytes / sizeof(W));
     }
     if constexpr (std::is_same_v<W, float>) {
       Vec weights[R];
-      for (int r = 0; r < R; ++r) weights[r] = Vec::load(rows + r * K + k);
+      for (int r = 0; r < R; ++r) weights[r] = Vec::load(rows + r * stride + k);
       for (int m = 0; m < M; ++m) {
         const Vec xv = Vec::load(x + m * K + k);
         for (int r = 0; r < R; ++r) sums[r * M + m] = fmadd(weights[r], xv, sums[r * M + m]);
       }
     } else {
       Vec even[R], odd[R];
-      for (int r = 0; r < R; ++r) Vec::load_pairs(rows + r * K + k, even[r], odd[r]);
+      for (int r = 0; r < R; ++r) Vec::load_pairs(rows + r * stride + k, even[r], odd[r]);
       for (int m = 0; m < M; ++m) {
         const Vec x_even = Vec::load(x + m * K + k), x_odd = Vec::load(x + m * K + k + kLanes);
         for (int r = 0; r < R; ++r) sums[r * M + m] = fmadd(odd[r], x_odd, fmadd(even[r], x_even, sums[r * M + m]));
@@ -77,7 +84,7 @@ void weight_rows(const float* x, const W* rows, int64_t K, float* y, int64_t N) 
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int m = 0; m < M; ++m) y[m * N + r] = sums[r * M + m].reduce_add();
+    for (int m = 0; m < M; ++m) y[m * N + r * y_stride] = sums[r * M + m].reduce_add();
 }
 
 // Channels [begin, end) of W against M rows of x.
@@ -85,8 +92,16 @@ template <typename W, int M>
 void channel_range(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
   constexpr int R = weight_rows_for<M>();
   int64_t n = begin;
-  for (; n + R <= end; n += R) weight_rows<W, M, R>(x, w + n * K, K, y + n, N);
-  for (; n < end; ++n) weight_rows<W, M, 1>(x, w + n * K, K, y + n, N);
+  for (; n + R <= end; n += R) weight_rows<W, M, R>(x, w + n * K, K, K, y + n, N, 1);
+  for (; n < end; ++n) weight_rows<W, M, 1>(x, w + n * K, K, K, y + n, N, 1);
+}
+
+// Channels [begin, end) as kStreams contiguous runs walked side by side (M <= kStreamedRows).
+template <typename W, int M>
+void channel_runs(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t begin, int64_t end) {
+  const int64_t run = (end - begin) / kStreams;
+  for (int64_t n = begin; n < begin + run; ++n) weight_rows<W, M, kStreams>(x, w + n * K, run * K, K, y + n, N, run);
+  for (int64_t n = begin + kStreams * run; n < end; ++n) weight_rows<W, M, 1>(x, w + n * K, K, K, y + n, N, 1);
 }
 
 // Channels [begin, end) of y[M, N] = x[M, K] . W[N, K]^T: x in fp32 (laid out by lay_out_pairs for bf16 W),
@@ -94,6 +109,9 @@ void channel_range(const float* x, const W* w, float* y, int64_t K, int64_t N, i
 template <typename W>
 void gemv_channels(const float* x, const W* w, float* y, int64_t M, int64_t K, int64_t N, int64_t begin,
                    int64_t end) {
+  static_assert(kStreamedRows == 2, "the dispatch below names each streamed row count");
+  if (M == 1) return channel_runs<W, 1>(x, w, y, K, N, begin, end);
+  if (M == 2) return channel_runs<W, 2>(x, w, y, K, N, begin, end);
   const int64_t tile = std::max<int64_t>(16, kTileBytesOfW / (K * int64_t(sizeof(W))));
   for (int64_t n0 = begin; n0 < end; n0 += tile) {
     const int64_t n1 = std::min(end, n0 + tile);
