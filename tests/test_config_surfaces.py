@@ -57,6 +57,7 @@ OPTIONS = {
     "enable_expert_parallel": True,
     "enable_eplb": False,  # True is refused (not built)
     "cpu_threads_bind": "nobind",
+    "cpu_threads_adapt": False,
     "enable_lora": True,
     "max_loras": 2,
     "max_cpu_loras": 3,
@@ -80,7 +81,7 @@ FLAGS = [
     *[text for f in dataclasses.fields(GrammarLimits) for text in (f"--grammar-{f.name.replace('_', '-')}",
                                                                     str(2 * f.default))],
     "-tp", "2", "-pp", "2", "--distributed-executor-backend", "mp", "--enable-expert-parallel",
-    "--cpu-threads-bind", "nobind",
+    "--cpu-threads-bind", "nobind", "--no-cpu-threads-adapt",
     "--enable-lora", "--max-loras", "2", "--max-cpu-loras", "3", "--max-lora-rank", "32",
     "--kv-transfer-config", json.dumps(OPTIONS["kv_transfer_config"]),
     "--runner", "pooling", "--convert", "embed",
@@ -115,7 +116,7 @@ def test_every_option_sets_the_same_field_from_llm_and_from_the_cli():
     assert given.grammar == GrammarLimits(**{f.name: 2 * f.default for f in dataclasses.fields(GrammarLimits)})
     assert given.parallel == ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2,
                                             distributed_executor_backend="mp", enable_expert_parallel=True,
-                                            cpu_threads_bind="nobind")
+                                            cpu_threads_bind="nobind", cpu_threads_adapt=False)
     assert given.lora == LoRAConfig(max_loras=2, max_cpu_loras=3, max_lora_rank=32)
     assert given.runner == "pooling"
 

@@ -141,6 +141,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="auto: each rank pagoda starts runs on CPUs of its own, where the machine has "
                              "enough for every rank's threads; nobind: the OS places them (default "
                              f"{ParallelConfig.cpu_threads_bind}; docs/parallelism.md)")
+    parser.add_argument("--cpu-threads-adapt", action=argparse.BooleanOptionalAction,
+                        help="run a step with fewer threads while that is faster (another process busy on a "
+                             "core), probing now and then whether more are faster again (default "
+                             f"{show_default(ParallelConfig.cpu_threads_adapt)}; docs/performance.md)")
     parser.add_argument("--enable-expert-parallel", action="store_true", default=None,
                         help="a mixture of experts: its experts placed across the --tensor-parallel-size ranks, "
                              "tokens sent to them and back with all-to-all (docs/moe.md)")

@@ -41,7 +41,7 @@ CACHE_OPTIONS = ("block_size", "kv_cache_memory_bytes", "num_kv_blocks", "enable
 SCHEDULER_OPTIONS = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_step_ms",
                      "long_prefill_token_threshold", "scheduling_policy", "priority_aging_s", "batching")
 PARALLEL_OPTIONS = ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
-                    "enable_expert_parallel", "enable_eplb", "cpu_threads_bind")
+                    "enable_expert_parallel", "enable_eplb", "cpu_threads_bind", "cpu_threads_adapt")
 LORA_OPTIONS = ("max_loras", "max_cpu_loras", "max_lora_rank")  # with enable_lora=True only
 # vLLM's connector option and its offloading shorthand, which together make EngineConfig.kv_transfer_config.
 KV_TRANSFER_OPTIONS = ("kv_transfer_config", "kv_offloading_size", "kv_offloading_backend")

@@ -32,6 +32,9 @@ class ParallelConfig:
     enable_eplb: vLLM's expert load balancing (hot experts replicated); named so that it is refused by name.
     cpu_threads_bind: "auto": under "mp", each rank's threads bound to CPUs of its own where the machine has
     enough (cpu_sets.py); "nobind": left to the OS.
+    cpu_threads_adapt: one process's step runs with fewer threads while that is clearly faster (another process
+    busy on one of its cores), probing from time to time whether more are faster again (engine/thread_tuner.py);
+    False: always the threads it started with. Ranks of a split model keep theirs (they meet at collectives).
     """
 
     tensor_parallel_size: int = 1
@@ -40,6 +43,7 @@ class ParallelConfig:
     enable_expert_parallel: bool = False
     enable_eplb: bool = False
     cpu_threads_bind: str = "auto"
+    cpu_threads_adapt: bool = True
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

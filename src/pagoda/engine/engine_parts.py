@@ -31,6 +31,7 @@ from pagoda.engine.lora_manager import LoRAManager
 from pagoda.engine.model_step import ModelExecution, attach_engine_lora, kv_layer_tensors, load_engine_model
 from pagoda.engine.runner import DraftModel, ModelRunner
 from pagoda.engine.step_trace import StepTrace
+from pagoda.engine.thread_tuner import ThreadCountTuner
 from pagoda.kv_groups import KVCacheGroup, blocks_per_sequence, is_hybrid, kv_cache_groups
 from pagoda.model.expert_parallel import check_experts_divisible
 from pagoda.model.llama import LlamaModel
@@ -159,12 +160,20 @@ def build_executor(config: EngineConfig, num_blocks: int, block_size: int, struc
             kv_cache.block_hashes, kv_events)
         runner = ModelRunner(execution, structured, draft, lora=lora, trace=trace,
                              kv_connector=None if connector is None else connector.worker)
-        return UniProcExecutor(runner), connector
+        return UniProcExecutor(runner, thread_tuner(config)), connector
     from pagoda.engine.multiproc_executor import MultiprocExecutor
 
     executor = MultiprocExecutor(config, num_blocks, block_size, structured, draft, trace, kv_cache.block_hashes,
                                  kv_events, tuple(groups))
     return executor, executor.kv_connector
+
+
+def thread_tuner(config: EngineConfig) -> ThreadCountTuner | None:
+    """The tuner that adapts the step's thread count to the cores free (None: the count stays as started)."""
+    threads = torch.get_num_threads()
+    if not config.parallel.cpu_threads_adapt or config.device != "cpu" or threads < 2:
+        return None
+    return ThreadCountTuner(threads, torch.set_num_threads)
 
 
 def choose_kv_cache_groups(config: EngineConfig, model_config: ModelConfig, max_model_len: int

@@ -8,10 +8,13 @@ Either way rank 0's `ModelRunner` (in the engine's process) samples, checks draf
 
 from __future__ import annotations
 
+import time
+
 from pagoda.engine.core.runner_output import ModelRunnerOutput
 from pagoda.engine.core.scheduler import SchedulerOutput
 from pagoda.engine.model_step import RankReport, rank_report
 from pagoda.engine.runner import ModelRunner
+from pagoda.engine.thread_tuner import ThreadCountTuner
 
 
 class Executor:
@@ -50,4 +53,18 @@ class Executor:
 
 
 class UniProcExecutor(Executor):
-    """The whole model in the engine's own process."""
+    """The whole model in the engine's own process; with a thread tuner, each step runs with the thread count
+    it chooses from the steps before (engine/thread_tuner.py)."""
+
+    def __init__(self, runner: ModelRunner, thread_tuner: ThreadCountTuner | None = None) -> None:
+        super().__init__(runner)
+        self.thread_tuner = thread_tuner
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        if self.thread_tuner is None:
+            return self.runner.execute_model(scheduler_output)
+        started = time.perf_counter()
+        output = self.runner.execute_model(scheduler_output)
+        shape = (len(scheduler_output.scheduled), scheduler_output.num_batched_tokens)
+        self.thread_tuner.observe(shape, time.perf_counter() - started)
+        return output
