@@ -5,7 +5,9 @@ With two threads on two cores and a neighbour spinning on one of them, a step wh
 waits for the thread that shares its core, so a runtime that splits every matmul evenly across threads can lose
 more than the neighbour's share. This measures each server's decode speed with the neighbour (one process
 spinning in a tight loop, not pinned: the kernel places it) over its speed on the idle machine, rounds
-alternating idle/busy and the servers' order, medians reported.
+alternating idle/busy and the servers' order, medians reported. Each round starts with unmeasured requests
+(`--settle-requests`), so that both runtimes are measured settled after the neighbour comes or goes: pagoda's
+step thread count follows the free cores within seconds (engine/thread_tuner.py).
 
 Both servers run at once with the same threads, weights and client as benchmarks/vs_llama_cpp.py (needs
 `benchmarks/llama_cpp.sh build` and `gguf`). Target: pagoda's busy/idle ratio >= 0.4 and >= llama.cpp's.
@@ -42,7 +44,7 @@ def run_pair(args: argparse.Namespace, pair: str, logs: Path) -> dict:
             try:
                 order = started if (index // 2) % 2 == 0 else started[::-1]
                 result = bench([(name, url) for name, _, url in order], args.model, "batch1", args.requests,
-                               1000 * (index + 1), logs / f"round{index}.json")
+                               1000 * (index + 1), logs / f"round{index}.json", warmup=args.settle_requests)
             finally:
                 if neighbour is not None:
                     neighbour.kill()
@@ -66,6 +68,8 @@ def main() -> int:
     parser.add_argument("--pairs", default="fp32:f32,bf16:bf16,int8:q8_0")
     parser.add_argument("--rounds", type=int, default=3, help="idle/busy round pairs")
     parser.add_argument("--requests", type=int, default=4, help="per round")
+    parser.add_argument("--settle-requests", type=int, default=10,
+                        help="unmeasured requests to each server at the start of a round")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-build", type=Path, default=LLAMA_DIR / "build")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "shared-core.json")

@@ -55,11 +55,13 @@ def servers(model: Path, config: str, gguf: Path, slots: int, threads: int, logs
     return started
 
 
-def bench(endpoints: list[tuple[str, str]], model: Path, workload: str, requests: int, seed: int, out: Path) -> dict:
-    """One round; its own prompts (seed), so that neither server finds them in its prompt cache."""
+def bench(endpoints: list[tuple[str, str]], model: Path, workload: str, requests: int, seed: int, out: Path,
+          warmup: int = 2) -> dict:
+    """One round, after `warmup` unmeasured requests; its own prompts (seed), so that neither server finds them
+    in its prompt cache."""
     compare = [f"{name}={url}" for name, url in endpoints]
     command = [str(REPO_ROOT / ".venv/bin/pagoda"), "bench", "--compare", *compare, "--tokenizer", str(model),
-               *WORKLOADS[workload]["bench"], "--ignore-eos", "--num-requests", str(requests), "--warmup", "2",
+               *WORKLOADS[workload]["bench"], "--ignore-eos", "--num-requests", str(requests), "--warmup", str(warmup),
                "--seed", str(seed),
                "--out", str(out), "--no-plot"]
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
