@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pagoda.api_keys import add_api_key_arguments
 from pagoda.engine_args import add_engine_args, engine_config_from, is_builtin_model, model_to_load, served_model_name
 from pagoda.flag_values import format_bytes, json_object, parse_bytes, show_default
+from pagoda.kernels import cap_torch_isa
 from pagoda.text.reasoning import REASONING_PARSERS
 from pagoda.tool_parser_names import TOOL_CALL_PARSER_NAMES
 
@@ -324,6 +325,7 @@ def _bench_extra_missing(module: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    cap_torch_isa()
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     args = build_parser().parse_args(argv)
     code: int = args.func(args)

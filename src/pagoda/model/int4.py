@@ -41,7 +41,7 @@ from torch import nn
 
 from pagoda.int4_format import Int4Options
 from pagoda.model.int4_weights import Int4Weights
-from pagoda.model.tiled_matmul import tiled_matmul
+from pagoda.model.tiled_matmul import gemm_dtype, tiled_matmul
 
 if TYPE_CHECKING:
     from pagoda.model.kernel_protocols import QuantizedKernels
@@ -156,7 +156,7 @@ class Int4Linear(nn.Module):
             y = torch._weight_int4pack_mm_for_cpu(x.bfloat16(), self.packed, self.kernel_group,
                                                   self.scales_and_zeros).to(x.dtype)
         else:
-            scale, base = self._scale_and_base(x.dtype)
+            scale, base = self._scale_and_base(gemm_dtype(x.dtype))
             y = tiled_matmul(x, self.padded_out, lambda start, end, _: self._dequantize_rows(start, end, scale, base))
         y = y[:, : self.out_features]
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -24,7 +24,7 @@ from torch import nn
 from pagoda.int4_format import Int4Options
 from pagoda.model.int4 import Int4Linear, quantize_int4
 from pagoda.model.parallel import QuantizedRowParallel, RowParallelLinear, local_share
-from pagoda.model.tiled_matmul import tiled_matmul
+from pagoda.model.tiled_matmul import gemm_dtype, tiled_matmul
 
 if TYPE_CHECKING:
     from pagoda.model.kernel_protocols import CpuKernels, QuantizedKernels
@@ -85,7 +85,10 @@ class DenseLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is None or not 0 < x.shape[0] <= self.max_rows:  # (an expert-parallel rank's slice may be empty)
-            return F.linear(x, self.weight, self.bias)
+            if gemm_dtype(x.dtype) == x.dtype or x.shape[0] == 0:
+                return F.linear(x, self.weight, self.bias)
+            y = tiled_matmul(x, self.weight.shape[0], lambda start, end, dtype: self.weight[start:end].to(dtype))
+            return y if self.bias is None else y + self.bias
         y = self.gemv(x, self.weight)
         return y if self.bias is None else y + self.bias
 
