@@ -80,7 +80,7 @@ def test_climbs_down_one_thread_at_a_time_to_the_free_cores() -> None:
 def test_steps_of_different_shapes_are_never_compared() -> None:
     machine = Machine(cores=2)
     machine.busy = 1  # a probe that completed would switch to one thread
-    tuner, calls = tuner_on(machine, 2, probe_interval_s=0.0)
+    tuner, calls = tuner_on(machine, 2, probe_interval_s=0.0, probe_budget=1.0)
     for index in range(401):
         shape = (index // 4) % 2  # the batch changes every four steps: a probe never gets its three
         took = machine.step_time(tuner.running)
@@ -88,6 +88,37 @@ def test_steps_of_different_shapes_are_never_compared() -> None:
         tuner.observe(shape, took)
     assert tuner.threads == 2 and tuner.switches == 0
     assert calls and calls[-1] == 2  # each cut-off probe put the count back
+
+
+def test_probes_spend_at_most_their_budget_of_the_steps_time() -> None:
+    """Long steps whose shape changes every few steps (a loaded server): probes start and are cut off, and
+    each costs a slow step; the budget bounds what they take together."""
+    machine = Machine(cores=2, work=0.4)
+    tuner, _ = tuner_on(machine, 2)
+    spent = total = 0.0
+    for index in range(2000):
+        threads = tuner.running
+        took = machine.step_time(threads)
+        machine.now += took
+        total += took
+        spent += took if threads == 1 else 0.0
+        tuner.observe((index // 5) % 3, took)
+    assert tuner.threads == 2
+    assert 0 < spent <= tuner.settings.probe_budget * total + machine.step_time(1)
+
+
+def test_noise_alone_never_takes_a_thread_away() -> None:
+    """Steps 20% apart at random, the same at either count: a step down needs fewer threads 25% faster."""
+    import random
+
+    random.seed(1)
+    clock = [0.0]
+    tuner = ThreadCountTuner(2, lambda threads: None, clock=lambda: clock[0])
+    for _ in range(20000):
+        took = 0.01 * random.uniform(0.9, 1.1)
+        clock[0] += took
+        tuner.observe("decode", took)
+    assert tuner.switches == 0
 
 
 def test_a_single_thread_has_nothing_to_adapt() -> None:
@@ -107,7 +138,8 @@ def test_greedy_output_is_unchanged_when_the_count_changes_every_few_steps(check
         expected = [out.outputs[0].token_ids for out in fixed.generate(prompts, params)]
         adapting = make_llm(model_dir)
         # Every probe kept (a margin of -100%) and no pause between probes: the count flips every 3 steps.
-        tuner = ThreadCountTuner(2, torch.set_num_threads, TunerSettings(probe_interval_s=0.0, margin=-1.0))
+        always = TunerSettings(probe_interval_s=0.0, probe_budget=1.0, margin_down=-1.0, margin_up=-1.0)
+        tuner = ThreadCountTuner(2, torch.set_num_threads, always)
         adapting.engine.executor.thread_tuner = tuner
         actual = [out.outputs[0].token_ids for out in adapting.generate(prompts, params)]
     finally:

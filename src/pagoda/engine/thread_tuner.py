@@ -28,15 +28,21 @@ logger = logging.getLogger("pagoda")
 class TunerSettings:
     """probe_interval_s: the least time between two probes, doubled after each probe that keeps the count, up
     to max_probe_interval_s (an idle machine pays for fewer probes), and back to it after a change.
+    probe_budget: the most of the steps' time spent at probed counts (probes wait until it allows them), so
+    that long steps, whose shapes rarely repeat, cannot make probing a large cost.
     samples: steps timed on each side of a comparison (their medians compared).
-    margin: how much faster a probed count must be to be kept (noise on a shared machine is ~10%).
+    margin_down / margin_up: how much faster fewer / more threads must be to be kept. Fewer is held to more
+    (noise on a shared machine reaches ~20%, and a wrong step down costs ~1.4x; a busy neighbour makes fewer
+    threads 2x faster).
     slowdown: steps this much slower than at the last decision, same shape, start a probe at once (a
     neighbour that just arrived is not waited out)."""
 
     probe_interval_s: float = 1.0
     max_probe_interval_s: float = 4.0
+    probe_budget: float = 0.02
     samples: int = 3
-    margin: float = 0.1
+    margin_down: float = 0.25
+    margin_up: float = 0.1
     slowdown: float = 1.5
 
 
@@ -62,6 +68,7 @@ class ThreadCountTuner:
         # How far the next probe in each direction goes: doubled after each probe there that found nothing faster, since
         # with two cores busy one thread fewer still waits on a shared core and only two fewer is faster.
         self._distance = {True: 1, False: 1}
+        self._elapsed = self._probed = 0.0  # seconds of every step observed, and of those run at a probed count
 
     @property
     def running(self) -> int:
@@ -70,6 +77,9 @@ class ThreadCountTuner:
 
     def observe(self, shape: Hashable, seconds: float) -> None:
         """One step of `shape` (anything equal for steps whose times compare) took `seconds` at `running`."""
+        self._elapsed += seconds
+        if self._probe is not None:
+            self._probed += seconds
         if shape != self._shape:
             self._shape = shape
             self._recent.clear()
@@ -84,18 +94,19 @@ class ThreadCountTuner:
                 self._end_probe(False, seconds)
             elif len(self._probe_times) == self.settings.samples:
                 probed = statistics.median(self._probe_times)
-                self._end_probe(probed < (1 - self.settings.margin) * statistics.median(self._recent), probed)
+                margin = self.settings.margin_down if self._going_down else self.settings.margin_up
+                self._end_probe(probed < (1 - margin) * statistics.median(self._recent), probed)
             return
         self._recent.append(seconds)
         if len(self._recent) == self.settings.samples and self._should_probe():
             self._start_probe()
 
     def _should_probe(self) -> bool:
-        if self._clock() >= self._next_probe_at:
+        reference = self._reference
+        if reference is not None and reference[0] == self._shape and (
+                statistics.median(self._recent) > self.settings.slowdown * reference[1]):
             return True
-        if self._reference is None or self._reference[0] != self._shape:
-            return False
-        return statistics.median(self._recent) > self.settings.slowdown * self._reference[1]
+        return self._clock() >= self._next_probe_at and self._probed <= self.settings.probe_budget * self._elapsed
 
     def _start_probe(self) -> None:
         if self.threads == self.max_threads:
