@@ -2,7 +2,7 @@
 
 Every parallel region of a step splits its work evenly over the torch threads and ends at a barrier, so when
 another process keeps one of the cores busy the whole step waits for the thread that shares that core, and
-the kernel scheduler gives that thread only part of it. On two cores with one busy, two threads decode at
+the OS scheduler gives that thread only part of it. On two cores with one busy, two threads decode at
 about a third of their idle speed while one thread, on the free core, keeps about two thirds. No start-up
 choice suits both an idle and a shared machine, so the executor measures: from time to time, while the steps
 keep one shape (the same requests and tokens, so their times compare), it runs a few steps with one thread
@@ -65,8 +65,8 @@ class ThreadCountTuner:
         self._next_probe_at = clock() + self._interval
         self._reference: tuple[Hashable, float] | None = None  # the shape and median step at the last decision
         self._going_down = True
-        # How far the next probe in each direction goes: doubled after each probe there that found nothing faster, since
-        # with two cores busy one thread fewer still waits on a shared core and only two fewer is faster.
+        # How far the next probe in each direction goes: doubled after each probe there that found nothing
+        # faster, since with two cores busy one thread fewer still waits on a shared core and two fewer do not.
         self._distance = {True: 1, False: 1}
         self._elapsed = self._probed = 0.0  # seconds of every step observed, and of those run at a probed count
 

@@ -105,8 +105,8 @@ def cap_torch_isa() -> None:
         os.environ.setdefault(name, value)
 
 
-# bf16 arithmetic in hardware (x86): without one of these, torch's bf16 GEMMs (oneDNN) run ~5x slower than its
-# fp32 ones (a 512x576 by 576x1536 product on 2 Zen 4 cores capped to AVX2: 38 GFLOP/s against 178).
+# bf16 arithmetic in hardware (x86): without one of these, torch's bf16 GEMMs (oneDNN) emulate it, several times
+# slower than its fp32 ones (docs/performance.md).
 NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
