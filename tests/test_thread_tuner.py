@@ -138,7 +138,8 @@ def test_greedy_output_is_unchanged_when_the_count_changes_every_few_steps(check
         expected = [out.outputs[0].token_ids for out in fixed.generate(prompts, params)]
         adapting = make_llm(model_dir)
         # Every probe kept (a margin of -100%) and no pause between probes: the count flips every 3 steps.
-        always = TunerSettings(probe_interval_s=0.0, probe_budget=1.0, margin_down=-1.0, margin_up=-1.0)
+        always = TunerSettings(probe_interval_s=0.0, probe_budget=1.0, margin_down=-1.0, margin_up=-1.0,
+                               give_up=float("inf"))
         tuner = ThreadCountTuner(2, torch.set_num_threads, always)
         adapting.engine.executor.thread_tuner = tuner
         actual = [out.outputs[0].token_ids for out in adapting.generate(prompts, params)]
@@ -146,3 +147,9 @@ def test_greedy_output_is_unchanged_when_the_count_changes_every_few_steps(check
         torch.set_num_threads(threads)
     assert tuner.switches >= 3
     assert actual == expected
+    from pagoda.server.metrics import ServerMetrics
+
+    text = ServerMetrics("m", adapting.engine.stats).render().decode()
+    assert f'pagoda:step_threads{{model_name="m"}} {float(tuner.threads)}' in text
+    assert f'pagoda:step_thread_changes_total{{model_name="m"}} {float(tuner.switches)}' in text
+    assert 'pagoda:step_threads{model_name="m"} 2.0' in ServerMetrics("m", fixed.engine.stats).render().decode()

@@ -210,6 +210,9 @@ class EngineStats:
     # the KV blocks each tenant's running requests hold (engine/core/queues.py's count, which its quota meets);
     # only tenants holding some
     kv_blocks_by_tenant: tuple[tuple[str, int], ...] = ()
+    # the threads rank 0's steps run with now, and how often that count has changed (engine/thread_tuner.py)
+    step_threads: int = 0
+    step_thread_changes: int = 0
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class LLMEngine:
         self.speculator = parts.speculator
         self.scheduler = parts.scheduler
         self.executor = parts.executor
+        self.num_threads = torch.get_num_threads()  # each step's, on each rank, as built (the executor set it)
         self.runner = parts.runner
         self.trace = parts.trace  # records steps as a timeline while started (step_trace.py)
         self.lora = parts.runner.lora  # None: LoRA adapters are off
@@ -240,6 +241,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         scheduler = self.scheduler
+        threads, thread_changes = self.executor.step_threads() or (self.num_threads, 0)
         return EngineStats(
             num_running=scheduler.num_running,
             num_waiting=scheduler.num_waiting,
@@ -256,6 +258,7 @@ class LLMEngine:
             lora=self._lora_stats(),
             experts=self._expert_load(),
             kv_blocks_by_tenant=tuple(sorted(blocks_held_by_tenant(scheduler.running).items())),
+            step_threads=threads, step_thread_changes=thread_changes,
         )
 
     def _expert_load(self) -> ExpertLoadStats | None:
@@ -299,7 +302,7 @@ class LLMEngine:
             quantized_matmul=quantized_matmul_name(self.model),
             weight_bytes_read_per_step=weight_bytes_read_per_step(self.model),
             max_model_len=self.max_model_len, max_num_seqs=config.scheduler.max_num_seqs,
-            num_threads=torch.get_num_threads(),
+            num_threads=self.num_threads,
             kv_cache=KVCacheDescription(
                 num_blocks=self.kv_cache.num_blocks, block_size=self.kv_cache.block_size,
                 num_bytes=self.kv_pool_bytes, sizing_reason=self.kv_pool.reason,

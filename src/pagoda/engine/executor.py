@@ -45,6 +45,10 @@ class Executor:
     def kv_bytes_per_rank(self) -> list[int]:
         return [report.kv_bytes for report in self.rank_reports()]
 
+    def step_threads(self) -> tuple[int, int] | None:
+        """(the threads rank 0's steps run with now, how often that changed) where they adapt; None: as started."""
+        return None
+
     def check_health(self) -> None:
         """Raises EngineDeadError when the executor can run no step any more (a rank has gone)."""
 
@@ -59,6 +63,10 @@ class UniProcExecutor(Executor):
     def __init__(self, runner: ModelRunner, thread_tuner: ThreadCountTuner | None = None) -> None:
         super().__init__(runner)
         self.thread_tuner = thread_tuner
+
+    def step_threads(self) -> tuple[int, int] | None:
+        tuner = self.thread_tuner
+        return None if tuner is None else (tuner.threads, tuner.switches)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         if self.thread_tuner is None:

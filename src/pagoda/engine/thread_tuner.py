@@ -35,7 +35,8 @@ class TunerSettings:
     (noise on a shared machine reaches ~20%, and a wrong step down costs ~1.4x; a busy neighbour makes fewer
     threads 2x faster).
     slowdown: steps this much slower than at the last decision, same shape, start a probe at once (a
-    neighbour that just arrived is not waited out)."""
+    neighbour that just arrived is not waited out).
+    give_up: a probed step this much slower than the count's own ends its probe at once."""
 
     probe_interval_s: float = 1.0
     max_probe_interval_s: float = 4.0
@@ -44,6 +45,7 @@ class TunerSettings:
     margin_down: float = 0.25
     margin_up: float = 0.1
     slowdown: float = 1.5
+    give_up: float = 2.0
 
 
 class ThreadCountTuner:
@@ -90,7 +92,7 @@ class ThreadCountTuner:
                 return
         if self._probe is not None:
             self._probe_times.append(seconds)
-            if seconds > 2 * statistics.median(self._recent):  # clearly slower: not worth more steps
+            if seconds > self.settings.give_up * statistics.median(self._recent):
                 self._end_probe(False, seconds)
             elif len(self._probe_times) == self.settings.samples:
                 probed = statistics.median(self._probe_times)

@@ -58,6 +58,8 @@ class _EngineCollector:
             ("vllm:num_requests_running", "Requests in the running batch.", stats.num_running),
             ("vllm:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent.", stats.kv_cache_usage),
+            ("pagoda:step_threads", "Threads a step runs with now (fewer while another process is busy on a core).",
+             stats.step_threads),
         ):
             gauge = GaugeMetricFamily(name, doc, labels=labels)
             gauge.add_metric([self.model_name], value)
@@ -68,6 +70,7 @@ class _EngineCollector:
             ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits),
             ("pagoda:prompt_tokens_computed", "Prompt positions the model ran (a recompute counts again).",
              stats.prompt_tokens_computed),
+            ("pagoda:step_thread_changes", "Changes of the threads a step runs with.", stats.step_thread_changes),
         ))
         if stats.kv_connector is not None:
             yield from self._kv_connector(stats.kv_connector)
