@@ -86,9 +86,13 @@ def cpu_flags() -> frozenset[str]:
 NATIVE_FP16_CPU_FLAGS = frozenset({"avx512_fp16", "amx_fp16"})
 
 
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 def cpu_lacks_native_fp16() -> bool:
     """True only where it is known: an x86 CPU whose flags name no fp16 arithmetic."""
-    return platform.machine().lower() in ("x86_64", "amd64") and not NATIVE_FP16_CPU_FLAGS & cpu_flags()
+    return _is_x86() and not NATIVE_FP16_CPU_FLAGS & cpu_flags()
 
 
 # What torch's libraries are told under PAGODA_SIMD_TARGET=avx2, so that a forced run stands in for an AVX2 host
@@ -111,11 +115,12 @@ NATIVE_BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 def cpu_lacks_native_bf16() -> bool:
-    """True only where it is known: an x86 CPU whose flags name no bf16 arithmetic, or PAGODA_SIMD_TARGET=avx2
-    standing in for one."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    """True only where it is known: an x86 CPU whose flags name no bf16 arithmetic, or a PAGODA_SIMD_TARGET whose
+    flags name none (avx2) standing in for one."""
+    if not _is_x86():
         return False
-    return not NATIVE_BF16_CPU_FLAGS & cpu_flags() or os.environ.get(TARGET_ENV) == "avx2"
+    forced = TARGETS.get(os.environ.get(TARGET_ENV, ""))
+    return not NATIVE_BF16_CPU_FLAGS & (cpu_flags() if forced is None else forced.cpu_flags & cpu_flags())
 
 
 def cpu_has_kernel_features() -> bool:
