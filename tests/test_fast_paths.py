@@ -123,15 +123,16 @@ def test_int8_one_row_keeps_each_block_of_x_precise(kernels):
 def test_kernels_reject_shapes_they_do_not_handle(kernels):
     with pytest.raises(RuntimeError, match="multiple of 32"):
         kernels.gemv_bf16(torch.randn(1, 48), torch.randn(8, 48).bfloat16())
-    with pytest.raises(RuntimeError, match="1..64 rows"):
-        kernels.gemv_bf16(torch.randn(65, 64), torch.randn(8, 64).bfloat16())
+    too_many = kernels.gemv_max_rows + 1
+    with pytest.raises(RuntimeError, match=f"1..{too_many - 1} rows"):
+        kernels.gemv_bf16(torch.randn(too_many, 64), torch.randn(8, 64).bfloat16())
 
 
 @needs_kernels
 @pytest.mark.parametrize(("layer_type", "dtype", "tolerance"), [
     (DenseLinear, torch.float32, 1e-5), (DenseLinear, torch.bfloat16, 2e-2), (Int8Linear, torch.bfloat16, 2e-2),
 ])
-@pytest.mark.parametrize("rows", [1, 8, 20, 40, 70])  # above 64: torch even with kernels
+@pytest.mark.parametrize("rows", [1, 8, 20, 40, 70, 600])  # above the kernels' gemv_max_rows: torch
 def test_fast_linear_layers_agree_with_and_without_kernels(kernels, layer_type, dtype, tolerance, rows):
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True)

@@ -17,10 +17,10 @@ import torch
 from conftest import random_prompts
 
 from pagoda import SamplingParams
-from pagoda.kernels import TARGET_ENV, available_targets
+from pagoda.kernels import TARGET_ENV, available_targets, target_kernels
 from pagoda.model.attention import build_metadata
 from pagoda.model.native_decode import NativeDecode
-from pagoda.model.quantization import AVX2_FP32_GEMV_MAX_ROWS, KERNEL_MAX_ROWS
+from pagoda.model.quantization import KERNEL_MAX_ROWS
 
 pytestmark = pytest.mark.skipif(not available_targets(), reason="this CPU has neither AVX2 + FMA nor AVX-512")
 
@@ -173,19 +173,22 @@ def test_step_hidden_states_and_cache_are_bit_identical(make_llm, checkpoint, co
         assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(native_kv.tensors(), module_kv.tensors()))
 
 
-def test_stack_takes_only_decode_steps_its_gemvs_cover(make_llm, checkpoint):
+def test_stack_takes_only_decode_steps_its_gemvs_cover(make_llm, checkpoint, target):
     model = make_llm(checkpoint("llama"), dtype="bfloat16").engine.model
     native = model.backend.decode_runner
     decode = build_metadata([1] * 3, [4, 8, 9], [[0, 1], [2, 3], [4, 5, 6]], 4, {None})
     mixed = build_metadata([1, 5], [4, 5], [[0], [1, 2]], 4, {None})
     assert native.takes(decode, 3) and not native.takes(mixed, 6)
-    assert native.takes(decode, KERNEL_MAX_ROWS) and not native.takes(decode, KERNEL_MAX_ROWS + 1)  # then GEMMs
+    bound = target_kernels(target).gemv_max_rows
+    assert native.takes(decode, bound) and not native.takes(decode, bound + 1)  # then GEMMs
 
 
 def test_stack_takes_as_many_tokens_as_the_fp32_gemvs_do(make_llm, checkpoint, target):
-    """fp32 on the AVX2 target: GEMVs up to one group of rows, and so the stack; the other targets' up to 64."""
+    """The GEMVs take as many rows as their target's module says (AVX-512: 64; AVX2, whose blocking keeps up with
+    torch's GEMM held to AVX2 further: 512), and so does the stack."""
     model = make_llm(checkpoint("llama")).engine.model
-    bound = AVX2_FP32_GEMV_MAX_ROWS if target == "avx2" else KERNEL_MAX_ROWS
+    bound = target_kernels(target).gemv_max_rows
+    assert bound == (512 if target == "avx2" else KERNEL_MAX_ROWS)
     assert model.layers[0].mlp.down_proj.max_rows == bound
     decode = build_metadata([1] * 3, [4, 8, 9], [[0, 1], [2, 3], [4, 5, 6]], 4, {None})
     native = model.backend.decode_runner

@@ -11,9 +11,14 @@ inline void define_shared_ops(pybind11::module& m) {
         "cache's, int8 [slots, kv_heads] or fp8 [1] each; softcap > 0: scores s become softcap * tanh(s / softcap))",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slots"), py::arg("seq_lens"), py::arg("window"),
         py::arg("scale"), py::arg("k_scale") = py::none(), py::arg("v_scale") = py::none(), py::arg("softcap") = 0.0);
-  m.def("gemv_fp32", &gemv_fp32, "y = x @ w.T for fp32 w and 1..64 rows of x (x's dtype out)");
-  m.def("gemv_bf16", &gemv_bf16, "y = x @ w.T for bf16 w and 1..64 rows of x (x's dtype out)");
-  m.def("gemv_int8", &gemv_int8, "y = (x @ w.T) * scale for int8 w and 1..64 rows of x (x's dtype out)");
+  // The GEMVs take prefill-sized inputs too where gemv_max_rows allows: the event loop runs meanwhile.
+  m.def("gemv_fp32", &gemv_fp32, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "y = x @ w.T for fp32 w and 1..gemv_max_rows rows of x (x's dtype out)");
+  m.def("gemv_bf16", &gemv_bf16, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "y = x @ w.T for bf16 w and 1..gemv_max_rows rows of x (x's dtype out)");
+  m.def("gemv_int8", &gemv_int8, pybind11::call_guard<pybind11::gil_scoped_release>(),
+        "y = (x @ w.T) * scale for int8 w and 1..gemv_max_rows rows of x (x's dtype out)");
+  m.attr("gemv_max_rows") = gemv_max_rows();
   // The integer matmuls take tens of milliseconds at prefill sizes: the server's event loop runs meanwhile.
   m.def("matmul_int8", &matmul_int8, pybind11::call_guard<pybind11::gil_scoped_release>(),
         "y = (x @ w.T) * scale for int8 w, x quantized per 32 columns to int8");

@@ -314,7 +314,7 @@ void gemv(const typename Dot::X* x, const typename Dot::W* w, float* y, int64_t 
 void check_shapes(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
   TORCH_CHECK(x.size(1) == w.size(1), "x and w disagree on K");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "x must have 1..64 rows");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "x must have 1..", kMaxRows, " rows");
   TORCH_CHECK(w.size(1) % 32 == 0, "K must be a multiple of 32");
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
 }
@@ -343,6 +343,8 @@ torch::Tensor run_gemv(const torch::Tensor& x, const torch::Tensor& w, at::Scala
   }
   return y;
 }
+
+int64_t gemv_max_rows() { return kMaxRows; }
 
 torch::Tensor gemv_fp32(const torch::Tensor& x, const torch::Tensor& w) {
   return run_gemv<Fp32Dot>(x, w, at::kFloat, at::kFloat).to(x.scalar_type());

@@ -6,7 +6,9 @@
 
 #include <optional>
 
-// cpu_gemv.cpp: y = x @ w.T for 1..64 rows of x, in x's dtype (int8: times a per-output-channel scale).
+// cpu_gemv.cpp (AVX-512) or simd_gemv.cpp (AVX2): y = x @ w.T for 1..gemv_max_rows() rows of x, in x's dtype
+// (int8: times a per-output-channel scale).
+int64_t gemv_max_rows();
 torch::Tensor gemv_fp32(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_bf16(const torch::Tensor& x, const torch::Tensor& w);
 torch::Tensor gemv_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scale);

@@ -64,6 +64,7 @@ class CpuKernels(QuantizedKernels, Protocol):
     cpu_avx2_module.cpp: "avx2", which has no prefill attention), as model/ calls it."""
 
     target: str
+    gemv_max_rows: int  # the most rows of x gemv_fp32/bf16/int8 take (beyond: a GEMM's work)
     DecodeStack: Callable[[int, int, int, float, float, float, torch.Tensor, str, bool, bool], CompiledDecodeStack]
     prefill_attention_amx: bool  # bf16 prefill attention runs on AMX tiles (the CPU has them, Linux granted them)
 

@@ -32,28 +32,18 @@ if TYPE_CHECKING:
 QUANTIZATIONS = (None, "int8", "int4")
 # (linear, is the LM head, int8's row maxima or None: its own) -> the layer that replaces it.
 LayerFactory = Callable[[nn.Linear, bool, "torch.Tensor | None"], nn.Module]
-# Up to this many rows the GEMV kernels beat torch, weights streamed from memory: fp32 1.6-1.8x at 32-64
-# rows of the bench models' shapes; bf16 1.1-1.3x at 32 rows, at 64 1.16x on bench-125m's and 0.96x on
-# bench-1b's (AMX-less Zen 4; oneDNN's bf16 GEMM catches up there). Beyond, oneDNN's GEMM takes over for
-# fp32/bf16. For int8, torch has no fast path (`_weight_int8pack_mm` is 30x slower with fp32 inputs), so
-# prefill-sized inputs dequantize into a GEMM.
+# Up to this many rows the AVX-512 GEMV kernels beat torch, weights streamed from memory (their module's
+# gemv_max_rows): fp32 1.6-1.8x at 32-64 rows of the bench models' shapes; bf16 1.1-1.3x at 32 rows, at 64 1.16x
+# on bench-125m's and 0.96x on bench-1b's (AMX-less Zen 4; oneDNN's bf16 GEMM catches up there). The AVX2
+# module's GEMV keeps up with torch's GEMM held to AVX2 further (simd_gemv.h's kGemvMaxRows). Beyond, oneDNN's
+# GEMM takes over for fp32/bf16. For int8, torch has no fast path (`_weight_int8pack_mm` is 30x slower with
+# fp32 inputs), so prefill-sized inputs dequantize into a GEMM.
 KERNEL_MAX_ROWS = 64
 # Up to this many rows the AVX2 int8 matmul (no AVX-512) beats dequantized tiles into oneDNN's GEMM: 1.1-2.3x
 # at 1-64 rows on the bench models' shapes, 0.8-1.5x at 128 (winning on bench-1b's larger layers), 0.4-0.9x
 # at 512 (AVX2 Zen 3).
 INT8_MATMUL_MAX_ROWS = 128
 
-
-# The AVX2 target's fp32 GEMV serves up to 4 rows of x from each weight vector in registers; at bench-125m's
-# batch 32 it lost to oneDNN's fp32 GEMM (decode through the native stack at 85 tokens per CPU-second, through
-# the modules with oneDNN's GEMM at 130; one thread, Zen 3), so fp32 on AVX2 takes the kernel only up to one
-# group of rows. bf16 (which torch's matmuls emulate there) and the AVX-512 forms take up to KERNEL_MAX_ROWS.
-AVX2_FP32_GEMV_MAX_ROWS = 4
-
-
-def gemv_max_rows(kernels: CpuKernels, dtype: torch.dtype) -> int:
-    """The most rows of x the GEMV kernels take for weights of `dtype`; torch's GEMM beyond."""
-    return AVX2_FP32_GEMV_MAX_ROWS if kernels.target == "avx2" and dtype == torch.float32 else KERNEL_MAX_ROWS
 
 
 def gemv_takes(in_features: int) -> bool:
@@ -78,10 +68,10 @@ class DenseLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         usable = _usable(kernels, linear)
         self.gemv: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        self.max_rows = KERNEL_MAX_ROWS  # the most rows the GEMV takes (`gemv_max_rows`)
+        self.max_rows = KERNEL_MAX_ROWS  # the most rows the GEMV takes
         if usable is not None:
             self.gemv = {torch.float32: usable.gemv_fp32, torch.bfloat16: usable.gemv_bf16}[self.weight.dtype]
-            self.max_rows = gemv_max_rows(usable, self.weight.dtype)
+            self.max_rows = usable.gemv_max_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv is None or not 0 < x.shape[0] <= self.max_rows:  # (an expert-parallel rank's slice may be empty)
