@@ -51,6 +51,7 @@ from common import (
 )
 
 import pagoda.engine.runner as runner_module
+import pagoda.model.attention as attention_module
 
 LINEAR_CLASSES = ("Linear", "DenseLinear", "Int8Linear")
 
@@ -124,7 +125,8 @@ def instrument(engine) -> StepTimers:
     timers.wrap(engine.output_processor, "process_outputs", "outputs")
     timers.hook(engine.model, "forward")
     timers.wrap(engine.model, "compute_logits", "lm_head")
-    for function in ("build_metadata", "sample", "build_sampling_metadata"):
+    timers.wrap(attention_module, "build_metadata", "build_metadata")
+    for function in ("sample", "build_sampling_metadata"):
         timers.wrap(runner_module, function, function)
     for name, module in engine.model.layers.named_modules():
         if type(module).__name__ in LINEAR_CLASSES:

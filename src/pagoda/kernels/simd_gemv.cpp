@@ -18,7 +18,8 @@ constexpr int64_t kGrain = 16;  // output channels per parallel task
 void check_shapes(const torch::Tensor& x, const torch::Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "x and w must be 2-D");
   TORCH_CHECK(x.size(1) == w.size(1), "x and w disagree on K");
-  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kernels::kGemvMaxRows, "x must have 1..", kernels::kGemvMaxRows, " rows");
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kernels::kGemvMaxRows, "x must have 1..", kernels::kGemvMaxRows,
+              " rows");
   TORCH_CHECK(w.size(1) % kernels::kGemvKMultiple == 0, "K must be a multiple of 32");
   TORCH_CHECK(w.is_contiguous(), "w must be contiguous");
 }

@@ -45,7 +45,6 @@ KERNEL_MAX_ROWS = 64
 INT8_MATMUL_MAX_ROWS = 128
 
 
-
 def gemv_takes(in_features: int) -> bool:
     """Whether the GEMV kernels take a layer of this input width (K)."""
     return in_features % 32 == 0
