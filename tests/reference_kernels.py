@@ -225,6 +225,7 @@ class ReferenceKernels:
     """Stands in for the compiled module: the same op names and arguments, each call appended to `log`."""
 
     matmul_int4_max_rows = 512  # the AVX2 module's, which it stands in for where the engine runs without AVX-512
+    gemv_max_rows = 64  # the full set's, as `target`
     prefill_attention_amx = False
     target = "avx512"  # the full set's interface, prefill attention included
 

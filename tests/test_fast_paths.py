@@ -132,7 +132,7 @@ def test_kernels_reject_shapes_they_do_not_handle(kernels):
 @pytest.mark.parametrize(("layer_type", "dtype", "tolerance"), [
     (DenseLinear, torch.float32, 1e-5), (DenseLinear, torch.bfloat16, 2e-2), (Int8Linear, torch.bfloat16, 2e-2),
 ])
-@pytest.mark.parametrize("rows", [1, 8, 20, 40, 70, 600])  # above the kernels' gemv_max_rows: torch
+@pytest.mark.parametrize("rows", [1, 8, 20, 40, 70, 300, 600])  # above the kernels' gemv_max_rows: torch
 def test_fast_linear_layers_agree_with_and_without_kernels(kernels, layer_type, dtype, tolerance, rows):
     torch.manual_seed(0)
     linear = nn.Linear(128, 96, bias=True)
