@@ -113,8 +113,8 @@ void check_gemv(std::mt19937& rng, int64_t M, int64_t K, int64_t N) {
       magnitude[m * N + n] = absolute;
     }
   // fp32 accumulation over K terms in a different order: K * 2^-24 of the sum of |products| bounds it.
-  const std::string name =
-      "gemv " + std::string(type_name<W>()) + " M=" + std::to_string(M) + " K=" + std::to_string(K) + " N=" + std::to_string(N);
+  const std::string name = "gemv " + std::string(type_name<W>()) + " M=" + std::to_string(M) +
+                           " K=" + std::to_string(K) + " N=" + std::to_string(N);
   check(name, y, want, 0, double(K) * 0x1p-24, &magnitude);
   // Batch invariance: each row alone gives the same bits as in the batch (decode batches change every step).
   size_t differ = 0;
