@@ -179,8 +179,32 @@ def test_native_kernels_say_why_they_are_off(demo_llm, monkeypatch):
 
     config = demo_llm.engine.config
     assert native_kernels_status(replace(config, use_kernels=False)) == "off: --no-use-kernels"
-    monkeypatch.setenv("PAGODA_SIMD_TARGET", "neon")
-    assert native_kernels_status(config) == "off: PAGODA_SIMD_TARGET=neon is not a target (avx512, avx2); torch path"
+    monkeypatch.setenv("PAGODA_SIMD_TARGET", "sve")
+    assert native_kernels_status(config) == (
+        "off: PAGODA_SIMD_TARGET=sve is not a target (avx512, avx2, neon); torch path")
+
+
+@pytest.mark.parametrize("machine,flags,forced,expected,available", [
+    ("aarch64", set(), None, ("neon", "the best this CPU has"), ["neon"]),
+    ("aarch64", set(), "avx2", (None, "PAGODA_SIMD_TARGET=avx2, but it is for amd64/x86_64, this machine is aarch64"),
+     ["neon"]),
+    ("x86_64", {"avx2", "fma"}, None,
+     ("avx2", "the CPU lacks avx512_bf16, avx512_vnni, avx512bw, avx512f, avx512vbmi for avx512"), ["avx2"]),
+    ("x86_64", {"sse4_2"}, None, (None, "the CPU lacks avx2, fma for avx2"), []),
+    ("x86_64", {"avx2", "fma"}, "neon",
+     (None, "PAGODA_SIMD_TARGET=neon, but it is for aarch64/arm64, this machine is x86_64"), ["avx2"]),
+])
+def test_each_machine_picks_among_its_own_targets(monkeypatch, machine, flags, forced, expected, available):
+    import pagoda.kernels
+
+    monkeypatch.setattr(pagoda.kernels, "cpu_flags", lambda: frozenset(flags))
+    monkeypatch.setattr(pagoda.kernels.platform, "machine", lambda: machine)
+    if forced:
+        monkeypatch.setenv("PAGODA_SIMD_TARGET", forced)
+    else:
+        monkeypatch.delenv("PAGODA_SIMD_TARGET", raising=False)
+    assert pagoda.kernels.simd_target() == expected
+    assert pagoda.kernels.available_targets() == available
 
 
 def test_native_kernels_say_which_target_runs_and_why(demo_llm, monkeypatch):

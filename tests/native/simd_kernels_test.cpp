@@ -2,75 +2,18 @@
 // builds cpu_simd.h for (AVX-512, AVX2, or aarch64's NEON under qemu-aarch64): tests/test_native_kernels.py
 // compiles and runs it once per target. Inputs are seeded; each check states its tolerance. Exits non-zero
 // if any check fails.
-#include <cmath>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <random>
-#include <string>
-#include <type_traits>
-#include <vector>
-
+#include "native_check.h"
 #include "simd_attention.h"
 #include "simd_fused.h"
 #include "simd_gemv.h"
 
 namespace {
 
-using pagoda::simd::bf16;
+using namespace native_check;
 using pagoda::kv_quant::fp8_e4m3;
 using pagoda::kv_quant::KVCacheView;
 using pagoda::kv_quant::KVFormat;
 namespace kernels = pagoda::simd_kernels;
-
-int checks = 0, failures = 0;
-
-// Rounds to nearest even, NaN to 0x7FC0: c10::BFloat16's conversion, written out in scalar code.
-bf16 to_bf16(float value) {
-  if (std::isnan(value)) return {0x7FC0};
-  uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
-  return {static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16)};
-}
-float to_float(bf16 value) {
-  const uint32_t bits = uint32_t{value.bits} << 16;
-  float result;
-  std::memcpy(&result, &bits, sizeof result);
-  return result;
-}
-float to_float(float value) { return value; }
-template <typename T> T from_float(float value);
-template <> float from_float<float>(float value) { return value; }
-template <> bf16 from_float<bf16>(float value) { return to_bf16(value); }
-// value as T would hold it.
-template <typename T> float rounded(float value) { return to_float(from_float<T>(value)); }
-template <typename T> const char* type_name() { return std::is_same_v<T, float> ? "fp32" : "bf16"; }
-
-template <typename T>
-std::vector<T> random_values(std::mt19937& rng, size_t count, float low = -1.0f, float high = 1.0f) {
-  std::uniform_real_distribution<float> uniform(low, high);
-  std::vector<T> values(count);
-  for (auto& value : values) value = from_float<T>(uniform(rng));
-  return values;
-}
-
-// Passes where every |got - want| <= abs_tol + rel_tol * |want| (scale: a per-element magnitude for want).
-template <typename G>
-void check(const std::string& name, const std::vector<G>& got, const std::vector<double>& want, double abs_tol,
-           double rel_tol, const std::vector<double>* scale = nullptr) {
-  ++checks;
-  double worst = 0;
-  size_t bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double error = std::fabs(double(to_float(got[i])) - want[i]);
-    const double magnitude = scale ? (*scale)[i] : std::fabs(want[i]);
-    worst = std::max(worst, error);
-    if (!(error <= abs_tol + rel_tol * magnitude)) ++bad;
-  }
-  if (bad != 0) ++failures;
-  std::printf("%s %s: max |error| %.3g (%zu of %zu elements out of tolerance)\n", bad ? "FAIL" : "ok", name.c_str(),
-              worst, bad, want.size());
-}
 
 void check_bf16_rounding() {
   const std::vector<uint32_t> patterns = {0x3F800000, 0x3F808000, 0x3F818000, 0x3F80FFFF, 0x3F817FFF, 0x7F7FFFFF,
@@ -83,9 +26,7 @@ void check_bf16_rounding() {
     pagoda::simd::store_at(got.data(), int64_t(i), int64_t(values.size()), pagoda::simd::load_at(values.data(), int64_t(i), int64_t(values.size())));
   size_t bad = 0;
   for (size_t i = 0; i < values.size(); ++i) bad += got[i].bits != to_bf16(values[i]).bits;
-  ++checks;
-  if (bad) ++failures;
-  std::printf("%s bf16 rounding of edge patterns: %zu of %zu differ (exact)\n", bad ? "FAIL" : "ok", bad, values.size());
+  check_exact("bf16 rounding of edge patterns", bad, values.size());
 }
 
 template <typename W>
@@ -366,13 +307,6 @@ void check_type(std::mt19937& rng) {
 
 }
 
-const char* architecture() {
-#if defined(__aarch64__)
-  return "aarch64";
-#else
-  return "x86_64";
-#endif
-}
 
 }  // namespace
 

@@ -1,8 +1,9 @@
 """Optional native kernels, compiled on first use; pagoda falls back to torch where they are missing.
 
-Two targets, each one compiled module: "avx512" (the full set: AVX-512 with BF16, VNNI and VBMI; prefill
-attention too, on AMX tiles where granted) and "avx2" (AVX2 with FMA: the decode path, from the simd_*.h
-kernel cores written once over cpu_simd.h, plus the integer matmuls). `simd_target()` picks the best the CPU has,
+Three targets, each one compiled module: on x86, "avx512" (the full set: AVX-512 with BF16, VNNI and VBMI;
+prefill attention too, on AMX tiles where granted) and "avx2" (AVX2 with FMA: the decode path, from the simd_*.h
+kernel cores written once over cpu_simd.h, plus the integer matmuls over simd_int.h); on aarch64, "neon" (the
+same sources as avx2, in their NEON forms). `simd_target()` picks the best the CPU has,
 or the one PAGODA_SIMD_TARGET names; `cpu_kernels()` returns its module, or None (with one warning) when no
 target fits, no compiler is present, the build fails, or PAGODA_DISABLE_KERNELS=1 asks for the torch path.
 `target_kernels(name)` loads one target's module whatever was chosen (tests run every target the host has).
@@ -29,17 +30,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class _Build:
-    """One compiled module: its sources and flags, and the CPU features those flags assume."""
+    """One compiled module: its sources and flags, the machines (`platform.machine()`) it compiles for, and the CPU
+    features those flags assume beyond the machine's baseline."""
 
     name: str
     sources: tuple[str, ...]
     flags: tuple[str, ...]
     cpu_flags: frozenset[str]
+    machines: frozenset[str] = frozenset({"x86_64", "amd64"})
 
 
 _HEADERS = (
     "cpu_vec.h", "cpu_simd.h", "cpu_ops.h", "cpu_bindings.h", "cpu_x_codes.h", "cpu_prefill_attention.h", "simd_gemv.h",
-    "simd_fused.h", "simd_attention.h", "simd_lora.h", "simd_tensors.h", "kv_quant.h", "cpu_kv_cache.h",
+    "simd_fused.h", "simd_attention.h", "simd_lora.h", "simd_int.h", "simd_tensors.h", "kv_quant.h", "cpu_kv_cache.h",
     "cpu_attention_int8.h", "cpu_decode_linear.h", "cpu_decode_moe.h",
 )
 # -lgomp links the libgomp torch ships (torch/lib is on the link path), the runtime torch loads.
@@ -56,16 +59,15 @@ _AVX512 = _Build(
      "-fopenmp", "-ffp-contract=off"),
     frozenset({"avx512f", "avx512bw", "avx512_bf16", "avx512_vnni", "avx512vbmi"}),
 )
-# The decode path on AVX2 + FMA alone: GEMVs, fused ops and decode attention over cpu_simd.h's 8 lanes, the
-# integer matmuls, and the native decode stack over them.
-_AVX2 = _Build(
-    "pagoda_cpu_avx2_kernels",
-    ("simd_gemv.cpp", "simd_fused.cpp", "simd_attention.cpp", "cpu_int8.cpp", "cpu_int4.cpp", "cpu_decode.cpp",
-     "cpu_shm_reduce.cpp", "simd_lora.cpp", "cpu_avx2_module.cpp"),
-    ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"),
-    frozenset({"avx2", "fma"}),
-)
-TARGETS = {"avx512": _AVX512, "avx2": _AVX2}  # best first
+# The decode path on AVX2 + FMA alone, or on aarch64's NEON (which every aarch64 CPU has): GEMVs, fused ops and
+# decode attention over cpu_simd.h's 8 lanes, the integer matmuls, and the native decode stack over them.
+_PORTABLE_SOURCES = ("simd_gemv.cpp", "simd_fused.cpp", "simd_attention.cpp", "cpu_int8.cpp", "cpu_int4.cpp",
+                     "cpu_decode.cpp", "cpu_shm_reduce.cpp", "simd_lora.cpp", "cpu_simd_module.cpp")
+_AVX2 = _Build("pagoda_cpu_avx2_kernels", _PORTABLE_SOURCES,
+               ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"), frozenset({"avx2", "fma"}))
+_NEON = _Build("pagoda_cpu_neon_kernels", _PORTABLE_SOURCES, ("-O3", "-fopenmp", "-ffp-contract=off"), frozenset(),
+               frozenset({"aarch64", "arm64"}))
+TARGETS = {"avx512": _AVX512, "avx2": _AVX2, "neon": _NEON}  # best first
 TARGET_ENV = "PAGODA_SIMD_TARGET"
 REQUIRED_CPU_FLAGS = _AVX512.cpu_flags
 
@@ -127,6 +129,14 @@ def cpu_has_kernel_features() -> bool:
     return not REQUIRED_CPU_FLAGS - cpu_flags()
 
 
+def _unfit(build: _Build, flags: frozenset[str]) -> str | None:
+    """Why this machine cannot run the build, or None when it can."""
+    if platform.machine().lower() not in build.machines:
+        return f"it is for {'/'.join(sorted(build.machines))}, this machine is {platform.machine()}"
+    missing = build.cpu_flags - flags
+    return f"the CPU lacks {', '.join(sorted(missing))}" if missing else None
+
+
 def simd_target() -> tuple[str | None, str]:
     """(the target the kernels run, why): the best the CPU has, or PAGODA_SIMD_TARGET's if the CPU has it;
     (None, why not) when none fits."""
@@ -135,22 +145,24 @@ def simd_target() -> tuple[str | None, str]:
     if forced:
         if forced not in TARGETS:
             return None, f"{TARGET_ENV}={forced} is not a target ({', '.join(TARGETS)})"
-        missing = TARGETS[forced].cpu_flags - flags
-        if missing:
-            return None, f"{TARGET_ENV}={forced}, but the CPU lacks {', '.join(sorted(missing))}"
+        unfit = _unfit(TARGETS[forced], flags)
+        if unfit:
+            return None, f"{TARGET_ENV}={forced}, but {unfit}"
         return forced, f"{TARGET_ENV}={forced}"
     best = "the best this CPU has"
     for name, build in TARGETS.items():
-        if not build.cpu_flags - flags:
+        unfit = _unfit(build, flags)
+        if unfit is None:
             return name, best
-        best = f"the CPU lacks {', '.join(sorted(build.cpu_flags - flags))} for {name}"
+        if platform.machine().lower() in build.machines:
+            best = f"{unfit} for {name}"
     return None, best
 
 
 def available_targets() -> list[str]:
     """The targets this CPU runs, best first."""
     flags = cpu_flags()
-    return [name for name, build in TARGETS.items() if not build.cpu_flags - flags]
+    return [name for name, build in TARGETS.items() if _unfit(build, flags) is None]
 
 
 def cpu_kernels() -> Any:
@@ -173,9 +185,9 @@ def avx2_kernels() -> Any:
 def _load(build: _Build) -> Any:
     if os.environ.get("PAGODA_DISABLE_KERNELS") == "1":
         return None
-    missing = build.cpu_flags - cpu_flags()
-    if missing:
-        logger.warning("native CPU kernels (%s) off: the CPU lacks %s", build.name, sorted(missing))
+    unfit = _unfit(build, cpu_flags())
+    if unfit:
+        logger.warning("native CPU kernels (%s) off: %s", build.name, unfit)
         return None
     try:
         return compile_and_load(build.name, build.sources, _HEADERS, build.flags, tuple(_LINK_FLAGS))

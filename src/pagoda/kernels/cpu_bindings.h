@@ -1,4 +1,4 @@
-// The operations every target's Python module binds (cpu_module.cpp: AVX-512; cpu_avx2_module.cpp: AVX2), with
+// The operations every target's Python module binds (cpu_module.cpp: AVX-512; cpu_simd_module.cpp: AVX2, NEON), with
 // one description each; a module adds what only its target has.
 #pragma once
 

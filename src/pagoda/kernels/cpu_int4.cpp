@@ -1,27 +1,16 @@
 // int4 weights against any number of rows of x, decode and prefill alike: y[m, n] = sum_k x[m, k] * W[n, k], W held
-// in pagoda's int4 layout (model/int4.py's pack_int4) with a bf16 (scale, offset) per group of input columns
-// (`pack_group_pairs`): W = (q - 8) * scale + offset, q in 0..15.
+// in pagoda's int4 layout (simd_int.h) with a bf16 (scale, offset) per group of input columns, x quantized per
+// group to int8 (as llama.cpp does for its 4-bit formats) so that the inner loop is integer.
 //
-// Two forms of the same sums, chosen at compile time: AVX2 (the AVX2 module, for CPUs without AVX-512) and
-// AVX-512 (the full set), which halves the instructions per weight. As llama.cpp
-// does for its 4-bit formats, x is quantized per weight group to int8 (round to nearest, scale max|x| / 127),
-// so that the inner loop is integer: vpmaddubsw multiplies 32 unsigned nibbles by 32 signed x codes and adds
-// the pairs into 16-bit sums. Widening each nibble to fp32 for an FMA instead costs ~17 instructions per 16
-// bytes of weights and bounds a core below memory's rate; this is ~13 per 32 bytes. The result is exactly
-// (up to fp32 summation order) W times x's dequantized codes, so the error bound is |W| |x - x_hat|.
-// Integer products also keep prefill ahead of dequantizing W into fp32 GEMMs (1.7-2.6x at 64-256 rows on
-// bench-1b's shapes, AVX2 Zen 3): 32 multiply-adds an instruction against an fp32 FMA's 8.
-//
-// The layout: output rows in blocks of 32; within a block, input column after column, 16 bytes a column,
-// byte i holding row i (low nibble) and row i + 16 (high). One 32-byte load is two columns of a block; the
-// nibbles are rearranged into (column k, column k + 1) pairs per row, the order vpmaddubsw sums. The (scale,
-// offset) pairs are block-major too, [N / 32, K / group, 32, 2]: a block's pairs for one group (128 bytes) are
-// followed by its next group's, so a block's scales are a second sequential stream beside its weights. (In torch's
-// [K / group, N, 2] a block's next pairs are a row of the array away; that stride defeats the prefetchers and
-// held batch-1 decode to 0.3-0.6 of the read bandwidth at group 32, against 0.7-0.9 block-major.)
+// Two forms of the same sums, chosen at compile time: simd_int.h's int4_block_rows (AVX2 or NEON: the AVX2 and
+// aarch64 modules) and, here, AVX-512 (the full set), which halves the instructions per weight. Integer products
+// also keep prefill ahead of dequantizing W into fp32 GEMMs (1.7-2.6x at 64-256 rows on bench-1b's shapes, AVX2
+// Zen 3): 32 multiply-adds an instruction against an fp32 FMA's 8.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#if defined(__AVX512BW__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -33,101 +22,25 @@
 
 namespace {
 
-constexpr int64_t kBlockRows = 32;  // the layout's block of output rows
-// Columns summed in 16-bit lanes before widening to 32 bits: 8 pairs of at most 2 * 15 * 127 stay below 2^15.
-constexpr int64_t kColumnsPer16BitSum = 16;
-// The pairs of the group this many ahead are prefetched: a block's pairs are only 1/4 of its bytes at group 32, a
-// stream too thin for the hardware prefetchers to run ahead of.
-constexpr int64_t kPrefetchGroups = 4;
-constexpr int64_t kPairBytes = kBlockRows * 4;  // a block's (scale, offset) pairs for one group
+using pagoda::int_kernels::block_pairs;
+using pagoda::int_kernels::group_pairs;
+using pagoda::int_kernels::kBlockRows;
+using pagoda::int_kernels::kPrefetchBytes;
+using pagoda::int_kernels::kPrefetchGroups;
+using pagoda::int_kernels::prefetch_pairs;
 
-// One thread streams one block at a time, a single sequential stream, which the hardware prefetchers alone keep
-// well below a core's share of memory bandwidth; software prefetches into L2 this far ahead (into the next block at a
-// block's end: a thread's blocks are adjacent) keep enough lines in flight.
-constexpr int64_t kPrefetchBytes = 2048;
-
-// Where the block-major pairs of block b start (`pairs`: the array's or an earlier block's start), and within a
-// block's, those of group g: the layout's one statement of where a pair lives.
-inline const uint32_t* block_pairs(const uint32_t* pairs, int64_t b, int64_t groups) {
-  return pairs + b * groups * kBlockRows;
-}
-inline const uint32_t* group_pairs(const uint32_t* block_pairs, int64_t g) { return block_pairs + g * kBlockRows; }
-
-inline void prefetch_pairs(const uint32_t* block_pairs, int64_t g, int64_t groups) {
-  if (g >= groups) return;
-  const char* pairs = reinterpret_cast<const char*>(group_pairs(block_pairs, g));
-  for (int64_t line = 0; line < kPairBytes; line += 64) _mm_prefetch(pairs + line, _MM_HINT_T0);
-}
-
-// S blocks of 32 output rows (one block of the layout is K * 16 bytes; S adjacent ones start at `block`, their pairs
-// at `pairs`) against R quantized rows of x (codes[r * K], the per-group arrays at [r * groups]): y[r * N + n] =
-// sum_g x_scale[g] * (scale[g, n] * (isum[g, n] - 8 * code_sum[g]) + offset[g, n] * code_sum[g]), isum[g, n] = sum
-// over the group of q[n, k] * code[k]. The nibbles of each pair of columns are rearranged once for all R rows (the
-// rearranging is most of the work).
 #ifndef __AVX512BW__
 template <int R, int S>  // S: blocks at once, 1 here
 void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales, const int32_t* code_sums,
                 const uint32_t* pairs, int64_t N, int64_t K, int64_t group, float* y) {
-  static_assert(S == 1, "the AVX2 form takes one block at a time");
-  const int64_t groups = K / group;
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-  const __m256i high_half = _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  __m256 acc[R][4];  // acc[r][i]: row r of x against output rows 8i..8i+7, in fp32
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) acc[r][i] = _mm256_setzero_ps();
-  for (int64_t g0 = 0; g0 < K; g0 += group) {
-    prefetch_pairs(pairs, g0 / group + kPrefetchGroups, groups);
-    // isum[r][i]: output rows 8i..8i+7; the 16-bit sums hold rows 0-7 | 16-23 (even) and 8-15 | 24-31 (odd).
-    __m256i isum[R][4];
-    for (int r = 0; r < R; ++r)
-      for (int i = 0; i < 4; ++i) isum[r][i] = _mm256_setzero_si256();
-    for (int64_t k0 = g0; k0 < g0 + group; k0 += kColumnsPer16BitSum) {
-      __m256i even[R], odd[R];
-      for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_si256();
-      for (int64_t k = k0; k < k0 + kColumnsPer16BitSum; k += 2) {
-        if (k % 4 == 0) _mm_prefetch(reinterpret_cast<const char*>(block + k * 16 + kPrefetchBytes), _MM_HINT_T0);
-        const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + k * 16));
-        const __m256i low = _mm256_and_si256(both, nibble);                           // rows 0-15: k | k+1
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);  // rows 16-31: k | k+1
-        const __m256i column = _mm256_permute2x128_si256(low, high, 0x20);          // k: rows 0-15 | 16-31
-        const __m256i next = _mm256_permute2x128_si256(low, high, 0x31);            // k+1: rows 0-15 | 16-31
-        const __m256i first = _mm256_unpacklo_epi8(column, next), second = _mm256_unpackhi_epi8(column, next);
-        for (int r = 0; r < R; ++r) {
-          int16_t pair;
-          std::memcpy(&pair, codes + r * K + k, sizeof(pair));
-          const __m256i x = _mm256_set1_epi16(pair);  // (code[k], code[k+1]) in every 16-bit lane
-          even[r] = _mm256_add_epi16(even[r], _mm256_maddubs_epi16(first, x));
-          odd[r] = _mm256_add_epi16(odd[r], _mm256_maddubs_epi16(second, x));
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        isum[r][0] = _mm256_add_epi32(isum[r][0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(even[r])));
-        isum[r][1] = _mm256_add_epi32(isum[r][1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(odd[r])));
-        isum[r][2] = _mm256_add_epi32(isum[r][2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(even[r], 1)));
-        isum[r][3] = _mm256_add_epi32(isum[r][3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(odd[r], 1)));
-      }
-    }
-    const int64_t g = g0 / group;
-    for (int i = 0; i < 4; ++i) {  // this block's 32 (scale, offset) bf16 pairs for the group
-      const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(group_pairs(pairs, g) + 8 * i));
-      const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(packed, 16));
-      const __m256 offset = _mm256_castsi256_ps(_mm256_and_si256(packed, high_half));
-      for (int r = 0; r < R; ++r) {
-        const int32_t code_sum = code_sums[r * groups + g];
-        const __m256 centred =  // exact: |isum - 8 * code_sum| < 2^24
-            _mm256_cvtepi32_ps(_mm256_sub_epi32(isum[r][i], _mm256_set1_epi32(8 * code_sum)));
-        const __m256 term = _mm256_fmadd_ps(scale, centred, _mm256_mul_ps(offset, _mm256_set1_ps(code_sum)));
-        acc[r][i] = _mm256_fmadd_ps(term, _mm256_set1_ps(x_scales[r * groups + g]), acc[r][i]);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < 4; ++i) _mm256_storeu_ps(y + r * N + 8 * i, acc[r][i]);
+  static_assert(S == 1, "the AVX2 and NEON forms take one block at a time");
+  pagoda::int_kernels::int4_block_rows<R>(block, codes, x_scales, code_sums, pairs, N, K, group, y);
 }
 template <int R>
 constexpr int kStreams = 1;
 // Beyond this many rows, dequantized tiles into oneDNN's GEMM beat this form (AVX2 Zen 3, bench models' shapes:
-// the kernel 2-3x faster at 1-64 rows, 1.6-2.2x at 128, 0.9-1.5x at 512, 0.8-1.1x at 2048).
+// the kernel 2-3x faster at 1-64 rows, 1.6-2.2x at 128, 0.9-1.5x at 512, 0.8-1.1x at 2048). The NEON form takes
+// the same bound, not measured on ARM hardware.
 constexpr int64_t kMaxRows = 512;
 #else
 // The same sums on AVX-512 with VNNI and VBMI (compiled into the full set). One 64-byte load is four columns of a
@@ -171,7 +84,7 @@ void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales
       }
       for (int b = 0; b < S; ++b) {
         const uint8_t* column = block + b * block_bytes + k * 16;
-        _mm_prefetch(reinterpret_cast<const char*>(column + kPrefetchBytes), _MM_HINT_T1);  // into L2
+        pagoda::int_kernels::prefetch_line_into_l2(column + kPrefetchBytes);
         const __m512i four = _mm512_loadu_si512(column);
         const __m512i low = _mm512_permutexvar_epi8(rows_by_column, _mm512_and_si512(four, nibble));
         const __m512i high =

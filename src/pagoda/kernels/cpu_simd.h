@@ -275,11 +275,13 @@ inline Vec where_negative(Vec a, Vec if_negative, Vec otherwise) {
 
 constexpr int kLanes = Vec::kLanes;
 
-// One cache line into L2. As inline asm, not a builtin: GCC deletes a loop whose body is only prefetches
-// (they have no side effects).
+// One cache line into L1 (and L2), or into L2. As inline asm, not a builtin: GCC deletes a loop whose body is
+// only prefetches (they have no side effects).
 #if defined(__x86_64__)
+inline void prefetch_line_into_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
 inline void prefetch_line_into_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
 #else
+inline void prefetch_line_into_l1(const void* p) { asm volatile("prfm pldl1keep, %0" : : "Q"(*static_cast<const char*>(p))); }
 inline void prefetch_line_into_l2(const void* p) { asm volatile("prfm pldl2keep, %0" : : "Q"(*static_cast<const char*>(p))); }
 #endif
 

@@ -18,10 +18,8 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// One cache line into L1 (and L2), or into L2. As inline asm, not _mm_prefetch: GCC deletes a loop whose
-// body is only _mm_prefetch calls (they have no side effects), and every kernel prefetches in such loops.
-inline void prefetch_line_into_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
-inline void prefetch_line_into_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
+using simd::prefetch_line_into_l1;
+using simd::prefetch_line_into_l2;
 
 // The first `count` lanes (all 16 when count >= 16): the mask for a row's tail.
 inline __mmask16 first_lanes(int64_t count) {

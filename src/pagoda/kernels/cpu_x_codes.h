@@ -1,19 +1,20 @@
-// What the integer matmuls (cpu_int4.cpp, cpu_int8.cpp) share: x quantized per group to int8, and the walk
-// over rows of x in passes and groups. Written for AVX2.
+// What the integer matmuls (cpu_int4.cpp, cpu_int8.cpp) share: x quantized per group to int8 (simd_int.h's
+// quantize_row), and the walk over rows of x in passes and groups.
 #pragma once
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
+#include "simd_int.h"
+
 namespace pagoda {
 
-// x [M, K] as int8 codes with, per group of `group` columns, a scale (max|x| / 127; codes round to nearest)
-// and the sum of the group's codes. A group of zeros gets scale 0 and codes 0.
+// x [M, K] as int8 codes with, per group of `group` columns, a scale and the sum of the group's codes
+// (int_kernels::quantize_row).
 struct XCodes {
   torch::Tensor codes, scales, sums;  // int8 [M, K], float [M, K / group], int32 [M, K / group]
   int64_t groups;
@@ -38,7 +39,7 @@ struct XCodes {
     // Rows are independent; a decode's few rows stay on the calling thread.
     at::parallel_for(0, M, kRowsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t m = begin; m < end; ++m)
-        quantize_row(xp + m * K, K, group, cp + m * K, sp + m * groups, up + m * groups);
+        int_kernels::quantize_row(xp + m * K, K, group, cp + m * K, sp + m * groups, up + m * groups);
     });
   }
 
@@ -48,45 +49,6 @@ struct XCodes {
 
  private:
   static constexpr int64_t kRowsPerTask = 16;
-
-  // Eight columns at a time (groups are multiples of 32); the same scale, codes and sums as the scalar rule:
-  // division (not a reciprocal) and round-half-to-even, then the clamp.
-  static void quantize_row(const float* x, int64_t K, int64_t group, int8_t* codes, float* scales, int32_t* sums) {
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i low = _mm256_set1_epi32(-127), high = _mm256_set1_epi32(127);
-    for (int64_t g0 = 0; g0 < K; g0 += group) {
-      __m256 largest = _mm256_setzero_ps();
-      // max(|x|, largest): a NaN in x leaves largest as it was, as std::max(largest, |x|) does
-      for (int64_t k = g0; k < g0 + group; k += 8)
-        largest = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + k), magnitude), largest);
-      const float scale = horizontal_max(largest) / 127.0f;
-      __m256i sum = _mm256_setzero_si256();
-      for (int64_t k = g0; k < g0 + group; k += 8) {
-        __m256i code = _mm256_setzero_si256();
-        if (scale > 0.0f) {
-          code = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_loadu_ps(x + k), _mm256_set1_ps(scale)));
-          code = _mm256_min_epi32(_mm256_max_epi32(code, low), high);
-        }
-        sum = _mm256_add_epi32(sum, code);
-        const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
-        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + k), _mm_packs_epi16(words, words));
-      }
-      scales[g0 / group] = scale;
-      sums[g0 / group] = horizontal_sum(sum);
-    }
-  }
-
-  static float horizontal_max(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-  }
-
-  static int32_t horizontal_sum(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
-  }
 };
 
 // Rows of x whose codes stay in L2 while the weights pass over them, kRowGroup at a time.
