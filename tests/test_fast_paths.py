@@ -31,7 +31,7 @@ needs_kernels = pytest.mark.skipif(not TARGETS, reason="this CPU has neither AVX
 needs_prefill_kernels = pytest.mark.skipif("avx512" not in TARGETS,
                                            reason="prefill attention is an avx512-target kernel; this CPU lacks it")
 # How each target's int8 GEMV quantizes x: (columns per scale, largest code).
-X_CODES = {"avx512": (128, 32767), "avx2": (32, 127)}
+X_CODES = {"avx512": (128, 32767), "avx2": (32, 127), "neon": (32, 127)}
 
 
 def built_kernels(target: str):
@@ -80,7 +80,8 @@ def test_gemv_kernels_match_torch(kernels, kind, rows):
     if kind == "int8":
         q, scale = torch.randint(-127, 128, (203, 1056), dtype=torch.int8), torch.rand(203) / 50
         actual, expected = kernels.gemv_int8(x, q, scale), (x @ q.float().T) * scale
-        # x quantized per block (int16 per 128 on avx512, int8 per 32 on avx2): within half a step of each block
+        # x quantized per block (int16 per 128 on avx512, int8 per 32 on avx2 and neon): within half a step of
+        # each block
         bound = _x_rounding_bound(x, q, scale, *X_CODES[kernels.target])
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3 + bound)
         return
