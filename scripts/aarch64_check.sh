@@ -2,7 +2,8 @@
 # The neon target end to end without ARM hardware: the module cross-compiled against torch's aarch64 wheel, then
 # the kernel and decode-stack tests run under qemu-aarch64 with an aarch64 Python, the module loaded from pagoda's
 # kernel cache where the engine looks for it. (tests/test_native_kernels.py checks the torch-free cores under qemu
-# in every test run; this checks the module, the bindings and the engine paths on top of them.)
+# in every test run; this checks the module, the bindings and the engine paths on top of them.) .ci/run runs it
+# after make test.
 #
 # Needs root (an arm64 dpkg architecture, for `apt-get download`), g++-aarch64-linux-gnu, qemu-user, and PyPI and
 # Debian's archive. torch 2.8.0 is the newest aarch64 wheel on PyPI built for CPUs only (later ones are CUDA builds
