@@ -200,7 +200,9 @@ class MultiprocExecutor(Executor):
             raise EngineDeadError(f"split-model rank {rank} stopped answering (silent for "
                                   f"{self._watchdog.hung[rank]:.1f} s) and was killed: the model is incomplete")
         if gone:
-            worker = gone[0]
+            # A rank killed by a signal is the cause; ranks that exited on their own beside it most likely failed on
+            # a collective with it (which of them the sentinels show first is a race).
+            worker = min(gone, key=lambda w: not (w.process is not None and (w.process.exitcode or 0) < 0))
             how = ("its connection to rank 0 closed" if worker.process is None
                    else f"exit code {worker.process.exitcode}")
             raise EngineDeadError(f"split-model rank {worker.rank} exited ({how}): the model is incomplete")
