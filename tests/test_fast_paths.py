@@ -30,8 +30,11 @@ TARGETS = available_targets()
 needs_kernels = pytest.mark.skipif(not TARGETS, reason="this CPU has neither AVX2 + FMA nor AVX-512: no kernels")
 needs_prefill_kernels = pytest.mark.skipif("avx512" not in TARGETS,
                                            reason="prefill attention is an avx512-target kernel; this CPU lacks it")
-# How each target's int8 GEMV quantizes x: (columns per scale, largest code).
-X_CODES = {"avx512": (128, 32767), "avx2": (32, 127), "neon": (32, 127)}
+
+
+def x_codes(target: str) -> tuple[int, int]:
+    """How a target's int8 GEMV codes x: (columns a block, levels); the portable targets' is their integer matmul."""
+    return (128, 32767) if target == "avx512" else (32, 127)
 
 
 def built_kernels(target: str):
@@ -80,9 +83,9 @@ def test_gemv_kernels_match_torch(kernels, kind, rows):
     if kind == "int8":
         q, scale = torch.randint(-127, 128, (203, 1056), dtype=torch.int8), torch.rand(203) / 50
         actual, expected = kernels.gemv_int8(x, q, scale), (x @ q.float().T) * scale
-        # x quantized per block (int16 per 128 on avx512, int8 per 32 on avx2 and neon): within half a step of
-        # each block
-        bound = _x_rounding_bound(x, q, scale, *X_CODES[kernels.target])
+        # x quantized per block (int16 per 128 on avx512, int8 per 32 on the others): within half a step of each
+        # block
+        bound = _x_rounding_bound(x, q, scale, *x_codes(kernels.target))
         torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-3 + bound)
         return
     elif kind == "bf16":
@@ -115,7 +118,7 @@ def test_int8_one_row_keeps_each_block_of_x_precise(kernels):
     q, scale = torch.randint(-127, 128, (64, 512), dtype=torch.int8), torch.rand(64) / 50
     q[:, :128] = 0  # the outlier's block, on either target
     actual, expected = kernels.gemv_int8(x, q, scale), (x.double() @ q.double().T * scale.double()).float()
-    block, levels = X_CODES[kernels.target]
+    block, levels = x_codes(kernels.target)
     bound = _x_rounding_bound(x, q, scale, block, levels)
     one_step_for_the_row = ((q.float().abs() * scale[:, None]).sum(dim=1) * 1000 / levels / 2).max().item()
     assert bound < one_step_for_the_row / 1000  # so the check below tells the two apart

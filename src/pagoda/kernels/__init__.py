@@ -1,9 +1,9 @@
 """Optional native kernels, compiled on first use; pagoda falls back to torch where they are missing.
 
-Three targets, each one compiled module: on x86, "avx512" (the full set: AVX-512 with BF16, VNNI and VBMI;
-prefill attention too, on AMX tiles where granted) and "avx2" (AVX2 with FMA: the decode path, from the simd_*.h
-kernel cores written once over cpu_simd.h, plus the integer matmuls over simd_int.h); on aarch64, "neon" (the
-same sources as avx2, in their NEON forms). `simd_target()` picks the best the CPU has,
+Four targets, each one compiled module: on x86, "avx512" (the full set: AVX-512 with BF16, VNNI and VBMI;
+prefill attention too, on AMX tiles where granted), "avx512f" (AVX-512 without those) and "avx2" (AVX2 with FMA):
+the decode path, from the simd_*.h kernel cores written once over cpu_simd.h, plus the integer matmuls over
+simd_int.h; on aarch64, "neon" (the same sources in their NEON forms). `simd_target()` picks the best the CPU has,
 or the one PAGODA_SIMD_TARGET names; `cpu_kernels()` returns its module, or None (with one warning) when no
 target fits, no compiler is present, the build fails, or PAGODA_DISABLE_KERNELS=1 asks for the torch path.
 `target_kernels(name)` loads one target's module whatever was chosen (tests run every target the host has).
@@ -63,11 +63,17 @@ _AVX512 = _Build(
 # decode attention over cpu_simd.h's 8 lanes, the integer matmuls, and the native decode stack over them.
 _PORTABLE_SOURCES = ("simd_gemv.cpp", "simd_fused.cpp", "simd_attention.cpp", "cpu_int8.cpp", "cpu_int4.cpp",
                      "cpu_decode.cpp", "cpu_shm_reduce.cpp", "simd_lora.cpp", "cpu_simd_module.cpp")
+# The same on AVX-512 without the full set's BF16/VNNI/VBMI (Skylake-SP, Cascade Lake; Ice Lake lacks BF16): the
+# portable sources with cpu_simd.h's 16 lanes (the integer matmuls keep their AVX2 form).
+_AVX512F = _Build("pagoda_cpu_avx512f_kernels", _PORTABLE_SOURCES,
+                  ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-fopenmp",
+                   "-ffp-contract=off"),
+                  frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}))
 _AVX2 = _Build("pagoda_cpu_avx2_kernels", _PORTABLE_SOURCES,
                ("-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off"), frozenset({"avx2", "fma"}))
 _NEON = _Build("pagoda_cpu_neon_kernels", _PORTABLE_SOURCES, ("-O3", "-fopenmp", "-ffp-contract=off"), frozenset(),
                frozenset({"aarch64", "arm64"}))
-TARGETS = {"avx512": _AVX512, "avx2": _AVX2, "neon": _NEON}  # best first
+TARGETS = {"avx512": _AVX512, "avx512f": _AVX512F, "avx2": _AVX2, "neon": _NEON}  # best first
 TARGET_ENV = "PAGODA_SIMD_TARGET"
 REQUIRED_CPU_FLAGS = _AVX512.cpu_flags
 
@@ -97,10 +103,12 @@ def cpu_lacks_native_fp16() -> bool:
     return _is_x86() and not NATIVE_FP16_CPU_FLAGS & cpu_flags()
 
 
-# What torch's libraries are told under PAGODA_SIMD_TARGET=avx2, so that a forced run stands in for an AVX2 host
-# whole: oneDNN's and MKL's GEMMs and ATen's own vector loops held to AVX2 too (each reads its variable at first
-# use; set before torch is imported). Without them a forced run's prefill GEMMs keep the host's AVX-512 BF16.
+# What torch's libraries are told under a forced PAGODA_SIMD_TARGET, so that a forced run stands in for a host of
+# that kind whole: oneDNN's and MKL's GEMMs and ATen's own vector loops held to it too (each reads its variable at
+# first use; set before torch is imported). Without them a forced run's prefill GEMMs keep the host's AVX-512 BF16.
 TORCH_ISA_CAPS = {
+    "avx512f": {"ATEN_CPU_CAPABILITY": "avx512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE",
+                "MKL_ENABLE_INSTRUCTIONS": "AVX512"},
     "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
 

@@ -2,13 +2,16 @@
 // in pagoda's int4 layout (simd_int.h) with a bf16 (scale, offset) per group of input columns, x quantized per
 // group to int8 (as llama.cpp does for its 4-bit formats) so that the inner loop is integer.
 //
-// Two forms of the same sums, chosen at compile time: simd_int.h's int4_block_rows (AVX2 or NEON: the AVX2 and
-// aarch64 modules) and, here, AVX-512 (the full set), which halves the instructions per weight. Integer products
+// Two forms of the same sums, chosen at compile time: simd_int.h's int4_block_rows (AVX2 or NEON: the AVX2,
+// AVX-512F and aarch64 modules) and, here, AVX-512 (the full set), which halves the instructions per weight. Integer products
 // also keep prefill ahead of dequantizing W into fp32 GEMMs (1.7-2.6x at 64-256 rows on bench-1b's shapes, AVX2
 // Zen 3): 32 multiply-adds an instruction against an fp32 FMA's 8.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#if defined(__AVX512BW__)
+
+// The AVX-512 form needs the full set's VBMI (vpermb) and VNNI (vpdpbusd); the AVX-512F module runs simd_int.h's.
+#if defined(__AVX512VBMI__) && defined(__AVX512VNNI__)
+#define PAGODA_INT4_FULL_SET 1
 #include <immintrin.h>
 #endif
 
@@ -29,7 +32,7 @@ using pagoda::int_kernels::kPrefetchBytes;
 using pagoda::int_kernels::kPrefetchGroups;
 using pagoda::int_kernels::prefetch_pairs;
 
-#ifndef __AVX512BW__
+#ifndef PAGODA_INT4_FULL_SET
 template <int R, int S>  // S: blocks at once, 1 here
 void block_rows(const uint8_t* block, const int8_t* codes, const float* x_scales, const int32_t* code_sums,
                 const uint32_t* pairs, int64_t N, int64_t K, int64_t group, float* y) {
@@ -250,7 +253,7 @@ torch::Tensor matmul_int4(const torch::Tensor& x, const torch::Tensor& packed, i
   float* yp = y.data_ptr<float>();
   const uint8_t* wp = packed.data_ptr<uint8_t>();
   const auto* so = reinterpret_cast<const uint32_t*>(scales_and_zeros.data_ptr<at::BFloat16>());
-#ifdef __AVX512BW__
+#ifdef PAGODA_INT4_FULL_SET
   if (M >= kUnpackOnceRows) {
     const ChunkMajorCodes chunked(xq);
     // A block's weights (K * 16 bytes) stay in L2 while the passes over rows take them.
