@@ -189,9 +189,11 @@ def test_native_kernels_say_why_they_are_off(demo_llm, monkeypatch):
     ("aarch64", set(), "avx2", (None, "PAGODA_SIMD_TARGET=avx2, but it is for amd64/x86_64, this machine is aarch64"),
      ["neon"]),
     ("x86_64", {"avx2", "fma"}, None,
-     ("avx2", "the CPU lacks avx512bw, avx512dq, avx512f, avx512vl for avx512f"), ["avx2"]),
+     ("avx2", "the CPU lacks avx512_bf16, avx512_vnni, avx512bw, avx512f, avx512vbmi for avx512"), ["avx2"]),
     ("x86_64", {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}, None,  # Cascade Lake
-     ("avx512f", "the CPU lacks avx512_bf16, avx512vbmi for avx512"), ["avx512f", "avx2"]),
+     ("avx2", "the CPU lacks avx512_bf16, avx512vbmi for avx512"), ["avx512f", "avx2"]),
+    ("x86_64", {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, "avx512f",
+     ("avx512f", "PAGODA_SIMD_TARGET=avx512f"), ["avx512f", "avx2"]),
     ("x86_64", {"sse4_2"}, None, (None, "the CPU lacks avx2, fma for avx2"), []),
     ("x86_64", {"avx2", "fma"}, "neon",
      (None, "PAGODA_SIMD_TARGET=neon, but it is for aarch64/arm64, this machine is x86_64"), ["avx2"]),
