@@ -52,16 +52,13 @@ if [ ! -d "$WORK/site/torch" ]; then
 fi
 
 echo "== the neon module, cross-compiled into the kernel cache"
-read -r NAME VERSION SOURCES FLAGS < <("$PY" -c '
-from pathlib import Path
+read -r MODULE SOURCES FLAGS < <(PAGODA_CACHE="$WORK/cache" "$PY" -c '
 import pagoda.kernels as k
-from pagoda.kernels.build import source_version
-b = k.TARGETS["neon"]
-v = source_version(Path(k.__file__).parent, b.sources + k._HEADERS, b.flags + tuple(k._LINK_FLAGS))
-print(f"{b.name}_{v}", v, ",".join(b.sources), ",".join(b.flags))')
+print(k.target_module_path("neon"), ",".join(k.TARGETS["neon"].sources), ",".join(k.TARGETS["neon"].flags))')
+NAME=$(basename "$MODULE" .so)
 KERNELS=$ROOT/src/pagoda/kernels
 TORCH=$WORK/site/torch
-OUT=$WORK/cache/kernels/$VERSION
+OUT=$(dirname "$MODULE")
 mkdir -p "$OUT/objects"
 if [ ! -f "$OUT/$NAME.so" ]; then
     for source in ${SOURCES//,/ }; do

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagoda.kernels.build import compile_and_load
+from pagoda.kernels.build import compile_and_load, module_path
 
 logger = logging.getLogger(__name__)
 
@@ -162,13 +162,12 @@ def simd_target() -> tuple[str | None, str]:
         return forced, f"{TARGET_ENV}={forced}"
     best = "the best this CPU has"
     for name, build in TARGETS.items():
-        if not build.picked:
+        if not build.picked or platform.machine().lower() not in build.machines:
             continue
         unfit = _unfit(build, flags)
         if unfit is None:
             return name, best
-        if platform.machine().lower() in build.machines:
-            best = f"{unfit} for {name}"
+        best = f"{unfit} for {name}"
     return None, best
 
 
@@ -188,6 +187,12 @@ def cpu_kernels() -> Any:
 def target_kernels(target: str) -> Any:
     """One target's module, or None."""
     return _load(TARGETS[target])
+
+
+def target_module_path(target: str) -> Path:
+    """Where one target's module lives in the kernel cache (built or not): what a cross-compiled module is put at."""
+    build = TARGETS[target]
+    return module_path(build.name, build.sources, _HEADERS, build.flags, tuple(_LINK_FLAGS))
 
 
 def avx2_kernels() -> Any:

@@ -44,10 +44,8 @@ def compile_and_load(name: str, sources: tuple[str, ...], headers: tuple[str, ..
     """The module built from `sources` (with `headers`, both in this package's directory) and these flags:
     imported from the cache when built before, else compiled first. Raises if it cannot be built."""
     here = Path(__file__).parent
-    version = source_version(here, sources + headers, cflags + ldflags)
-    directory = CACHE / version
-    module_name = f"{name}_{version}"
-    built = directory / f"{module_name}.so"
+    built = module_path(name, sources, headers, cflags, ldflags)
+    directory, module_name = built.parent, built.stem
     if built.exists():  # imported directly: torch's loader would take its build lock even to check
         return _import(module_name, built)
     directory.mkdir(parents=True, exist_ok=True)
@@ -67,6 +65,14 @@ def compile_and_load(name: str, sources: tuple[str, ...], headers: tuple[str, ..
         _record_build_seconds(name, elapsed)
         logger.info("compiled %s in %.0f s", name, elapsed)
         return module
+
+
+def module_path(name: str, sources: tuple[str, ...], headers: tuple[str, ...], cflags: tuple[str, ...],
+                ldflags: tuple[str, ...]) -> Path:
+    """Where the module built from these sources and flags lives in the cache, built or not:
+    <version>/<name>_<version>.so."""
+    version = source_version(Path(__file__).parent, sources + headers, cflags + ldflags)
+    return CACHE / version / f"{name}_{version}.so"
 
 
 def source_version(here: Path, files: tuple[str, ...], flags: tuple[str, ...]) -> str:

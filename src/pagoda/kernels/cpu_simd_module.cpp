@@ -1,6 +1,7 @@
 // The Python module of the portable targets: AVX-512F and AVX2 (x86 CPUs without the AVX-512 set the full kernels
-// need) and NEON (aarch64). The decode path: the simd_*.cpp bindings of the simd_*.h cores over cpu_simd.h, the integer matmuls
-// over simd_int.h, the native decode stack. Prefill attention has no portable form: prefills attend through SDPA.
+// need) and NEON (aarch64). The decode path: the simd_*.cpp bindings of the simd_*.h cores over cpu_simd.h, the
+// integer matmuls over simd_int.h, the native decode stack. Prefill attention has no portable form: prefills attend
+// through SDPA.
 #include "cpu_bindings.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

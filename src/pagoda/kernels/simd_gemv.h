@@ -1,5 +1,5 @@
 // Small-batch matrix-vector kernels for decode, written once over cpu_simd.h's vector (the torch-free core of
-// simd_gemv.cpp, the AVX2 module's gemv_fp32 and gemv_bf16; cpu_gemv.cpp holds the AVX-512 forms):
+// simd_gemv.cpp, the portable modules' gemv_fp32 and gemv_bf16; cpu_gemv.cpp holds the full set's forms):
 // y[m, n] = sum_k x[m, k] * W[n, k] for 1..kGemvMaxRows rows of x. At decode each weight is read once a step
 // and used for a few rows, so the step is bound by memory: one pass over W, its rows split across threads by the
 // caller, and every weight vector loaded once for up to kRowGroup rows of x, in fp32 from registers.

@@ -52,8 +52,8 @@ def create_runtime(config: ModelConfig, dtype: torch.dtype, kernels: CpuKernels 
     Soft-capped attention (Gemma 2) runs the `softcap_attention` backends: the paged decode kernel (and the stack)
     cap scores, prefills attend as the reference does.
     """
-    # The portable targets' (AVX2, NEON) int8 GEMV is their integer matmul, which the layers then run up to its own
-    # row bound.
+    # The portable targets' (AVX-512F, AVX2, NEON) int8 GEMV is their integer matmul, which the layers then run up
+    # to its own row bound.
     int8_matmul = kernels is None or kernels.target != "avx512"
     integer = quantized_kernels if quantization == "int4" or (quantization == "int8" and int8_matmul) else None
     fused = kernels if dtype in (torch.float32, torch.bfloat16) else None

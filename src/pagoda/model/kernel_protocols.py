@@ -61,7 +61,7 @@ class QuantizedKernels(Protocol):
 
 class CpuKernels(QuantizedKernels, Protocol):
     """The compiled module of pagoda's CPU kernels for one target (kernels/cpu_module.cpp: "avx512";
-    cpu_simd_module.cpp: "avx2" or "neon", which have no prefill attention), as model/ calls it."""
+    cpu_simd_module.cpp: "avx512f", "avx2" or "neon", which have no prefill attention), as model/ calls it."""
 
     target: str
     gemv_max_rows: int  # the most rows of x gemv_fp32/bf16/int8 take (beyond: a GEMM's work)
