@@ -5,8 +5,9 @@ and PP = 2 with the threads split across the ranks. For each it measures batch-1
 its prefill subtracted), offline throughput at `--streams` streams (output tok/s), and per rank the bytes of its
 weight and KV tensors (beside `pagoda calc`'s prediction for the layout) and its resident memory. Under TP it
 times rank 0's all-reduces per decode step (waiting for the other rank included: what the split costs beyond
-its arithmetic); under PP, the share of each step rank 0's stage computes (the rest it waits: the pipeline's
-bubble). Prints a table and writes JSON; the figures of merit are the ratios to one process, measured in one run.
+its arithmetic); under PP, the share of the time rank 0's stage computes, in batch-1 decode steps and over the
+streams run (the rest it waits or samples: the pipeline's bubble). Prints a table and writes JSON; the figures of
+merit are the ratios to one process, measured in one run.
 
     python benchmarks/parallel.py --model models/bench-1b --threads 2 --repeats 3
     python benchmarks/parallel.py --model models/bench-1b --layouts "TP=2,TP=2 unbound" --out ...   # binding
@@ -115,7 +116,10 @@ def measure(args: argparse.Namespace, options: dict) -> dict:
         seconds(one, 2)  # warm-up
         decode, reducing, staging = decode_step_seconds()
         streams = make_prompts(args.streams, args.prompt_len, vocab, seed=2)
-        throughput = args.streams * args.output_len / seconds(streams, args.output_len)
+        staged_before = stage.seconds
+        streams_seconds = seconds(streams, args.output_len)
+        throughput = args.streams * args.output_len / streams_seconds
+        streams_staging = (stage.seconds - staged_before) / streams_seconds
         pids = [os.getpid(), *getattr(executor, "worker_pids", list)()]
         kv_cache = llm.engine.kv_cache
         return {
@@ -124,6 +128,7 @@ def measure(args: argparse.Namespace, options: dict) -> dict:
             "allreduce_ms_per_decode_step": reducing * 1e3,
             "allreduce_share_of_decode_step": reducing / decode,
             "rank0_stage_share_of_decode_step": staging / decode if staging else None,
+            "rank0_stage_share_of_streams": streams_staging or None,
             "native_decode_per_rank": [report.native_decode for report in executor.rank_reports()],
             "calc": calc_prediction(args, options, kv_cache.num_blocks * kv_cache.block_size),
             "weight_bytes_per_rank": executor.weight_bytes_per_rank(),
@@ -144,7 +149,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict[str, dict]:
     """Each layout's runs: each timing the median of its runs (bytes are the same in every run), and the rates'
     ratios to one process's."""
     timed = ("batch1_decode_tok_s", "streams_output_tok_s", "allreduce_ms_per_decode_step",
-             "allreduce_share_of_decode_step", "rank0_stage_share_of_decode_step")
+             "allreduce_share_of_decode_step", "rank0_stage_share_of_decode_step", "rank0_stage_share_of_streams")
     results = {}
     for label, rows in runs.items():
         medians = {key: statistics.median(row[key] for row in rows) for key in timed if rows[0][key] is not None}
@@ -186,16 +191,18 @@ def main() -> None:
     results = summarise(runs)
     base = results["one process"]
     print(f"{'layout':<12} {'batch-1 tok/s':>14} {'x':>6} {f'{args.streams} streams tok/s':>18} {'x':>6} "
-          f"{'all-reduce ms/step':>19} {'stage share':>12}  weights / KV / RSS MiB per rank (calc: weights / KV)")
+          f"{'all-reduce ms/step':>19} {'stage share b1/streams':>23}  "
+          "weights / KV / RSS MiB per rank (calc: weights / KV)")
     for label, row in results.items():
         per_rank = ", ".join(f"{w / 2**20:.1f}/{k / 2**20:.1f}/{r / 2**20:.0f}" for w, k, r in zip(
             row["weight_bytes_per_rank"], row["kv_bytes_per_rank"], row["rss_bytes_per_rank"]))
         calc = row["calc"]
-        share = row["rank0_stage_share_of_decode_step"]
+        shares = [row[key] for key in ("rank0_stage_share_of_decode_step", "rank0_stage_share_of_streams")]
+        share = "-" if None in shares else f"{shares[0]:.2f} / {shares[1]:.2f}"
         decode, streams = row["batch1_decode_tok_s"], row["streams_output_tok_s"]
         print(f"{label:<12} {decode:>14.1f} {decode / base['batch1_decode_tok_s']:>6.2f} "
               f"{streams:>18.1f} {streams / base['streams_output_tok_s']:>6.2f} "
-              f"{row['allreduce_ms_per_decode_step']:>19.2f} {'-' if share is None else f'{share:.2f}':>12}  "
+              f"{row['allreduce_ms_per_decode_step']:>19.2f} {share:>23}  "
               f"{per_rank} (calc {calc['weight_bytes_per_rank'] / 2**20:.1f} / "
               f"{calc['kv_bytes_per_rank'] / 2**20:.1f})")
     write_json(args.out, {"args": {k: v for k, v in vars(args).items() if k != "child"}, "results": results,

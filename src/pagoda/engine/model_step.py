@@ -19,7 +19,7 @@ from torch import nn
 from pagoda.config import EngineConfig
 from pagoda.engine.rank_placement import StageLinks
 from pagoda.kv_groups import KVCacheGroup, layer_tensor_index
-from pagoda.model.attention import QueryLayout
+from pagoda.model.attention import AttentionMetadata, QueryLayout
 from pagoda.model.kv_cache import LayerKV
 from pagoda.model.llama import LlamaModel
 from pagoda.model.loader import TORCH_DTYPES, load_model, load_model_config
@@ -90,23 +90,45 @@ class ModelExecution:
 
     @torch.inference_mode()
     def run(self, step: ModelStep) -> list[torch.Tensor]:
-        meta = step.layout.metadata(self.block_size, self.windows, self.layer_groups)
-        input_ids = torch.tensor(step.input_ids, dtype=torch.long, device=self.device)
-        positions = meta.positions.to(self.device)
-        links = self.links
-        received = None if links is None or links.previous is None else links.receive(len(step.input_ids))
-        if links is not None and links.next is not None:  # a stage before the last: hand on, then rank 0 waits
-            links.send(self.model.forward_stage(input_ids, positions, self.kv_caches, meta, received))
-            if links.rank != 0:
-                return []
-            return links.receive_outputs([len(rows) for rows in step.logits_rows], len(step.hidden_rows))
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, received)
+        if self.links is not None:
+            return self._run_stage(step, self.links)
+        input_ids, positions, meta = self._inputs(step.input_ids, step.layout)
+        return self._outputs(step, self.model(input_ids, positions, self.kv_caches, meta))
+
+    def _inputs(self, input_ids: list[int], layout: QueryLayout) -> tuple[torch.Tensor, torch.Tensor,
+                                                                           AttentionMetadata]:
+        meta = layout.metadata(self.block_size, self.windows, self.layer_groups)
+        return torch.tensor(input_ids, dtype=torch.long, device=self.device), meta.positions.to(self.device), meta
+
+    def _outputs(self, step: ModelStep, hidden: torch.Tensor) -> list[torch.Tensor]:
         outputs = [self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
                    for rows in step.logits_rows]
         if step.hidden_rows:
             outputs.append(hidden[torch.tensor(step.hidden_rows, device=self.device)].float())
-        if links is not None:
-            links.send_outputs(outputs)
+        return outputs
+
+    def _run_stage(self, step: ModelStep, links: StageLinks) -> list[torch.Tensor]:
+        """This rank's pipeline stage of the step, in micro-batches: each is handed on as soon as it is done, so
+        that the next stage computes it while this one computes the next. Every rank cuts the step alike. The last
+        stage computes the outputs from all of them at once, as one process would; rank 0 then receives them."""
+        runs = [(step.layout, slice(0, len(step.input_ids)))]
+        if not self.kv_caches[0].scales_pending:  # fp8 scales come from a step's first write: the whole step's
+            runs = step.layout.split(links.micro_batches, links.micro_batch_min_tokens)
+        hidden = []
+        for layout, tokens in runs:
+            input_ids, positions, meta = self._inputs(step.input_ids[tokens], layout)
+            received = None if links.previous is None else links.receive(len(input_ids))
+            if links.next is None:
+                hidden.append(self.model(input_ids, positions, self.kv_caches, meta, received))
+            else:
+                links.send(self.model.forward_stage(input_ids, positions, self.kv_caches, meta, received))
+        if links.next is not None:
+            links.wait_sent()
+            if links.rank != 0:
+                return []
+            return links.receive_outputs([len(rows) for rows in step.logits_rows], len(step.hidden_rows))
+        outputs = self._outputs(step, hidden[0] if len(hidden) == 1 else torch.cat(hidden))
+        links.send_outputs(outputs)
         return outputs
 
 

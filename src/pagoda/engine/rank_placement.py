@@ -12,6 +12,7 @@ the scheduler, sampler and detokenizer stay there and never know the stages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,13 @@ from pagoda.model import shm_all_reduce
 from pagoda.model.loader import load_model_config
 from pagoda.model.parallel import TensorParallel
 from pagoda.model.pipeline import PipelineStage, StageActivations, pipeline_stage
+
+# A step runs through the stages in micro-batches (model_step.ModelExecution), so that while one stage computes a
+# micro-batch the stage before computes the next; the first and last micro-batches still find the other stages idle.
+# On a CPU each micro-batch streams all of its stage's weights, so one of a few rows costs much of what 16 rows do:
+# smaller ones would add weight reads rather than fill the pipeline.
+MICRO_BATCHES_PER_STAGE = 2
+MICRO_BATCH_MIN_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,9 @@ class StageLinks:
         self.next = None if stage == last else layout.rank_of(stage + 1, tensor_rank)
         self.output_source = layout.rank_of(last, 0)  # the last stage's first rank: its outputs go to rank 0
         self.hidden_size, self.vocab_size, self.dtype = hidden_size, vocab_size, dtype
+        self.micro_batches = MICRO_BATCHES_PER_STAGE * layout.pipeline_parallel_size
+        self.micro_batch_min_tokens = MICRO_BATCH_MIN_TOKENS
+        self._sending: list[tuple[Any, torch.Tensor]] = []  # isend requests, and the tensors they read
 
     def receive(self, num_tokens: int) -> StageActivations:
         """The stage before's residual stream for the step's `num_tokens` tokens."""
@@ -64,8 +75,16 @@ class StageLinks:
         return StageActivations(buffer[0], buffer[1])
 
     def send(self, activations: StageActivations) -> None:
+        """Hands the activations on without waiting for the next stage to take them (`wait_sent` does)."""
         assert self.next is not None, "the last stage sends outputs, not activations"
-        dist.send(torch.stack((activations.residual, activations.delta)), dst=self.next)
+        stacked = torch.stack((activations.residual, activations.delta))
+        self._sending.append((dist.isend(stacked, dst=self.next), stacked))
+
+    def wait_sent(self) -> None:
+        """Returns once the next stage has taken everything sent to it."""
+        for request, _ in self._sending:
+            request.wait()
+        self._sending.clear()
 
     def send_outputs(self, outputs: list[torch.Tensor]) -> None:
         """On the last stage: rank 0 gets the step's outputs from this stage's first rank (fp32, flattened)."""

@@ -117,6 +117,34 @@ class QueryLayout:
         self.branch_slots[len(self.query_lens)] = slot
         self.add(position, [1], block_ids)
 
+    def split(self, parts: int, min_tokens: int = 1) -> list[tuple[QueryLayout, slice]]:
+        """The step's tokens cut into at most `parts` runs of consecutive tokens as even as tokens go (fewer where
+        runs of `min_tokens` would not fill them), each with its tokens' slice of the flat batch, in the step's
+        order. A query cut between two runs becomes two queries of its sequence, as chunked prefill would have
+        made them: running the runs one after another runs the step, since a query attends only to keys at
+        positions before its own, written by an earlier run, a step before, or itself."""
+        total = sum(self.query_lens)
+        parts = min(parts, total // max(1, min_tokens))
+        if parts <= 1:
+            return [(self, slice(0, total))]
+        ends = [total * part // parts for part in range(1, parts + 1)]
+        runs: list[tuple[QueryLayout, slice]] = []
+        run, start, done = QueryLayout(group_tables=[[] for _ in self.group_tables]), 0, 0
+        for query, (length, seq_len) in enumerate(zip(self.query_lens, self.seq_lens)):
+            offset = 0
+            while offset < length:
+                take = min(length - offset, ends[len(runs)] - done)
+                if query in self.branch_slots:
+                    run.branch_slots[len(run.query_lens)] = self.branch_slots[query]
+                offset += take
+                run.add(seq_len - length + offset - take, [take], self.block_tables[query],
+                        [tables[query] for tables in self.group_tables])
+                done += take
+                if done == ends[len(runs)]:
+                    runs.append((run, slice(start, done)))
+                    run, start = QueryLayout(group_tables=[[] for _ in self.group_tables]), done
+        return runs
+
     def metadata(self, block_size: int, windows: set[int | None], layer_groups: Sequence[int] = ()
                  ) -> AttentionMetadata:
         """layer_groups: each layer's KV cache group, where there are several (the metadata then holds each
