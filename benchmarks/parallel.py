@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from common import environment, load_average, log, make_prompts, write_json
+from common import environment, load_average, log, make_prompts, save_bar_png, write_json
 
 # The split layouts bind each rank to CPUs of its own (cpu_threads_bind "auto", the default) where the machine has
 # enough; "TP=2 unbound" leaves the ranks' threads to the OS, to measure what binding changes.
@@ -207,6 +207,21 @@ def main() -> None:
               f"{calc['kv_bytes_per_rank'] / 2**20:.1f})")
     write_json(args.out, {"args": {k: v for k, v in vars(args).items() if k != "child"}, "results": results,
                           "environment": environment(load_at_start)})
+    plot(results, args, str(Path(args.out).with_suffix(".png")))
+
+
+def plot(results: dict[str, dict], args: argparse.Namespace, path: str) -> None:
+    """Each split layout's batch-1 and streams rates over one process's, against the 0.8x target (a pipeline's at
+    streams only: it cannot shorten one stream's steps)."""
+    bars = []
+    for label, row in results.items():
+        if label != "one process":
+            bars.append((f"{label}, batch 1", row["vs_one_process"]["batch1_decode_tok_s"],
+                         None if label.startswith("PP") else 0.8))
+            bars.append((f"{label}, {args.streams} streams", row["vs_one_process"]["streams_output_tok_s"], 0.8))
+    save_bar_png(path, f"{Path(args.model).name}, {args.threads} threads in all: x one process (medians of "
+                 f"{args.repeats})", [bar[0] for bar in bars], [bar[1] for bar in bars], [bar[2] for bar in bars],
+                 "x one process")
 
 
 if __name__ == "__main__":
