@@ -111,9 +111,9 @@ class ModelExecution:
         """This rank's pipeline stage of the step, in micro-batches: each is handed on as soon as it is done, so
         that the next stage computes it while this one computes the next. Every rank cuts the step alike. The last
         stage computes the outputs from all of them at once, as one process would; rank 0 then receives them."""
-        runs = [(step.layout, slice(0, len(step.input_ids)))]
-        if not self.kv_caches[0].scales_pending:  # fp8 scales come from a step's first write: the whole step's
-            runs = step.layout.split(links.micro_batches, links.micro_batch_min_tokens)
+        # fp8 scales still to calculate come from a step's first write: the whole step's, as in one process.
+        parts = 1 if self.kv_caches[0].scales_pending else links.micro_batches
+        runs = step.layout.split(parts, links.micro_batch_min_tokens)
         hidden = []
         for layout, tokens in runs:
             input_ids, positions, meta = self._inputs(step.input_ids[tokens], layout)
